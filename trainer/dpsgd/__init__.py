@@ -1,0 +1,1 @@
+"""DP-SGD, pure: Poisson sampling, per-sample norms, clipping, noise."""

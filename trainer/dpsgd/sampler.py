@@ -1,0 +1,49 @@
+"""Poisson sampling of batches, and the mechanism that sampling implies.
+
+The sampler is the single source of the sampling rate: the mechanism a worker asks the ledger to
+approve comes from the sampler it runs (STYLE.md, "the mechanism a worker declares is the sampler
+it runs"), and the service recomputes q = batch_size / dataset_size from the silo's registered
+size rather than trusting ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class PoissonSampler:
+    """Each record joins a batch independently with probability q = batch_size / dataset_size.
+
+    Batch sizes vary and may be zero; that is what the Poisson-subsampled Gaussian accounting
+    assumes (Abadi et al. 2016; dp-accounting's PoissonSampledDpEvent).
+    """
+
+    def __init__(self, *, dataset_size: int, batch_size: int, generator: torch.Generator) -> None:
+        if dataset_size <= 0:
+            raise ValueError(f"dataset_size must be positive. Found {dataset_size}.")
+        if not 0 < batch_size <= dataset_size:
+            raise ValueError(f"batch_size must be in (0, dataset_size={dataset_size}]. Found {batch_size}.")
+        self.dataset_size = dataset_size
+        self.batch_size = batch_size
+        self.generator = generator
+
+    @property
+    def sampling_rate(self) -> float:
+        return self.batch_size / self.dataset_size
+
+    def sample(self) -> torch.Tensor:
+        """Indices of one batch (int64, possibly empty)."""
+        keep = torch.rand(self.dataset_size, generator=self.generator, device=self.generator.device)
+        return torch.nonzero(keep < self.sampling_rate, as_tuple=False).flatten()
+
+    def mechanism(self, *, noise_multiplier: float, steps: int) -> dict[str, Any]:
+        """The `dpsgd` mechanism (wire format of the ledger) that `steps` batches of this sampler
+        with Gaussian noise `noise_multiplier` imply."""
+        return {
+            "type": "dpsgd",
+            "batch_size": self.batch_size,
+            "noise_multiplier": float(noise_multiplier),
+            "steps": int(steps),
+        }
