@@ -1,0 +1,226 @@
+"""Mechanisms on the wire: a pydantic tagged union that maps one to one onto `dp_accounting` events.
+
+A stored mechanism must read the same in five years (STYLE.md, dp-accounting): a kind is never
+edited, only added. Every number is validated here, so a bad one is a 422 naming the field and
+nothing downstream ever sees NaN, infinity or an absurd count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from dp_accounting import dp_event as de
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_NESTING = 8
+MAX_COUNT = 10_000_000  # steps / self-composition count: ~a decade of one step per 30 s
+MAX_COMPOSED = 1_000
+MAX_DATASET = 10**12
+
+# Finite by construction: NaN and ±inf are refused by pydantic before any bound is checked.
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+
+
+class _Mechanism(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Gaussian(_Mechanism):
+    type: Literal["gaussian"] = "gaussian"
+    noise_multiplier: PositiveFloat
+
+
+class Laplace(_Mechanism):
+    type: Literal["laplace"] = "laplace"
+    noise_multiplier: PositiveFloat
+
+
+class PoissonSampled(_Mechanism):
+    type: Literal["poisson_sampled"] = "poisson_sampled"
+    sampling_rate: Probability
+    event: Mechanism
+
+
+class SampledWithoutReplacement(_Mechanism):
+    type: Literal["sampled_without_replacement"] = "sampled_without_replacement"
+    source_size: Annotated[int, Field(ge=1, le=MAX_DATASET)]
+    sample_size: Annotated[int, Field(ge=1, le=MAX_DATASET)]
+    event: Mechanism
+
+    @model_validator(mode="after")
+    def _sample_fits(self) -> SampledWithoutReplacement:
+        if self.sample_size > self.source_size:
+            raise ValueError(
+                f"sample_size must be at most source_size={self.source_size}. Found {self.sample_size}."
+            )
+        return self
+
+
+class SelfComposed(_Mechanism):
+    type: Literal["self_composed"] = "self_composed"
+    count: Count
+    event: Mechanism
+
+
+class Composed(_Mechanism):
+    type: Literal["composed"] = "composed"
+    events: Annotated[list[Mechanism], Field(min_length=1, max_length=MAX_COMPOSED)]
+
+
+class ZCdp(_Mechanism):
+    type: Literal["zcdp"] = "zcdp"
+    rho: PositiveFloat
+    xi: NonNegativeFloat = 0.0
+
+
+class RepeatAndSelect(_Mechanism):
+    """Papernot & Steinke 2022: a random number of runs K, the best one released.
+
+    shape 0 = logarithmic, 1 = geometric, 0<η<∞ truncated negative binomial, "infinity" = Poisson.
+    """
+
+    type: Literal["repeat_and_select"] = "repeat_and_select"
+    event: Mechanism
+    mean: Annotated[float, Field(ge=1, le=MAX_COUNT, allow_inf_nan=False)]
+    shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["infinity"]
+
+    @property
+    def shape_value(self) -> float:
+        return math.inf if self.shape == "infinity" else float(self.shape)
+
+
+class DpSgd(_Mechanism):
+    """`steps` × Poisson-sampled Gaussian. Charged to a silo with `batch_size`, the service derives
+    q = batch_size / the silo's registered dataset_size and never trusts a loader's idea of q."""
+
+    type: Literal["dpsgd"] = "dpsgd"
+    noise_multiplier: PositiveFloat
+    steps: Count
+    sampling_rate: Probability | None = None
+    batch_size: Annotated[int, Field(ge=1, le=MAX_DATASET)] | None = None
+
+    @model_validator(mode="after")
+    def _rate_or_batch(self) -> DpSgd:
+        if self.sampling_rate is None and self.batch_size is None:
+            raise ValueError("dpsgd needs sampling_rate or batch_size")
+        return self
+
+
+Mechanism = Annotated[
+    Union[
+        Gaussian, Laplace, PoissonSampled, SampledWithoutReplacement, SelfComposed, Composed,
+        ZCdp, RepeatAndSelect, DpSgd,
+    ],
+    Field(discriminator="type"),
+]
+
+for _model in (PoissonSampled, SampledWithoutReplacement, SelfComposed, Composed, RepeatAndSelect):
+    _model.model_rebuild()
+
+AnyMechanism = Union[
+    Gaussian, Laplace, PoissonSampled, SampledWithoutReplacement, SelfComposed, Composed,
+    ZCdp, RepeatAndSelect, DpSgd,
+]
+
+
+class MechanismError(ValueError):
+    """A mechanism that is well-formed but does not fit its context; `field` is a dotted path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def children(mechanism: AnyMechanism) -> list[AnyMechanism]:
+    if isinstance(mechanism, Composed):
+        return list(mechanism.events)
+    inner = getattr(mechanism, "event", None)
+    return [inner] if inner is not None else []
+
+
+def nesting_depth(mechanism: AnyMechanism) -> int:
+    return 1 + max((nesting_depth(c) for c in children(mechanism)), default=0)
+
+
+def check_nesting(value: Any) -> Any:
+    """Refuse deep nesting on the raw JSON, before pydantic recurses into it."""
+    depth = _raw_depth(value)
+    if depth > MAX_NESTING:
+        raise ValueError(f"nesting must be at most {MAX_NESTING} levels deep. Found {depth}.")
+    return value
+
+
+def _raw_depth(value: Any, level: int = 0) -> int:
+    if level > MAX_NESTING + 1:
+        return level  # deep enough to refuse; stop before Python's recursion limit
+    if isinstance(value, dict):
+        nested = [v for k, v in value.items() if k in ("event", "events")]
+        if not nested:
+            return 1
+        return 1 + max(_raw_depth(v, level + 1) for v in nested)
+    if isinstance(value, list):
+        return max((_raw_depth(v, level) for v in value), default=0)
+    return 0
+
+
+def resolve(mechanism: AnyMechanism, *, dataset_size: int | None, path: str = "mechanism") -> AnyMechanism:
+    """Fill in each dpsgd's sampling rate from the silo's registered dataset size.
+
+    A declared sampling_rate that disagrees with batch_size / dataset_size is refused, and so is a
+    batch_size with no dataset size to divide by.
+    """
+    if isinstance(mechanism, DpSgd):
+        if mechanism.batch_size is None:
+            return mechanism
+        if dataset_size is None:
+            raise MechanismError(f"{path}.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
+        if mechanism.batch_size > dataset_size:
+            raise MechanismError(
+                f"{path}.batch_size", f"must be at most the silo's dataset_size={dataset_size}. Found {mechanism.batch_size}."
+            )
+        rate = mechanism.batch_size / dataset_size
+        if mechanism.sampling_rate is not None and not math.isclose(mechanism.sampling_rate, rate, rel_tol=1e-9):
+            raise MechanismError(
+                f"{path}.sampling_rate",
+                f"must equal batch_size / dataset_size = {mechanism.batch_size}/{dataset_size} = {rate!r}. "
+                f"Found {mechanism.sampling_rate!r}.",
+            )
+        return mechanism.model_copy(update={"sampling_rate": rate})
+    if isinstance(mechanism, Composed):
+        events = [resolve(e, dataset_size=dataset_size, path=f"{path}.events.{i}") for i, e in enumerate(mechanism.events)]
+        return mechanism.model_copy(update={"events": events})
+    inner = getattr(mechanism, "event", None)
+    if inner is None:
+        return mechanism
+    return mechanism.model_copy(update={"event": resolve(inner, dataset_size=dataset_size, path=f"{path}.event")})
+
+
+def to_dp_event(mechanism: AnyMechanism) -> de.DpEvent:
+    """The `dp_accounting` event this mechanism means (one to one). dpsgd must be resolved first."""
+    match mechanism:
+        case Gaussian(noise_multiplier=sigma):
+            return de.GaussianDpEvent(sigma)
+        case Laplace(noise_multiplier=b):
+            return de.LaplaceDpEvent(b)
+        case PoissonSampled(sampling_rate=q, event=inner):
+            return de.PoissonSampledDpEvent(q, to_dp_event(inner))
+        case SampledWithoutReplacement(source_size=n, sample_size=m, event=inner):
+            return de.SampledWithoutReplacementDpEvent(n, m, to_dp_event(inner))
+        case SelfComposed(count=count, event=inner):
+            return de.SelfComposedDpEvent(to_dp_event(inner), count)
+        case Composed(events=events):
+            return de.ComposedDpEvent([to_dp_event(e) for e in events])
+        case ZCdp(rho=rho, xi=xi):
+            return de.ZCDpEvent(rho, xi)
+        case RepeatAndSelect(event=inner, mean=mean):
+            return de.RepeatAndSelectDpEvent(to_dp_event(inner), mean, mechanism.shape_value)
+        case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
+            if q is None:
+                raise MechanismError("mechanism.sampling_rate", "unresolved dpsgd: batch_size needs a dataset_size")
+            return de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), steps)
+    raise TypeError(f"unknown mechanism {type(mechanism).__name__}")

@@ -1,0 +1,115 @@
+"""RDP curves of mechanisms at a fixed order grid, their composition, and (ε, δ) read off them.
+
+Composition in RDP is addition of curves, so a ledger keeps a running sum and an approval costs
+O(number of orders), never O(history) (DESIGN.md, "The safety invariant"). Every curve comes from
+`dp_accounting.rdp.RdpAccountant`; this module only caches and adds them.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from importlib.metadata import version
+
+import numpy as np
+from dp_accounting import privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from service.accounting.mechanisms import (
+    AnyMechanism,
+    Composed,
+    DpSgd,
+    Gaussian,
+    MechanismError,
+    PoissonSampled,
+    SampledWithoutReplacement,
+    SelfComposed,
+    to_dp_event,
+)
+
+ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
+_ORDERS_ARRAY = np.array(ORDERS)
+
+# Stored with every charge so a history can be reproduced after a library upgrade.
+ORDER_GRID_ID = "dp_accounting.DEFAULT_RDP_ORDERS:" + hashlib.sha256(json.dumps(ORDERS).encode()).hexdigest()[:16]
+CONVERSION_ID = f"dp_accounting.rdp.compute_epsilon@{version('dp-accounting')}"
+
+# The cache holds one curve per distinct leaf mechanism (a (q, σ) pair for DP-SGD): computing one
+# costs dp-accounting 50–65 ms, and a training job repeats the same pair every round.
+CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    epsilon: float
+    order: float
+    rho: float | None
+
+
+def rdp_curve(mechanism: AnyMechanism) -> np.ndarray:
+    """The mechanism's RDP at every order of ORDERS (a fresh array the caller may keep)."""
+    match mechanism:
+        case SelfComposed(count=count, event=inner):
+            return count * rdp_curve(inner)
+        case Composed(events=events):
+            return np.sum([rdp_curve(e) for e in events], axis=0)
+        case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
+            if q is None:
+                raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
+            step = PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))
+            return steps * _leaf_curve(step.model_dump_json())
+    return _leaf_curve(mechanism.model_dump_json())
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _leaf_curve_cached(mechanism_json: str) -> tuple[float, ...]:
+    from pydantic import TypeAdapter
+
+    from service.accounting.mechanisms import Mechanism
+
+    mechanism = TypeAdapter(Mechanism).validate_json(mechanism_json)
+    accountant = rdp_lib.RdpAccountant(list(ORDERS), neighboring_relation=_relation(mechanism))
+    accountant.compose(to_dp_event(mechanism))
+    return tuple(accountant.rdp.tolist())
+
+
+def _leaf_curve(mechanism_json: str) -> np.ndarray:
+    return np.array(_leaf_curve_cached(mechanism_json))
+
+
+def _relation(mechanism: AnyMechanism) -> privacy_accountant.NeighboringRelation:
+    # dp-accounting analyses sampling without replacement only for replace-one neighbours, the
+    # relation that fits a dataset of fixed, public size; everything else is add-or-remove-one.
+    if isinstance(mechanism, SampledWithoutReplacement):
+        return privacy_accountant.NeighboringRelation.REPLACE_ONE
+    return privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def zero_curve() -> np.ndarray:
+    return np.zeros(len(ORDERS))
+
+
+def epsilon(curve: np.ndarray, *, delta: float) -> tuple[float, float]:
+    """(ε, optimal order) at δ by dp-accounting's conversion (Canonne, Kamath, Steinke 2020)."""
+    eps, order = rdp_lib.compute_epsilon(ORDERS, curve, delta)
+    return float(eps), float(order)
+
+
+def rho(curve: np.ndarray) -> float | None:
+    """zCDP ρ = sup_α ε(α)/α on the grid; None where the curve is infinite somewhere."""
+    if not np.all(np.isfinite(curve)):
+        return None
+    return float(np.max(curve / _ORDERS_ARRAY))
+
+
+def guarantee(curve: np.ndarray, *, delta: float) -> Guarantee:
+    eps, order = epsilon(curve, delta=delta)
+    return Guarantee(epsilon=eps, order=order, rho=rho(curve))
+
+
+def within_budget(eps: float, *, budget: float) -> bool:
+    # A plan that spends exactly the budget must not be refused by rounding (relative 1e-9).
+    return math.isfinite(eps) and eps <= budget * (1 + 1e-9)

@@ -1,0 +1,59 @@
+"""Dependencies: the session factory, and the caller's principal from `Authorization: Bearer …`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.ledger import keys
+from service.ledger.models import Role
+
+_bearer = HTTPBearer(auto_error=False, description="an API key: admin, silo, auditor or coordinator")
+
+
+def session_factory(request: Request) -> sessionmaker[Session]:
+    return request.app.state.session_factory  # type: ignore[no-any-return]
+
+
+FactoryDep = Annotated[sessionmaker[Session], Depends(session_factory)]
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: int
+    role: Role
+    silo_id: int | None
+
+    def require(self, *roles: Role) -> None:
+        if self.role not in roles:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"role '{self.role.value}' may not do this")
+
+    def require_silo(self, silo_id: int, *, also: tuple[Role, ...] = ()) -> None:
+        """That silo's own key, or one of the roles in `also` (which see every silo)."""
+        if self.role in also:
+            return
+        if self.role is Role.silo and self.silo_id == silo_id:
+            return
+        if self.role is Role.silo:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "a silo key may act only on its own silo")
+        raise HTTPException(status.HTTP_403_FORBIDDEN, f"role '{self.role.value}' may not do this")
+
+
+def principal(
+    factory: FactoryDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal:
+    if credentials is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key", headers={"WWW-Authenticate": "Bearer"})
+    with factory() as session:
+        key = keys.authenticate(session, credentials.credentials)
+    if key is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+    return Principal(key_id=key.id, role=Role(key.role), silo_id=key.silo_id)
+
+
+PrincipalDep = Annotated[Principal, Depends(principal)]
+READERS = (Role.admin, Role.auditor)

@@ -1,0 +1,48 @@
+"""Maps ledger errors onto status codes, and keeps validation errors JSON-safe."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from service.api.schemas import OverBudgetResponse, finite_or_none
+from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
+
+
+def _field_error(loc: list[str | int], msg: str, kind: str) -> dict[str, object]:
+    return {"loc": loc, "msg": msg, "type": kind}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        # Pydantic echoes the offending input, which may be NaN or ±inf: not JSON. Keep where and why.
+        detail = [_field_error(list(e["loc"]), e["msg"], e["type"]) for e in error.errors()]
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(_: Request, error: InvalidRequest) -> JSONResponse:
+        loc: list[str | int] = ["body", *[int(p) if p.isdigit() else p for p in error.field.split(".")]]
+        return JSONResponse(
+            {"detail": [_field_error(loc, error.message, "value_error")]},
+            status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+        )
+
+    @app.exception_handler(NotFound)
+    async def _not_found(_: Request, error: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=status.HTTP_404_NOT_FOUND)
+
+    @app.exception_handler(Conflict)
+    async def _conflict(_: Request, error: Conflict) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=status.HTTP_409_CONFLICT)
+
+    @app.exception_handler(OverBudget)
+    async def _over_budget(_: Request, error: OverBudget) -> JSONResponse:
+        body = OverBudgetResponse(
+            detail=str(error),
+            epsilon=error.budget,
+            epsilon_spent=finite_or_none(error.epsilon_spent),
+            epsilon_if_approved=finite_or_none(error.epsilon_if_approved),
+        )
+        return JSONResponse(body.model_dump(), status_code=status.HTTP_409_CONFLICT)

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.deps import READERS, FactoryDep, PrincipalDep
+from service.api.schemas import VerifyResponse
+from service.ledger import audit
+
+router = APIRouter(prefix="/v1/audit", tags=["audit"])
+
+
+@router.get("/verify", response_model=VerifyResponse, name="verify_ledger")
+def verify_ledger(caller: PrincipalDep, factory: FactoryDep) -> VerifyResponse:
+    """Recomputes every hash of every silo's chain from the stored rows."""
+    caller.require(*READERS)
+    with factory() as session:
+        report = audit.verify(session)
+    return VerifyResponse(
+        ok=report.ok, entries=report.entries, first_bad_seq=report.first_bad_seq,
+        first_bad_silo_id=report.first_bad_silo_id, bad_charge_ids=report.bad_charge_ids, problems=report.problems,
+    )

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from fastapi import APIRouter, Response, status
+
+from service.api.deps import FactoryDep, PrincipalDep
+from service.api.schemas import KeyCreated, KeyCreateRequest
+from service.ledger import keys
+from service.ledger.models import Role
+
+router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=KeyCreated, name="create_key")
+def create_key(body: KeyCreateRequest, caller: PrincipalDep, factory: FactoryDep) -> KeyCreated:
+    caller.require(Role.admin)
+    with factory() as session:
+        key, raw = keys.create_key(session, role=body.role, silo_id=body.silo_id)
+        session.commit()
+    return KeyCreated(key_id=key.id, api_key=raw)
+
+
+@router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, name="revoke_key")
+def revoke_key(key_id: int, caller: PrincipalDep, factory: FactoryDep) -> Response:
+    caller.require(Role.admin)
+    with factory() as session:
+        keys.revoke(session, key_id)
+        session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

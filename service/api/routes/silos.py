@@ -1,0 +1,106 @@
+"""Silos: registration, budgets, ε history."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, status
+from fastapi.responses import Response
+
+from service.api.deps import READERS, FactoryDep, PrincipalDep
+from service.api.schemas import HistoryEntry, SiloCreated, SiloCreateRequest, SiloDetail, SiloSummary, finite_or_none
+from service.ledger import charges, silos
+from service.ledger.models import Role, Silo
+
+router = APIRouter(prefix="/v1/silos", tags=["silos"])
+
+
+def _summary(silo: Silo) -> SiloSummary:
+    return SiloSummary(
+        id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size,
+        epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo")
+def create_silo(body: SiloCreateRequest, caller: PrincipalDep, factory: FactoryDep) -> SiloCreated:
+    caller.require(Role.admin)
+    silo, api_key = silos.register(
+        factory, name=body.name, epsilon=body.epsilon, delta=body.delta, dataset_size=body.dataset_size
+    )
+    return SiloCreated(
+        id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size, api_key=api_key
+    )
+
+
+@router.get("", response_model=list[SiloSummary], name="list_silos")
+def list_silos(caller: PrincipalDep, factory: FactoryDep) -> list[SiloSummary]:
+    caller.require(*READERS)
+    with factory() as session:
+        return [_summary(s) for s in silos.list_all(session)]
+
+
+@router.get("/{silo_id}", response_model=SiloDetail, name="get_silo")
+def get_silo(silo_id: int, caller: PrincipalDep, factory: FactoryDep) -> SiloDetail:
+    caller.require_silo(silo_id, also=READERS)
+    with factory() as session:
+        silo = silos.get(session, silo_id)
+    budget = silos.status(silo)
+    return SiloDetail(
+        **_summary(silo).model_dump(exclude={"epsilon_spent"}),
+        epsilon_spent=finite_or_none(budget.epsilon_spent),
+        epsilon_committed=finite_or_none(budget.epsilon_committed),
+        epsilon_remaining=budget.epsilon_remaining,
+        rho=budget.rho,
+        order=budget.order,
+    )
+
+
+CSV_COLUMNS = ["seq", "charge_id", "event", "mechanism", "job_id", "round", "epsilon_spent", "created_at", "prev_hash", "hash"]
+
+
+@router.get(
+    "/{silo_id}/history",
+    response_model=list[HistoryEntry],
+    name="silo_history",
+    responses={200: {"content": {"text/csv": {}}, "description": "JSON list, or CSV with ?format=csv"}},
+)
+def silo_history(
+    silo_id: int,
+    caller: PrincipalDep,
+    factory: FactoryDep,
+    format: Literal["json", "csv"] = "json",
+    after_seq: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> list[HistoryEntry] | Response:
+    caller.require_silo(silo_id, also=READERS)
+    with factory() as session:
+        rows = charges.history(session, silo_id, after_seq=after_seq, limit=limit)
+    entries = [
+        HistoryEntry(
+            seq=r.entry.seq,
+            charge_id=r.entry.charge_id,
+            event=r.entry.event,
+            mechanism=None if r.charge is None else json.loads(r.charge.mechanism),
+            job_id=None if r.charge is None else r.charge.job_id,
+            round=None if r.charge is None else r.charge.round,
+            epsilon_spent=finite_or_none(r.entry.epsilon_spent),
+            created_at=r.entry.created_at,
+            prev_hash=r.entry.prev_hash,
+            hash=r.entry.hash,
+        )
+        for r in rows
+    ]
+    if format == "json":
+        return entries
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS)
+    writer.writeheader()
+    for e in entries:
+        row = e.model_dump(mode="json")
+        row["mechanism"] = "" if e.mechanism is None else json.dumps(e.mechanism, sort_keys=True)
+        writer.writerow(row)
+    return Response(out.getvalue(), media_type="text/csv")

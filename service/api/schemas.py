@@ -1,0 +1,152 @@
+"""Wire models (pydantic v2) of the HTTP API; separate from the tables in service/ledger/models.py."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from service.accounting.mechanisms import Mechanism, check_nesting
+from service.ledger.models import ChargeStatus, EntryEvent, Role
+
+Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
+Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]
+DatasetSize = Annotated[int, Field(ge=1, le=10**12)]
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no infinity: an infinite ε goes out as null (the detail says why)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _WithMechanism(_Request):
+    mechanism: Mechanism
+
+    @field_validator("mechanism", mode="before")
+    @classmethod
+    def _bounded_nesting(cls, value: Any) -> Any:
+        return check_nesting(value)
+
+
+class SiloCreateRequest(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    epsilon: Epsilon
+    delta: Delta
+    dataset_size: DatasetSize
+
+
+class SiloCreated(BaseModel):
+    id: int
+    name: str
+    epsilon: float
+    delta: float
+    dataset_size: int
+    api_key: str = Field(description="the silo's key, shown once")
+
+
+class SiloSummary(BaseModel):
+    id: int
+    name: str
+    epsilon: float
+    delta: float
+    dataset_size: int
+    epsilon_spent: float | None
+
+
+class SiloDetail(SiloSummary):
+    epsilon_committed: float | None
+    epsilon_remaining: float
+    rho: float | None
+    order: float
+
+
+class ChargeRequest(_WithMechanism):
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=200)]
+    job_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    round: Annotated[int, Field(ge=0, le=10**9)] | None = None
+
+
+class ChargeReserved(BaseModel):
+    charge_id: int
+    status: Literal["reserved"] = "reserved"
+    epsilon_spent: float
+    epsilon_remaining: float
+
+
+class OverBudgetResponse(BaseModel):
+    detail: str
+    epsilon: float = Field(description="the silo's budget")
+    epsilon_spent: float | None
+    epsilon_if_approved: float | None
+
+
+class ChargeSettled(BaseModel):
+    charge_id: int
+    status: ChargeStatus
+    epsilon_spent: float | None
+
+
+class HistoryEntry(BaseModel):
+    seq: int
+    charge_id: int | None
+    event: EntryEvent
+    mechanism: dict[str, Any] | None
+    job_id: str | None
+    round: int | None
+    epsilon_spent: float | None
+    created_at: datetime
+    prev_hash: str
+    hash: str
+
+
+class VerifyResponse(BaseModel):
+    ok: bool
+    entries: int
+    first_bad_seq: int | None
+    first_bad_silo_id: int | None
+    bad_charge_ids: list[int]
+    problems: list[str]
+
+
+class QuoteRequest(_WithMechanism):
+    delta: Delta | None = Field(None, description="required unless silo_id is given (then the silo's δ)")
+    silo_id: int | None = None
+
+
+class QuoteResponse(BaseModel):
+    epsilon: float | None
+    order: float
+    rho: float | None
+    epsilon_pld: float | None
+    pld_note: str | None = Field(None, description="why no PLD ε, where dp-accounting's PLD accountant lacks the mechanism")
+    delta: float
+    silo_epsilon_spent: float | None = None
+    epsilon_if_approved: float | None = None
+
+
+class CalibrateRequest(_Request):
+    epsilon: Epsilon
+    delta: Delta
+    sampling_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+    steps: Annotated[int, Field(ge=1, le=10_000_000)]
+
+
+class CalibrateResponse(BaseModel):
+    noise_multiplier: float
+    epsilon: float
+
+
+class KeyCreateRequest(_Request):
+    role: Role
+    silo_id: int | None = None
+
+
+class KeyCreated(BaseModel):
+    key_id: int
+    api_key: str

@@ -1,0 +1,107 @@
+"""Verification of the stored ledger: every hash recomputed from the stored rows, every charge's
+status against its entries, every running sum against its charges. Off the request path: this
+replays history on purpose."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.accounting import rdp
+from service.accounting.running_sum import RunningSum, curve_from_json
+from service.ledger import chain
+from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, Silo
+
+_STATUS_AFTER = {
+    EntryEvent.reserve: ChargeStatus.reserved,
+    EntryEvent.commit: ChargeStatus.committed,
+    EntryEvent.release: ChargeStatus.released,
+}
+
+
+@dataclass
+class Report:
+    entries: int = 0
+    first_bad_seq: int | None = None
+    first_bad_silo_id: int | None = None
+    bad_charge_ids: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def flag(self, silo_id: int, seq: int | None, problem: str, charge_id: int | None = None) -> None:
+        self.problems.append(f"silo {silo_id}: {problem}")
+        if charge_id is not None and charge_id not in self.bad_charge_ids:
+            self.bad_charge_ids.append(charge_id)
+        if seq is not None and self.first_bad_seq is None:
+            self.first_bad_seq, self.first_bad_silo_id = seq, silo_id
+
+
+def verify(session: Session, silo_ids: list[int] | None = None) -> Report:
+    report = Report()
+    query = select(Silo).order_by(Silo.id)
+    if silo_ids is not None:
+        query = query.where(Silo.id.in_(silo_ids))
+    for silo in session.scalars(query):
+        _verify_silo(session, silo, report)
+    return report
+
+
+def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
+    charges = {c.id: c for c in session.scalars(select(Charge).where(Charge.silo_id == silo.id))}
+    entries = session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo.id).order_by(LedgerEntry.seq))
+    prev_hash, expected_seq = chain.GENESIS, 1
+    status_from_log: dict[int, ChargeStatus] = {}
+    for entry in entries:
+        report.entries += 1
+        event = EntryEvent(entry.event)
+        charge = charges.get(entry.charge_id) if entry.charge_id is not None else None
+        if entry.seq != expected_seq:
+            report.flag(silo.id, entry.seq, f"entry seq {entry.seq} where {expected_seq} was expected")
+        if entry.prev_hash != prev_hash:
+            report.flag(silo.id, entry.seq, f"entry {entry.seq} does not link to the entry before it", entry.charge_id)
+        if event is EntryEvent.create:
+            subject = chain.silo_fields(silo)
+        elif charge is None:
+            report.flag(silo.id, entry.seq, f"entry {entry.seq} names charge {entry.charge_id}, which is not this silo's")
+            subject = {}
+        else:
+            subject = chain.charge_fields(charge)
+            status_from_log[charge.id] = _STATUS_AFTER[event]
+        if chain.entry_hash(entry, subject=subject) != entry.hash:
+            report.flag(silo.id, entry.seq, f"entry {entry.seq} ({event.value}) does not match its hash", entry.charge_id)
+        prev_hash, expected_seq = entry.hash, entry.seq + 1
+    if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:
+        report.flag(silo.id, expected_seq, "the silo's chain head is not the last entry (an entry was removed)")
+    _verify_charges(silo, charges, status_from_log, report)
+
+
+def _verify_charges(silo: Silo, charges: dict[int, Charge], status_from_log: dict[int, ChargeStatus], report: Report) -> None:
+    spent = RunningSum.empty(len(rdp.ORDERS))
+    committed = RunningSum.empty(len(rdp.ORDERS))
+    for charge in charges.values():
+        logged = status_from_log.get(charge.id)
+        if logged is None:
+            report.flag(silo.id, None, f"charge {charge.id} has no entry in the chain", charge.id)
+        elif ChargeStatus(charge.status) != logged:
+            report.flag(silo.id, None, f"charge {charge.id} is stored {charge.status} but its entries say {logged.value}", charge.id)
+        curve = curve_from_json(charge.rdp)
+        if logged in (ChargeStatus.reserved, ChargeStatus.committed):
+            spent = spent.add(curve)
+        if logged is ChargeStatus.committed:
+            committed = committed.add(curve)
+    for name, stored, recomputed in (
+        ("spent", RunningSum.from_json(silo.rdp_spent), spent),
+        ("committed", RunningSum.from_json(silo.rdp_committed), committed),
+    ):
+        same = np.array_equal(stored.infinite, recomputed.infinite) and np.allclose(
+            stored.finite, recomputed.finite, rtol=1e-9, atol=1e-12
+        )
+        if not same:
+            report.flag(silo.id, None, f"the running {name} RDP sum differs from the sum of its charges")

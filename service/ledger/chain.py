@@ -1,0 +1,65 @@
+"""The hash chain: what each entry's hash covers, and how a stored chain is recomputed.
+
+An entry's hash covers the entry, the immutable fields of its charge (or the silo's budget for the
+`create` entry) and the previous hash, so an edit of any stored field shows up on `verify`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from service.ledger.models import Charge, LedgerEntry, Silo
+
+GENESIS = "0" * 64
+
+
+def timestamp(value: datetime) -> str:
+    # SQLite hands datetimes back naive, PostgreSQL aware: hash one canonical UTC spelling.
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC).replace(tzinfo=None)
+    return value.isoformat(timespec="microseconds")
+
+
+def silo_fields(silo: Silo) -> dict[str, Any]:
+    return {
+        "id": silo.id,
+        "name": silo.name,
+        "epsilon": silo.epsilon,
+        "delta": silo.delta,
+        "dataset_size": silo.dataset_size,
+        "created_at": timestamp(silo.created_at),
+    }
+
+
+def charge_fields(charge: Charge) -> dict[str, Any]:
+    return {
+        "id": charge.id,
+        "silo_id": charge.silo_id,
+        "idempotency_key": charge.idempotency_key,
+        "request_hash": charge.request_hash,
+        "mechanism": charge.mechanism,
+        "rdp": charge.rdp,
+        "order_grid": charge.order_grid,
+        "conversion": charge.conversion,
+        "job_id": charge.job_id,
+        "round": charge.round,
+        "epsilon_spent_after": charge.epsilon_spent_after,
+        "created_at": timestamp(charge.created_at),
+    }
+
+
+def entry_hash(entry: LedgerEntry, *, subject: dict[str, Any]) -> str:
+    payload = {
+        "silo_id": entry.silo_id,
+        "seq": entry.seq,
+        "event": str(getattr(entry.event, "value", entry.event)),
+        "charge_id": entry.charge_id,
+        "epsilon_spent": entry.epsilon_spent,
+        "created_at": timestamp(entry.created_at),
+        "prev_hash": entry.prev_hash,
+        "subject": subject,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

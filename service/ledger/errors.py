@@ -1,0 +1,35 @@
+"""Domain errors of the ledger; the HTTP layer maps each to one status code."""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    pass
+
+
+class NotFound(LedgerError):
+    pass
+
+
+class Conflict(LedgerError):
+    """A request that cannot apply in the current state (settled twice, name taken…)."""
+
+
+class InvalidRequest(LedgerError):
+    """A well-formed request that is wrong in context; `field` names where (dotted path)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class OverBudget(LedgerError):
+    def __init__(self, *, budget: float, epsilon_spent: float, epsilon_if_approved: float) -> None:
+        super().__init__(
+            f"over budget: approving would spend ε={epsilon_if_approved:.6g}, budget ε={budget:.6g} "
+            f"(already spent {epsilon_spent:.6g})"
+        )
+        self.budget = budget
+        self.epsilon_spent = epsilon_spent
+        self.epsilon_if_approved = epsilon_if_approved

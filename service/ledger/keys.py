@@ -1,0 +1,64 @@
+"""API keys: random bearer tokens, stored only as their SHA-256 (a 256-bit random secret needs no
+slow hash: there is nothing to brute-force)."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.ledger.errors import InvalidRequest, NotFound
+from service.ledger.models import ApiKey, Role, Silo
+
+KEY_PREFIX = "dpl_"
+
+
+def new_secret() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_key(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def create_key(session: Session, *, role: Role, silo_id: int | None, raw: str | None = None) -> tuple[ApiKey, str]:
+    """Adds a key to the session (the caller commits) and returns it with its secret, shown once."""
+    if (role is Role.silo) != (silo_id is not None):
+        raise InvalidRequest("silo_id", "is required for role 'silo' and not allowed for other roles")
+    if silo_id is not None and session.get(Silo, silo_id) is None:
+        raise NotFound(f"silo {silo_id} not found")
+    raw = raw or new_secret()
+    key = ApiKey(key_hash=hash_key(raw), role=role, silo_id=silo_id, created_at=datetime.now(UTC))
+    session.add(key)
+    session.flush()
+    return key, raw
+
+
+def authenticate(session: Session, raw: str) -> ApiKey | None:
+    key = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(raw))).one_or_none()
+    if key is None or key.revoked_at is not None:
+        return None
+    return key
+
+
+def revoke(session: Session, key_id: int) -> None:
+    key = session.get(ApiKey, key_id)
+    if key is None or key.revoked_at is not None:
+        raise NotFound(f"key {key_id} not found")
+    key.revoked_at = datetime.now(UTC)
+
+
+def ensure_admin_key(factory: sessionmaker[Session], raw: str) -> None:
+    """Registers the bootstrap admin key (DPLEDGER_ADMIN_KEY) once; several workers may race here."""
+    with factory() as session:
+        if session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(raw))).one_or_none():
+            return
+        create_key(session, role=Role.admin, silo_id=None, raw=raw)
+        try:
+            session.commit()
+        except IntegrityError:
+            session.rollback()  # another worker registered it first

@@ -1,0 +1,100 @@
+"""Tables of the ledger (SQLAlchemy 2, typed). Wire models live in service/api/schemas.py."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Role(str, enum.Enum):
+    admin = "admin"
+    silo = "silo"
+    auditor = "auditor"
+    coordinator = "coordinator"
+
+
+class ChargeStatus(str, enum.Enum):
+    reserved = "reserved"
+    committed = "committed"
+    released = "released"
+
+
+class EntryEvent(str, enum.Enum):
+    create = "create"  # the silo's budget itself, so an edited budget breaks the chain
+    reserve = "reserve"
+    commit = "commit"
+    release = "release"
+
+
+class Silo(Base):
+    __tablename__ = "silos"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    epsilon: Mapped[float] = mapped_column(Float)
+    delta: Mapped[float] = mapped_column(Float)
+    dataset_size: Mapped[int] = mapped_column(BigInteger)
+    # Running sums (RunningSum JSON) of reserved + committed, and of committed only: an approval
+    # reads these instead of replaying history.
+    rdp_spent: Mapped[str] = mapped_column(Text)
+    rdp_committed: Mapped[str] = mapped_column(Text)
+    chain_seq: Mapped[int] = mapped_column(Integer, default=0)
+    chain_head: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Charge(Base):
+    __tablename__ = "charges"
+    __table_args__ = (UniqueConstraint("silo_id", "idempotency_key", name="uq_charges_silo_idempotency"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"), index=True)
+    idempotency_key: Mapped[str] = mapped_column(String(200))
+    request_hash: Mapped[str] = mapped_column(String(64))
+    mechanism: Mapped[str] = mapped_column(Text)  # resolved mechanism JSON (q filled in by the service)
+    rdp: Mapped[str] = mapped_column(Text)  # its RDP curve at the order grid below
+    order_grid: Mapped[str] = mapped_column(String(100))
+    conversion: Mapped[str] = mapped_column(String(100))
+    status: Mapped[ChargeStatus] = mapped_column(String(16))
+    job_id: Mapped[str | None] = mapped_column(String(200))
+    round: Mapped[int | None] = mapped_column(Integer)
+    epsilon_spent_after: Mapped[float] = mapped_column(Float)  # the silo's ε right after approval
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LedgerEntry(Base):
+    """Append-only and hash-chained, one chain per silo so that silos never wait on each other."""
+
+    __tablename__ = "ledger_entries"
+    __table_args__ = (
+        UniqueConstraint("silo_id", "seq", name="uq_ledger_entries_silo_seq"),
+        Index("ix_ledger_entries_charge", "charge_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"))
+    seq: Mapped[int] = mapped_column(Integer)
+    event: Mapped[EntryEvent] = mapped_column(String(16))
+    charge_id: Mapped[int | None] = mapped_column(ForeignKey("charges.id"))
+    epsilon_spent: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[Role] = mapped_column(String(16))
+    silo_id: Mapped[int | None] = mapped_column(ForeignKey("silos.id"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

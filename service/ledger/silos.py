@@ -1,0 +1,96 @@
+"""Silos: registration (with the genesis entry of their chain) and their budget as it stands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.accounting import rdp
+from service.accounting.running_sum import RunningSum
+from service.ledger import chain
+from service.ledger.db import write_transaction
+from service.ledger.errors import Conflict, NotFound
+from service.ledger.keys import create_key
+from service.ledger.models import EntryEvent, LedgerEntry, Role, Silo
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    epsilon_spent: float
+    epsilon_committed: float
+    epsilon_remaining: float
+    rho: float | None
+    order: float
+
+
+def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta: float, dataset_size: int) -> tuple[Silo, str]:
+    """Creates the silo, its chain's genesis entry and its first key, in one transaction."""
+    empty = RunningSum.empty(len(rdp.ORDERS)).to_json()
+    now = datetime.now(UTC)
+    try:
+        with write_transaction(factory) as session:
+            silo = Silo(
+                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size,
+                rdp_spent=empty, rdp_committed=empty, chain_seq=0, chain_head=chain.GENESIS, created_at=now,
+            )
+            session.add(silo)
+            session.flush()
+            append_entry(session, silo, event=EntryEvent.create, charge=None, epsilon_spent=0.0, now=now)
+            _, raw = create_key(session, role=Role.silo, silo_id=silo.id)
+    except IntegrityError as error:
+        raise Conflict(f"a silo named {name!r} exists already") from error
+    return silo, raw
+
+
+def append_entry(session: Session, silo: Silo, *, event: EntryEvent, charge, epsilon_spent: float, now: datetime) -> LedgerEntry:  # type: ignore[no-untyped-def]
+    """Appends one entry to the silo's chain; the caller holds the silo's lock."""
+    entry = LedgerEntry(
+        silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
+        epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
+    )
+    subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
+    entry.hash = chain.entry_hash(entry, subject=subject)
+    session.add(entry)
+    silo.chain_seq = entry.seq
+    silo.chain_head = entry.hash
+    return entry
+
+
+def get(session: Session, silo_id: int) -> Silo:
+    silo = session.get(Silo, silo_id)
+    if silo is None:
+        raise NotFound(f"silo {silo_id} not found")
+    return silo
+
+
+def lock(session: Session, silo_id: int) -> Silo:
+    """The silo row, locked until the transaction ends (FOR UPDATE; SQLite's IMMEDIATE lock already
+    serialises writers)."""
+    silo = session.scalars(select(Silo).where(Silo.id == silo_id).with_for_update()).one_or_none()
+    if silo is None:
+        raise NotFound(f"silo {silo_id} not found")
+    return silo
+
+
+def list_all(session: Session) -> list[Silo]:
+    return list(session.scalars(select(Silo).order_by(Silo.id)))
+
+
+def status(silo: Silo) -> BudgetStatus:
+    spent = rdp.guarantee(RunningSum.from_json(silo.rdp_spent).curve(), delta=silo.delta)
+    committed, _ = rdp.epsilon(RunningSum.from_json(silo.rdp_committed).curve(), delta=silo.delta)
+    return BudgetStatus(
+        epsilon_spent=spent.epsilon,
+        epsilon_committed=committed,
+        epsilon_remaining=max(0.0, silo.epsilon - spent.epsilon),
+        rho=spent.rho,
+        order=spent.order,
+    )
+
+
+def epsilon_spent(silo: Silo) -> float:
+    return rdp.epsilon(RunningSum.from_json(silo.rdp_spent).curve(), delta=silo.delta)[0]
