@@ -1,0 +1,83 @@
+"""Shared fixtures: a real database (a SQLite file, and PostgreSQL when DPLEDGER_TEST_POSTGRES_URL is
+set) migrated by Alembic, and the real app called in-process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from service.api.app import create_app
+from service.ledger.db import migrate
+from service.settings import Settings
+
+ADMIN_KEY = "test-admin-key-0123456789abcdef"
+POSTGRES_URL = os.environ.get("DPLEDGER_TEST_POSTGRES_URL")
+
+
+def reset_postgres(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("DROP SCHEMA public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: ignore[no-untyped-def]
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/ledger.db"
+    else:
+        if not POSTGRES_URL:
+            pytest.skip("DPLEDGER_TEST_POSTGRES_URL is not set")
+        url = POSTGRES_URL
+        reset_postgres(url)
+    migrate(url)
+    return url
+
+
+@pytest.fixture
+def app(database_url: str):  # type: ignore[no-untyped-def]
+    application = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
+    yield application
+    application.state.engine.dispose()
+
+
+@pytest.fixture
+def client(app) -> Iterator[TestClient]:  # type: ignore[no-untyped-def]
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+ADMIN = bearer(ADMIN_KEY)
+
+
+@dataclass(frozen=True)
+class SiloHandle:
+    id: int
+    headers: dict[str, str]
+    epsilon: float
+    delta: float
+    dataset_size: int
+
+
+@pytest.fixture
+def make_silo(client: TestClient):  # type: ignore[no-untyped-def]
+    counter = iter(range(1_000_000))
+
+    def make(*, epsilon: float = 1.0, delta: float = 1e-5, dataset_size: int = 1000, name: str | None = None) -> SiloHandle:
+        body = {"name": name or f"silo-{next(counter)}", "epsilon": epsilon, "delta": delta, "dataset_size": dataset_size}
+        response = client.post("/v1/silos", json=body, headers=ADMIN)
+        assert response.status_code == 201, response.text
+        data = response.json()
+        return SiloHandle(data["id"], bearer(data["api_key"]), epsilon, delta, dataset_size)
+
+    return make

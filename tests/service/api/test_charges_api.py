@@ -1,0 +1,188 @@
+"""Approval, settlement and idempotency through the real app, against dp-accounting's own numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from dp_accounting import dp_event as de
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from tests.conftest import ADMIN
+
+Q, SIGMA = 0.01, 1.1
+STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": SIGMA, "steps": 1}  # dataset_size 1000 → q = 0.01
+
+
+def dp_accounting_epsilon(rounds: int, *, delta: float = 1e-5, steps: int = 1) -> float:
+    """The independent oracle: dp-accounting composing `rounds` DP-SGD steps by itself."""
+    accountant = rdp_lib.RdpAccountant()
+    for _ in range(rounds):
+        accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(Q, de.GaussianDpEvent(SIGMA)), steps))
+    return accountant.get_epsilon(delta)
+
+
+def charge(client, silo, key: str, mechanism=None, **extra):  # type: ignore[no-untyped-def]
+    body = {"mechanism": mechanism or STEP, "idempotency_key": key, **extra}
+    return client.post(f"/v1/silos/{silo.id}/charges", json=body, headers=silo.headers)
+
+
+def history_length(client, silo) -> int:  # type: ignore[no-untyped-def]
+    return len(client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json())
+
+
+def test_a_budget_that_admits_exactly_k_rounds_approves_k_and_refuses_the_next(client, make_silo) -> None:
+    k = 7
+    silo = make_silo(epsilon=dp_accounting_epsilon(k))
+    for i in range(k):
+        response = charge(client, silo, f"r{i}")
+        assert response.status_code == 201, response.text
+        assert response.json()["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(i + 1), rel=1e-9)
+    entries = history_length(client, silo)
+
+    refused = charge(client, silo, "one-too-many")
+
+    assert refused.status_code == 409
+    body = refused.json()
+    assert body["epsilon"] == silo.epsilon
+    assert body["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(k), rel=1e-9)
+    assert body["epsilon_if_approved"] == pytest.approx(dp_accounting_epsilon(k + 1), rel=1e-9)
+    assert history_length(client, silo) == entries  # a refused request writes nothing
+
+
+def test_release_returns_the_reservation_and_commit_keeps_it(client, make_silo) -> None:
+    silo = make_silo(epsilon=dp_accounting_epsilon(2))
+    first = charge(client, silo, "a").json()["charge_id"]
+    second = charge(client, silo, "b").json()["charge_id"]
+    assert charge(client, silo, "c").status_code == 409
+
+    committed = client.post(f"/v1/charges/{first}/commit", headers=silo.headers)
+    released = client.post(f"/v1/charges/{second}/release", headers=silo.headers)
+
+    assert committed.status_code == 200 and committed.json()["status"] == "committed"
+    assert released.status_code == 200 and released.json()["status"] == "released"
+    assert released.json()["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+    detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
+    assert detail["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+    assert detail["epsilon_committed"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+    assert detail["epsilon_remaining"] == pytest.approx(silo.epsilon - dp_accounting_epsilon(1), rel=1e-9)
+    assert charge(client, silo, "c").status_code == 201  # the released budget is spendable again
+
+
+def test_settling_twice_or_commit_after_release_is_a_conflict(client, make_silo) -> None:
+    silo = make_silo()
+    a = charge(client, silo, "a").json()["charge_id"]
+    b = charge(client, silo, "b").json()["charge_id"]
+    assert client.post(f"/v1/charges/{a}/commit", headers=silo.headers).status_code == 200
+    assert client.post(f"/v1/charges/{b}/release", headers=silo.headers).status_code == 200
+    entries = history_length(client, silo)
+
+    for path in (f"/v1/charges/{a}/commit", f"/v1/charges/{a}/release", f"/v1/charges/{b}/commit", f"/v1/charges/{b}/release"):
+        response = client.post(path, headers=silo.headers)
+        assert response.status_code == 409, path
+        assert "not reserved" in response.json()["detail"]
+    assert history_length(client, silo) == entries
+    assert client.post("/v1/charges/999999/commit", headers=silo.headers).status_code == 404
+
+
+def test_a_retry_returns_the_first_answer_and_charges_once(client, make_silo) -> None:
+    silo = make_silo()
+    first = charge(client, silo, "same", job_id="job", round=3)
+    retry = charge(client, silo, "same", job_id="job", round=3)
+
+    assert first.status_code == retry.status_code == 201
+    assert retry.json() == first.json()
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
+    assert detail["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+
+
+def test_the_same_key_with_another_body_is_refused_and_writes_nothing(client, make_silo) -> None:
+    silo = make_silo()
+    assert charge(client, silo, "k").status_code == 201
+    entries = history_length(client, silo)
+
+    response = charge(client, silo, "k", mechanism={**STEP, "steps": 2})
+
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "idempotency_key"]
+    assert history_length(client, silo) == entries
+
+
+def test_the_service_derives_q_from_the_registered_dataset_size(client, make_silo) -> None:
+    silo = make_silo(dataset_size=1000)
+    assert charge(client, silo, "a", mechanism={**STEP, "batch_size": 10}).status_code == 201
+    stored = client.get(f"/v1/silos/{silo.id}/history", headers=silo.headers).json()[-1]["mechanism"]
+    assert stored["sampling_rate"] == 10 / 1000
+
+    lying = charge(client, silo, "b", mechanism={**STEP, "batch_size": 10, "sampling_rate": 0.001})
+    assert lying.status_code == 422
+    assert lying.json()["detail"][0]["loc"] == ["body", "mechanism", "sampling_rate"]
+    nested = {"type": "repeat_and_select", "mean": 3, "shape": 1, "event": {**STEP, "batch_size": 2000}}
+    too_big = charge(client, silo, "c", mechanism=nested)
+    assert too_big.status_code == 422
+    assert too_big.json()["detail"][0]["loc"] == ["body", "mechanism", "event", "batch_size"]
+
+
+def test_epsilon_spent_equals_dp_accounting_over_a_mixed_history(client, make_silo) -> None:
+    silo = make_silo(epsilon=50.0, delta=1e-6)
+    mechanisms = [
+        STEP,
+        {"type": "gaussian", "noise_multiplier": 4.0},
+        {"type": "zcdp", "rho": 0.01},
+        {"type": "laplace", "noise_multiplier": 10.0},
+        {"type": "poisson_sampled", "sampling_rate": 0.05, "event": {"type": "gaussian", "noise_multiplier": 2.0}},
+        {"type": "repeat_and_select", "mean": 5, "shape": "infinity", "event": {"type": "gaussian", "noise_multiplier": 8.0}},
+        {**STEP, "steps": 30},
+    ]
+    events = [
+        de.SelfComposedDpEvent(de.PoissonSampledDpEvent(Q, de.GaussianDpEvent(SIGMA)), 1),
+        de.GaussianDpEvent(4.0),
+        de.ZCDpEvent(0.01),
+        de.LaplaceDpEvent(10.0),
+        de.PoissonSampledDpEvent(0.05, de.GaussianDpEvent(2.0)),
+        de.RepeatAndSelectDpEvent(de.GaussianDpEvent(8.0), 5, math.inf),
+        de.SelfComposedDpEvent(de.PoissonSampledDpEvent(Q, de.GaussianDpEvent(SIGMA)), 30),
+    ]
+    ids = [charge(client, silo, f"m{i}", mechanism=m).json()["charge_id"] for i, m in enumerate(mechanisms)]
+    client.post(f"/v1/charges/{ids[1]}/release", headers=silo.headers)
+    client.post(f"/v1/charges/{ids[0]}/commit", headers=silo.headers)
+
+    oracle = rdp_lib.RdpAccountant()
+    oracle.compose(de.ComposedDpEvent([e for i, e in enumerate(events) if i != 1]))
+    committed = rdp_lib.RdpAccountant()
+    committed.compose(events[0])
+    detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
+    assert detail["epsilon_spent"] == pytest.approx(oracle.get_epsilon(1e-6), rel=1e-9)
+    assert detail["epsilon_committed"] == pytest.approx(committed.get_epsilon(1e-6), rel=1e-9)
+    assert detail["rho"] == pytest.approx(float(max(oracle.rdp / oracle.orders)), rel=1e-9)
+
+
+def test_quote_matches_dp_accounting_and_previews_the_silo(client, make_silo) -> None:
+    silo = make_silo()
+    charge(client, silo, "a")
+
+    alone = client.post("/v1/quote", json={"mechanism": {**STEP, "steps": 50}, "silo_id": silo.id}, headers=silo.headers).json()
+    assert alone["epsilon"] == pytest.approx(dp_accounting_epsilon(1, steps=50), rel=1e-9)
+    assert alone["silo_epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+    assert alone["epsilon_if_approved"] == pytest.approx(dp_accounting_epsilon(51), rel=1e-9)
+    assert alone["epsilon_pld"] < alone["epsilon"]  # PLD is the tighter accountant
+
+    zcdp = client.post("/v1/quote", json={"mechanism": {"type": "zcdp", "rho": 0.1}, "delta": 1e-5}, headers=ADMIN).json()
+    assert zcdp["epsilon_pld"] is None and "ZCDpEvent" in zcdp["pld_note"]
+    no_delta = client.post("/v1/quote", json={"mechanism": {"type": "zcdp", "rho": 0.1}}, headers=ADMIN)
+    assert no_delta.status_code == 422 and no_delta.json()["detail"][0]["loc"] == ["body", "delta"]
+
+
+def test_calibrate_returns_noise_within_the_target(client) -> None:
+    response = client.post(
+        "/v1/calibrate", json={"epsilon": 2.0, "delta": 1e-5, "sampling_rate": 0.01, "steps": 500}, headers=ADMIN
+    )
+    assert response.status_code == 200
+    sigma = response.json()["noise_multiplier"]
+    accountant = rdp_lib.RdpAccountant()
+    accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.01, de.GaussianDpEvent(sigma)), 500))
+    assert accountant.get_epsilon(1e-5) <= 2.0
+    tighter = rdp_lib.RdpAccountant()
+    tighter.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.01, de.GaussianDpEvent(sigma * 0.999)), 500))
+    assert tighter.get_epsilon(1e-5) > 2.0
