@@ -1,0 +1,131 @@
+"""Every route × every role → the answer DESIGN.md's role table and the issue's contract give."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from tests.conftest import ADMIN, bearer
+
+STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
+ROLES = ["admin", "own_silo", "other_silo", "auditor", "coordinator", "no_key", "unknown_key", "revoked_key"]
+
+
+@dataclass
+class World:
+    client: object
+    silo_id: int
+    keys: dict[str, dict[str, str]]
+    counter: int = 0
+
+    def reserved_charge(self) -> int:
+        self.counter += 1
+        response = self.client.post(  # type: ignore[attr-defined]
+            f"/v1/silos/{self.silo_id}/charges",
+            json={"mechanism": STEP, "idempotency_key": f"setup-{self.counter}"},
+            headers=self.keys["own_silo"],
+        )
+        assert response.status_code == 201
+        return int(response.json()["charge_id"])
+
+
+@pytest.fixture
+def world(client, make_silo) -> World:  # type: ignore[no-untyped-def]
+    own = make_silo(epsilon=1000.0)
+    other = make_silo(epsilon=1000.0)
+
+    def key(role: str) -> dict[str, str]:
+        response = client.post("/v1/keys", json={"role": role}, headers=ADMIN)
+        assert response.status_code == 201
+        return bearer(response.json()["api_key"])
+
+    revoked = client.post("/v1/keys", json={"role": "admin"}, headers=ADMIN).json()
+    assert client.delete(f"/v1/keys/{revoked['key_id']}", headers=ADMIN).status_code == 204
+    keys = {
+        "admin": ADMIN, "own_silo": own.headers, "other_silo": other.headers, "auditor": key("auditor"),
+        "coordinator": key("coordinator"), "no_key": {}, "unknown_key": bearer("dpl_not-a-key"),
+        "revoked_key": bearer(revoked["api_key"]),
+    }
+    return World(client, own.id, keys)
+
+
+def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
+    s = world.silo_id
+    match route:
+        case "create_silo":
+            world.counter += 1
+            return "POST", "/v1/silos", {"name": f"new-{world.counter}", "epsilon": 1, "delta": 1e-5, "dataset_size": 9}
+        case "list_silos":
+            return "GET", "/v1/silos", None
+        case "get_silo":
+            return "GET", f"/v1/silos/{s}", None
+        case "reserve_charge":
+            world.counter += 1
+            return "POST", f"/v1/silos/{s}/charges", {"mechanism": STEP, "idempotency_key": f"m-{world.counter}"}
+        case "commit_charge":
+            return "POST", f"/v1/charges/{world.reserved_charge()}/commit", None
+        case "release_charge":
+            return "POST", f"/v1/charges/{world.reserved_charge()}/release", None
+        case "silo_history":
+            return "GET", f"/v1/silos/{s}/history", None
+        case "silo_history_csv":
+            return "GET", f"/v1/silos/{s}/history?format=csv", None
+        case "verify_ledger":
+            return "GET", "/v1/audit/verify", None
+        case "quote":
+            return "POST", "/v1/quote", {"mechanism": {"type": "gaussian", "noise_multiplier": 2.0}, "delta": 1e-5}
+        case "quote_for_silo":
+            return "POST", "/v1/quote", {"mechanism": STEP, "silo_id": s}
+        case "calibrate":
+            return "POST", "/v1/calibrate", {"epsilon": 3.0, "delta": 1e-5, "sampling_rate": 0.05, "steps": 20}
+        case "create_key":
+            return "POST", "/v1/keys", {"role": "auditor"}
+        case "revoke_key":
+            created = world.client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()  # type: ignore[attr-defined]
+            return "DELETE", f"/v1/keys/{created['key_id']}", None
+        case "healthz":
+            return "GET", "/healthz", None
+    raise AssertionError(route)
+
+
+# Expected status per role, in ROLES order. 401 for any request without a valid key.
+A = [401, 401, 401]
+EXPECTED = {
+    "create_silo":      [201, 403, 403, 403, 403, *A],
+    "list_silos":       [200, 403, 403, 200, 403, *A],
+    "get_silo":         [200, 200, 403, 200, 403, *A],
+    "reserve_charge":   [403, 201, 403, 403, 403, *A],
+    "commit_charge":    [403, 200, 403, 403, 403, *A],
+    "release_charge":   [403, 200, 403, 403, 403, *A],
+    "silo_history":     [200, 200, 403, 200, 403, *A],
+    "silo_history_csv": [200, 200, 403, 200, 403, *A],
+    "verify_ledger":    [200, 403, 403, 200, 403, *A],
+    "quote":            [200, 200, 200, 200, 200, *A],
+    "quote_for_silo":   [200, 200, 403, 200, 403, *A],
+    "calibrate":        [200, 200, 200, 200, 200, *A],
+    "create_key":       [201, 403, 403, 403, 403, *A],
+    "revoke_key":       [204, 403, 403, 403, 403, *A],
+    "healthz":          [200, 200, 200, 200, 200, 200, 200, 200],
+}
+
+
+@pytest.mark.parametrize("route", sorted(EXPECTED))
+def test_every_role_gets_the_answer_of_the_role_table(world: World, route: str) -> None:
+    answers = {}
+    for role in ROLES:
+        method, path, body = request_for(route, world)
+        response = world.client.request(method, path, json=body, headers=world.keys[role])  # type: ignore[attr-defined]
+        answers[role] = response.status_code
+    assert answers == dict(zip(ROLES, EXPECTED[route]))
+
+
+def test_every_route_of_the_app_is_in_the_matrix(app) -> None:  # type: ignore[no-untyped-def]
+    names = {route.name for route in app.routes if getattr(route, "include_in_schema", False)}
+    assert names <= set(EXPECTED)
+
+
+def test_a_refused_coordinator_learns_nothing_of_a_budget(world: World) -> None:
+    response = world.client.get(f"/v1/silos/{world.silo_id}", headers=world.keys["coordinator"])  # type: ignore[attr-defined]
+    assert response.status_code == 403
+    assert response.json() == {"detail": "role 'coordinator' may not do this"}

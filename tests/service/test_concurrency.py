@@ -1,0 +1,66 @@
+"""Racing approvals over real HTTP (uvicorn on 127.0.0.1 with several workers): a silo whose budget
+admits exactly k charges gets exactly k, whatever the interleaving, retries included."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from dp_accounting import dp_event as de
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from service.server import running_server
+from tests.conftest import ADMIN_KEY
+
+STEP = {"type": "dpsgd", "batch_size": 20, "noise_multiplier": 1.0, "steps": 1}  # dataset 1000 → q = 0.02
+K = 37
+REQUESTS = 200
+CLIENTS = 32
+
+
+def epsilon_of(rounds: int) -> float:
+    accountant = rdp_lib.RdpAccountant()
+    accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.02, de.GaussianDpEvent(1.0)), rounds))
+    return accountant.get_epsilon(1e-5)
+
+
+def workers_for(url: str) -> int:
+    return 4 if url.startswith("postgresql") else 2
+
+
+@pytest.mark.parametrize("sent", [1, 2], ids=["once", "twice"])
+def test_exactly_k_of_200_racing_requests_are_approved(database_url: str, sent: int) -> None:
+    with running_server(database_url=database_url, admin_key=ADMIN_KEY, workers=workers_for(database_url)) as url:
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        silo = httpx.post(
+            f"{url}/v1/silos", headers=admin,
+            json={"name": "racing", "epsilon": epsilon_of(K), "delta": 1e-5, "dataset_size": 1000},
+        ).json()
+        headers = {"Authorization": f"Bearer {silo['api_key']}"}
+        keys = [f"req-{i}" for i in range(REQUESTS)] * sent
+        random.Random(7).shuffle(keys)
+
+        with httpx.Client(base_url=url, headers=headers, timeout=60, limits=httpx.Limits(max_connections=CLIENTS)) as client:
+            def ask(key: str) -> tuple[str, int, int | None]:
+                response = client.post(f"/v1/silos/{silo['id']}/charges", json={"mechanism": STEP, "idempotency_key": key})
+                assert response.status_code in (201, 409), response.text
+                return key, response.status_code, response.json().get("charge_id")
+
+            with ThreadPoolExecutor(CLIENTS) as pool:
+                answers = list(pool.map(ask, keys))
+
+        approved = {charge_id for _, status, charge_id in answers if status == 201}
+        assert len(approved) == K
+        by_key: dict[str, set[tuple[int, int | None]]] = {}
+        for key, status, charge_id in answers:
+            by_key.setdefault(key, set()).add((status, charge_id))
+        assert all(len(outcomes) == 1 for outcomes in by_key.values())  # a retry returns the first answer
+
+        detail = httpx.get(f"{url}/v1/silos/{silo['id']}", headers=admin).json()
+        assert detail["epsilon_spent"] == pytest.approx(epsilon_of(K), rel=1e-9)
+        assert detail["epsilon_spent"] <= silo["epsilon"] * (1 + 1e-9)
+        history = httpx.get(f"{url}/v1/silos/{silo['id']}/history", headers=admin).json()
+        assert [e["event"] for e in history].count("reserve") == K
+        assert httpx.get(f"{url}/v1/audit/verify", headers=admin).json()["ok"] is True
