@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from service.api.schemas import OverBudgetResponse, finite_or_none
-from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
+from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget, SettledAlready
 
 
 def _field_error(loc: list[str | int], msg: str, kind: str) -> dict[str, object]:
@@ -32,6 +32,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(NotFound)
     async def _not_found(_: Request, error: NotFound) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=status.HTTP_404_NOT_FOUND)
+
+    @app.exception_handler(SettledAlready)
+    async def _settled(_: Request, error: SettledAlready) -> JSONResponse:
+        # Machine-readable, so a client that retried a commit can tell "done already" from a refusal.
+        return JSONResponse({"detail": str(error), "charge_status": error.status}, status_code=status.HTTP_409_CONFLICT)
 
     @app.exception_handler(Conflict)
     async def _conflict(_: Request, error: Conflict) -> JSONResponse:

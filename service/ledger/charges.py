@@ -21,7 +21,7 @@ from service.accounting.mechanisms import AnyMechanism, MechanismError, resolve
 from service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 from service.ledger import silos
 from service.ledger.db import write_transaction
-from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
+from service.ledger.errors import InvalidRequest, NotFound, OverBudget, SettledAlready
 from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry
 
 
@@ -125,7 +125,7 @@ def _settle(factory: sessionmaker[Session], *, charge_id: int, event: EntryEvent
         charge = session.get(Charge, charge_id)
         assert charge is not None  # charges are never deleted
         if charge.status != ChargeStatus.reserved:
-            raise Conflict(f"charge {charge_id} is {ChargeStatus(charge.status).value}, not reserved")
+            raise SettledAlready(charge_id, ChargeStatus(charge.status).value)
         curve = curve_from_json(charge.rdp)
         if event is EntryEvent.commit:
             charge.status = ChargeStatus.committed

@@ -15,6 +15,14 @@ class Conflict(LedgerError):
     """A request that cannot apply in the current state (settled twice, name taken…)."""
 
 
+class SettledAlready(Conflict):
+    """Commit or release of a charge that is no longer reserved; `status` says what it is."""
+
+    def __init__(self, charge_id: int, status: str) -> None:
+        super().__init__(f"charge {charge_id} is {status}, not reserved")
+        self.status = status
+
+
 class InvalidRequest(LedgerError):
     """A well-formed request that is wrong in context; `field` names where (dotted path)."""
 

@@ -1,0 +1,77 @@
+"""The worker's client against a real uvicorn: denials are final, outages are retried, then stop."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from service.server import free_port, running_server
+from tests.conftest import ADMIN_KEY
+from trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
+
+STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """A real transport that first drops `fail_first` requests on the floor, and counts them all."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        super().__init__()
+        self.fail_first = fail_first
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            raise httpx.ConnectError("dropped by the test", request=request)
+        return super().handle_request(request)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+    url = f"sqlite:///{tmp_path_factory.mktemp('client')}/ledger.db"
+    with running_server(database_url=url, admin_key=ADMIN_KEY) as base:
+        yield base
+
+
+@pytest.fixture
+def silo(server: str):  # type: ignore[no-untyped-def]
+    with LedgerClient(server, ADMIN_KEY) as admin:
+        created = admin.create_silo(name=f"s-{free_port()}", epsilon=1.0, delta=1e-5, dataset_size=1000)
+    return created
+
+
+def test_a_denial_is_final_and_sent_once(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    transport = CountingTransport()
+    with LedgerClient(server, silo["api_key"], transport=transport) as client:
+        with pytest.raises(Denied) as denied:
+            client.reserve(silo["id"], mechanism={**STEP, "steps": 10_000}, idempotency_key="big")
+    assert transport.calls == 1
+    assert denied.value.epsilon == 1.0 and denied.value.epsilon_if_approved > 1.0
+
+
+def test_dropped_requests_are_retried_and_charge_once(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    transport = CountingTransport(fail_first=2)
+    with LedgerClient(server, silo["api_key"], transport=transport, retry=Retry(first_delay=0.01)) as client:
+        reservation = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")
+        again = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")  # a retry after a lost answer
+        assert again == reservation
+        assert client.commit(reservation.charge_id) == pytest.approx(reservation.epsilon_spent)
+        assert client.commit(reservation.charge_id) is None  # the second attempt sees it done
+        assert client.silo(silo["id"])["epsilon_spent"] == pytest.approx(reservation.epsilon_spent)
+    assert transport.calls == 2 + 5
+
+
+def test_an_unreachable_service_stops_after_the_bound(silo) -> None:  # type: ignore[no-untyped-def]
+    dead = f"http://127.0.0.1:{free_port()}"
+    with LedgerClient(dead, silo["api_key"], retry=Retry(attempts=3, first_delay=0.01)) as client:
+        with pytest.raises(Unreachable, match="failed 3 times"):
+            client.reserve(silo["id"], mechanism=STEP, idempotency_key="x")
+
+
+def test_a_bad_request_is_rejected_not_retried(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    transport = CountingTransport()
+    with LedgerClient(server, silo["api_key"], transport=transport) as client:
+        with pytest.raises(Rejected) as rejected:
+            client.reserve(silo["id"], mechanism={"type": "gaussian", "noise_multiplier": -1}, idempotency_key="bad")
+    assert rejected.value.status_code == 422 and transport.calls == 1
