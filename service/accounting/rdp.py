@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -29,6 +30,10 @@ from service.accounting.mechanisms import (
     SelfComposed,
     to_dp_event,
 )
+
+# dp-accounting logs a warning and returns ∞ (a safe bound) at orders where its series does not
+# converge; a ledger asks for such curves routinely, and RunningSum handles the ∞ entries exactly.
+logging.getLogger("absl").setLevel(logging.ERROR)
 
 ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
 _ORDERS_ARRAY = np.array(ORDERS)
