@@ -28,6 +28,7 @@ from service.accounting.mechanisms import (
     PoissonSampled,
     SampledWithoutReplacement,
     SelfComposed,
+    children,
     to_dp_event,
 )
 
@@ -77,7 +78,12 @@ def _leaf_curve_cached(mechanism_json: str) -> tuple[float, ...]:
 
     mechanism = TypeAdapter(Mechanism).validate_json(mechanism_json)
     accountant = rdp_lib.RdpAccountant(list(ORDERS), neighboring_relation=_relation(mechanism))
-    accountant.compose(to_dp_event(mechanism))
+    try:
+        accountant.compose(to_dp_event(mechanism))
+    except privacy_accountant.UnsupportedEventError as error:
+        raise MechanismError("mechanism", f"dp-accounting's RDP accountant cannot account it: {error}") from error
+    except ValueError as error:  # e.g. a Laplace scale so small that 1/b overflows
+        raise MechanismError("mechanism", f"dp-accounting refused it: {error}") from error
     return tuple(accountant.rdp.tolist())
 
 
@@ -87,10 +93,17 @@ def _leaf_curve(mechanism_json: str) -> np.ndarray:
 
 def _relation(mechanism: AnyMechanism) -> privacy_accountant.NeighboringRelation:
     # dp-accounting analyses sampling without replacement only for replace-one neighbours, the
-    # relation that fits a dataset of fixed, public size; everything else is add-or-remove-one.
-    if isinstance(mechanism, SampledWithoutReplacement):
+    # relation that fits a dataset of fixed, public size; everything else is add-or-remove-one. A
+    # leaf that mixes both is refused by the accountant and so by us.
+    if _contains_without_replacement(mechanism):
         return privacy_accountant.NeighboringRelation.REPLACE_ONE
     return privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def _contains_without_replacement(mechanism: AnyMechanism) -> bool:
+    return isinstance(mechanism, SampledWithoutReplacement) or any(
+        _contains_without_replacement(child) for child in children(mechanism)
+    )
 
 
 def zero_curve() -> np.ndarray:

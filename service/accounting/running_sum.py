@@ -30,8 +30,11 @@ class RunningSum:
 
     def subtract(self, curve: np.ndarray) -> RunningSum:
         inf = np.isinf(curve)
-        # Clamp at zero: rounding must never leave a negative RDP that would read as a free charge.
-        return RunningSum(np.maximum(self.finite - np.where(inf, 0.0, curve), 0.0), self.infinite - inf)
+        # fl(fl(s + x) − x) can land one ulp below s; adding one spacing of the sum we subtract from
+        # bounds both roundings, so a release never leaves the ledger below its true spend.
+        subtracted = np.where(inf, 0.0, curve)
+        finite = self.finite - subtracted + np.where(subtracted != 0.0, np.spacing(self.finite), 0.0)
+        return RunningSum(np.maximum(finite, 0.0), self.infinite - inf)
 
     def to_json(self) -> str:
         return json.dumps({"finite": self.finite.tolist(), "infinite": self.infinite.tolist()})

@@ -51,9 +51,9 @@ def prepare(session: Session, silo_id: int, mechanism: AnyMechanism) -> tuple[An
     silo = silos.get(session, silo_id)
     try:
         resolved = resolve(mechanism, dataset_size=silo.dataset_size)
+        return resolved, rdp.rdp_curve(resolved)
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error
-    return resolved, rdp.rdp_curve(resolved)
 
 
 def reserve(

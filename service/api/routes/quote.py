@@ -27,9 +27,9 @@ def quote(body: QuoteRequest, caller: PrincipalDep, factory: FactoryDep) -> Quot
         raise InvalidRequest("delta", "is required when no silo_id is given")
     try:
         mechanism = resolve(body.mechanism, dataset_size=None if silo is None else silo.dataset_size)
+        curve = rdp.rdp_curve(mechanism)
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error
-    curve = rdp.rdp_curve(mechanism)
     alone = rdp.guarantee(curve, delta=delta)
     pld = reports.pld_epsilon(mechanism, delta=delta)
     answer = QuoteResponse(
