@@ -1,0 +1,164 @@
+"""DP-SGD for many silos at once: one batched computation over stacked [K, P] parameters.
+
+The phases follow Opacus (STYLE.md): Poisson batches per silo, padded to a common size with a mask;
+per-sample gradients; per-sample clipping to C; sum; Gaussian noise N(0, σ²C²) per silo from that
+silo's own generator; division by the silo's expected batch size B_k (Abadi et al. 2016, Alg. 1;
+paper 000 §5, "Federation as noise reduction", writes the same step with a noise term per silo).
+
+The models here are small (at most a few thousand parameters), so per-sample gradients are
+materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (trainer/dpsgd/norms.py) is what
+larger models need. Silos are processed in chunks so that tensor stays under a memory cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.func import grad, vmap
+
+from trainer.federated.config import Task
+from trainer.federated.models import FlatModel
+
+# Cap on the elements of one per-sample gradient tensor (2**25 float32 = 128 MiB).
+MAX_PER_SAMPLE_ELEMENTS = 2**25
+
+
+@dataclass(frozen=True)
+class PaddedSilos:
+    """K silos' datasets, padded along the record dimension to the largest one.
+
+    Padding rows are never sampled (indices come from each silo's own sampler, below n_k) and are
+    masked out of evaluation.
+    """
+
+    x: torch.Tensor  # [K, n_max, d] float32
+    y: torch.Tensor  # [K, n_max] int64 (classification) or float32 (regression)
+    sizes: list[int]  # n_k
+
+    @property
+    def num_silos(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[K, n_max] bool: True on real records."""
+        positions = torch.arange(self.x.shape[1], device=self.x.device)
+        sizes = torch.tensor(self.sizes, device=self.x.device)
+        return positions.unsqueeze(0) < sizes.unsqueeze(1)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        xs: Sequence[torch.Tensor],
+        ys: Sequence[torch.Tensor],
+        *,
+        task: Task,
+        device: torch.device,
+        allow_empty: bool,
+    ) -> PaddedSilos:
+        if len(xs) == 0 or len(xs) != len(ys):
+            raise ValueError(f"Need one x and one y tensor per silo (at least one). Found {len(xs)} x, {len(ys)} y.")
+        features = int(xs[0].shape[-1])
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            if x.dim() != 2 or x.shape[1] != features:
+                raise ValueError(f"Silo {k}: x must be [n, {features}]-shaped. Found {tuple(x.shape)}.")
+            if y.dim() != 1 or y.shape[0] != x.shape[0]:
+                raise ValueError(f"Silo {k}: y must be [n] with n = {x.shape[0]}. Found {tuple(y.shape)}.")
+            if x.shape[0] == 0 and not allow_empty:
+                raise ValueError(f"Silo {k} has no training records.")
+        sizes = [int(x.shape[0]) for x in xs]
+        n_max = max(max(sizes), 1)
+        x_pad = torch.zeros(len(xs), n_max, features, dtype=torch.float32, device=device)
+        y_dtype = torch.int64 if task == "classification" else torch.float32
+        y_pad = torch.zeros(len(xs), n_max, dtype=y_dtype, device=device)
+        for k, (x, y) in enumerate(zip(xs, ys)):
+            x_pad[k, : sizes[k]] = x.to(device=device, dtype=torch.float32)
+            y_pad[k, : sizes[k]] = y.to(device=device, dtype=y_dtype)
+        return cls(x=x_pad, y=y_pad, sizes=sizes)
+
+
+def pad_batches(indices: Sequence[torch.Tensor], *, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-size Poisson batches (one index tensor per silo, possibly empty) → padded
+    indices [A, b_max] and mask [A, b_max]; padding points at record 0 and is masked out."""
+    lengths = torch.tensor([len(i) for i in indices], dtype=torch.int64, device=device)
+    b_max = int(lengths.max().item()) if len(indices) else 0
+    idx = torch.zeros(len(indices), b_max, dtype=torch.int64, device=device)
+    mask = torch.zeros(len(indices), b_max, dtype=torch.bool, device=device)
+    if b_max == 0:
+        return idx, mask
+    flat = torch.cat([i.to(device=device, dtype=torch.int64) for i in indices])
+    rows = torch.repeat_interleave(torch.arange(len(indices), device=device), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(flat.numel(), device=device) - torch.repeat_interleave(starts, lengths)
+    idx[rows, cols] = flat
+    mask[rows, cols] = True
+    return idx, mask
+
+
+def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[A, b, P] gradients of each example's loss at its own silo's parameters (params: [A, P])."""
+    per_example = vmap(grad(model.example_loss), in_dims=(None, 0, 0))
+    return vmap(per_example, in_dims=(0, 0, 0))(params, x, y)
+
+
+def clip_and_sum(grads: torch.Tensor, mask: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
+    """Σ_i clip_C(g_i) over the unmasked examples of each silo ([A, b, P] → [A, P]).
+
+    C / max(‖g‖, C) is 1 for ‖g‖ ≤ C and C/‖g‖ above: exact (no ε added to the norm) and safe at
+    ‖g‖ = 0. The mask is folded into the per-example factors so the clipped sum is one batched
+    matrix product (one pass over the [A, b, P] tensor). That is safe because padding slots point at
+    a real record (index 0), so their gradients are finite whenever the real ones are.
+    """
+    norms = torch.linalg.vector_norm(grads, dim=-1)
+    factors = torch.where(mask, clip_norm / norms.clamp(min=clip_norm), 0.0)
+    return torch.einsum("abp,ab->ap", grads, factors)
+
+
+def gaussian_noise(
+    generators: Sequence[torch.Generator], *, size: int, std: float, device: torch.device
+) -> torch.Tensor:
+    """[A, size] noise, row a drawn from generators[a]: each silo privatises its own sum with its
+    own randomness (paper 000 §3: no trusted server, and §5 fn. 4: noise independent across silos)."""
+    return torch.stack([torch.randn(size, generator=g, device=device) for g in generators]) * std
+
+
+def noisy_clipped_gradient(
+    model: FlatModel,
+    params: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_norm: float,
+    noise_multipliers: torch.Tensor | float,
+    expected_batch_sizes: torch.Tensor,
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """One DP-SGD gradient per silo: (Σ_i clip_C(g_i) + N(0, σ²C² I)) / B_k.
+
+    params [A, P]; x [A, b, d]; y, mask [A, b]; expected_batch_sizes [A] (B_k, not the realised
+    batch size: dividing by the realised size would make the sensitivity data-dependent). Masked
+    slots must hold finite inputs (`pad_batches` points them at a real record).
+    """
+    num, batch = mask.shape
+    if batch == 0:
+        summed = torch.zeros_like(params)
+    else:
+        chunk = max(1, MAX_PER_SAMPLE_ELEMENTS // (batch * model.size))
+        summed = torch.cat(
+            [
+                clip_and_sum(
+                    per_sample_gradients(model, params[s : s + chunk], x[s : s + chunk], y[s : s + chunk]),
+                    mask[s : s + chunk],
+                    clip_norm=clip_norm,
+                )
+                for s in range(0, num, chunk)
+            ]
+        )
+    sigma = torch.as_tensor(noise_multipliers, dtype=summed.dtype, device=summed.device).expand(num)
+    if bool((sigma > 0).any()):
+        std = (sigma * clip_norm).unsqueeze(1)
+        summed = summed + gaussian_noise(generators, size=model.size, std=1.0, device=params.device) * std
+    return summed / expected_batch_sizes.to(summed.dtype).unsqueeze(1)

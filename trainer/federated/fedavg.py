@@ -1,0 +1,72 @@
+"""FedAvg under silo-specific sample-level DP: local DP-SGD from the global model, server average
+(paper 000 §2-4; McMahan et al. 2017)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer.federated.base import FederatedAlgorithm
+from trainer.federated.config import DPSGDConfig, Task, Weighting, check_weighting
+from trainer.federated.models import Architecture, ModelFactory
+
+
+class FedAvg(FederatedAlgorithm):
+    """Each round, each approved silo copies the global model, runs E DP-SGD steps, and the server
+    averages the approved silos' results (uniformly by default; see `Weighting`).
+
+    Cost per round: dpsgd(q_k, σ, E), identical to local training (paper 000 §3). Each silo deploys
+    the global model; averaging already-private updates is post-processing, so the global model may
+    keep improving from other silos after a silo's budget is spent at no cost to that silo.
+    """
+
+    name = "fedavg"
+
+    def __init__(
+        self,
+        *,
+        weighting: Weighting = "uniform",
+        x_train: Sequence[torch.Tensor],
+        y_train: Sequence[torch.Tensor],
+        x_test: Sequence[torch.Tensor],
+        y_test: Sequence[torch.Tensor],
+        model: ModelFactory | Architecture = "mlp",
+        task: Task = "classification",
+        num_classes: int | None = None,
+        config: DPSGDConfig = DPSGDConfig(),
+        noise_multipliers: Sequence[float] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.weighting = check_weighting(weighting)
+        super().__init__(
+            x_train=x_train,
+            y_train=y_train,
+            x_test=x_test,
+            y_test=y_test,
+            model=model,
+            task=task,
+            num_classes=num_classes,
+            config=config,
+            noise_multipliers=noise_multipliers,
+            device=device,
+        )
+        self.global_model = self.initial.clone()
+        # The model each silo last trained locally (what it uploaded); refused silos keep theirs.
+        self.local = self.initial.expand(self.num_silos, -1).clone()
+
+    def declared_steps(self, round_index: int) -> list[int]:
+        return [self.config.local_steps] * self.num_silos
+
+    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
+        start = self.global_model.expand(len(silos), -1)
+        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
+        self.local[silos] = trained
+        self.global_model = self._aggregate(trained, silos, weighting=self.weighting)
+        return torch.linalg.vector_norm(trained - start, dim=1)
+
+    def deployed_parameters(self) -> torch.Tensor:
+        return self.global_model.expand(self.num_silos, -1)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"global": self.global_model.clone(), "local": self.local.clone()}

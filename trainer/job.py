@@ -1,0 +1,120 @@
+"""`dpledger train`: a configured job against any ledger, from a TOML file or flags.
+
+Each silo is named by its ledger id and its own key (given inline or, better, by the name of an
+environment variable holding it), in the order of the data's silos.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.client import LedgerClient
+from trainer.data import FederatedDataset
+from trainer.data.digits import make_rotated_masked_digits
+from trainer.data.npz import load_npz_folder
+from trainer.federated import MRMTL, PPSGD, Ditto, DPSGDConfig, FedAvg, FederatedAlgorithm, LocalTraining
+from trainer.loop import GatedSilo, JobRun, run_gated
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    source: Literal["digits", "npz"] = "digits"
+    path: Path | None = Field(None, description="folder of one .npz per silo (source = npz)")
+    silos: Annotated[int, Field(ge=1)] = 10
+    seed: int = 0
+    mask_probability: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+    @model_validator(mode="after")
+    def _path_for_npz(self) -> DataConfig:
+        if self.source == "npz" and self.path is None:
+            raise ValueError("data.path is required when data.source is 'npz'")
+        return self
+
+
+class DpSgdSettings(_Strict):
+    lr: Annotated[float, Field(gt=0)] = 0.5
+    clip_norm: Annotated[float, Field(gt=0)] = 1.0
+    noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
+    batch_size: Annotated[int, Field(ge=1)] = 16
+    local_steps: Annotated[int, Field(ge=1)] = 10
+    seed: int = 0
+
+
+class SiloKey(_Strict):
+    id: int
+    key: str | None = None
+    key_env: str | None = None
+
+    @model_validator(mode="after")
+    def _one_key(self) -> SiloKey:
+        if (self.key is None) == (self.key_env is None):
+            raise ValueError(f"silo {self.id}: give exactly one of key and key_env")
+        return self
+
+
+class JobConfig(_Strict):
+    url: str
+    job_id: str = "job"
+    algorithm: Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd"] = "mrmtl"
+    rounds: Annotated[int, Field(ge=1)] = 20
+    lam: Annotated[float, Field(ge=0)] = 1.0
+    personal_steps: Annotated[int, Field(ge=1)] = 5
+    alpha: Annotated[float, Field(gt=0)] = 1.0
+    client_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
+    device: str = "cpu"
+    data: DataConfig = DataConfig()
+    dpsgd: DpSgdSettings = DpSgdSettings()
+    silos: list[SiloKey]
+
+
+def load_data(config: DataConfig) -> FederatedDataset:
+    if config.source == "npz":
+        assert config.path is not None
+        return load_npz_folder(config.path, seed=config.seed)
+    return make_rotated_masked_digits(n_silos=config.silos, seed=config.seed, mask_probability=config.mask_probability)
+
+
+def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
+    common = dict(
+        x_train=[s.x_train for s in dataset.silos], y_train=[s.y_train for s in dataset.silos],
+        x_test=[s.x_test for s in dataset.silos], y_test=[s.y_test for s in dataset.silos],
+        task="classification" if dataset.task == "classification" else "regression",
+        num_classes=dataset.n_classes, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device,
+    )
+    match job.algorithm:
+        case "local":
+            return LocalTraining(**common)
+        case "fedavg":
+            return FedAvg(**common)
+        case "mrmtl":
+            return MRMTL(lam=job.lam, **common)
+        case "ditto":
+            return Ditto(lam=job.lam, personal_steps=job.personal_steps, **common)
+        case "ppsgd":
+            return PPSGD(alpha=job.alpha, client_rate=job.client_rate, **common)
+    raise AssertionError(job.algorithm)
+
+
+def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
+    dataset = load_data(job.data)
+    if len(job.silos) != len(dataset.silos):
+        raise ValueError(f"silos lists {len(job.silos)} ledger silos for {len(dataset.silos)} data silos")
+    keys = []
+    for silo in job.silos:
+        key = silo.key if silo.key is not None else environ.get(silo.key_env or "")
+        if not key:
+            raise ValueError(f"silo {silo.id}: environment variable {silo.key_env} is not set")
+        keys.append(key)
+    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys)]
+    try:
+        return run_gated(build(job, dataset), gated, rounds=job.rounds, job_id=job.job_id)
+    finally:
+        for silo in gated:
+            silo.client.close()
