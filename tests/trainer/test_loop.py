@@ -97,3 +97,24 @@ def test_the_demo_writes_its_report(tmp_path) -> None:
         assert m["approved"] and m["epsilon_spent"] <= m["budget"] * (1 + 1e-9)
         assert m["epsilon_spent"] == pytest.approx(m["budget"], rel=1e-6)  # noise calibrated to spend it exactly
     assert "silo-3" in table
+
+
+def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str, tmp_path, monkeypatch) -> None:
+    from trainer.cli import main
+
+    with LedgerClient(ledger, ADMIN_KEY) as admin:
+        sizes = [s.n_train for s in make_rotated_masked_digits(n_silos=2, seed=0, mask_probability=0.1).silos]
+        created = [admin.create_silo(name=f"train-{k}", epsilon=50.0, delta=1e-5, dataset_size=n) for k, n in enumerate(sizes)]
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'url = "{ledger}"\njob_id = "toml-job"\nalgorithm = "ditto"\nrounds = 2\n'
+        "[data]\nsilos = 2\n[dpsgd]\nlocal_steps = 2\n"
+        + "".join(f'[[silos]]\nid = {c["id"]}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
+    )
+    for k, c in enumerate(created):
+        monkeypatch.setenv(f"KEY_{k}", c["api_key"])
+    assert main(["train", str(config)]) == 0
+    with LedgerClient(ledger, created[0]["api_key"]) as silo:
+        history = silo.history(created[0]["id"])
+    reserves = [e for e in history if e["event"] == "reserve"]
+    assert [(e["job_id"], e["round"], e["mechanism"]["steps"]) for e in reserves] == [("toml-job", 0, 2 + 5), ("toml-job", 1, 2 + 5)]
