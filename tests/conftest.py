@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 
 from service.api.app import create_app
 from service.ledger.db import migrate
@@ -17,6 +17,24 @@ from service.settings import Settings
 
 ADMIN_KEY = "test-admin-key-0123456789abcdef"
 POSTGRES_URL = os.environ.get("DPLEDGER_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A database of this test session's own on the server DPLEDGER_TEST_POSTGRES_URL names, so
+    that nothing else using that database (a bench, another run) can drop tables under a test."""
+    if not POSTGRES_URL:
+        pytest.skip("DPLEDGER_TEST_POSTGRES_URL is not set")
+    server = make_url(POSTGRES_URL)
+    name = f"dpledger_test_{os.getpid()}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    yield server.set(database=name).render_as_string(hide_password=False)
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 def reset_postgres(url: str) -> None:
@@ -32,9 +50,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path) -> str:  # type: igno
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path}/ledger.db"
     else:
-        if not POSTGRES_URL:
-            pytest.skip("DPLEDGER_TEST_POSTGRES_URL is not set")
-        url = POSTGRES_URL
+        url = request.getfixturevalue("postgres_url")
         reset_postgres(url)
     migrate(url)
     return url
