@@ -6,7 +6,7 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.accounting.mechanisms import Mechanism, check_nesting
 from service.ledger.models import ChargeStatus, EntryEvent, Role
@@ -35,10 +35,22 @@ class _WithMechanism(_Request):
 
 
 class SiloCreateRequest(_Request):
+    """A budget given as (epsilon, delta), or chosen from the menu by `level` (paper 003 §2)."""
+
     name: Annotated[str, Field(min_length=1, max_length=200)]
-    epsilon: Epsilon
-    delta: Delta
+    epsilon: Epsilon | None = None
+    delta: Delta | None = None
+    level: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     dataset_size: DatasetSize
+
+    @model_validator(mode="after")
+    def _budget_or_level(self) -> SiloCreateRequest:
+        if self.level is not None:
+            if self.epsilon is not None or self.delta is not None:
+                raise ValueError("give either level or (epsilon, delta), not both")
+        elif self.epsilon is None or self.delta is None:
+            raise ValueError("epsilon and delta are required unless a level is chosen")
+        return self
 
 
 class SiloCreated(BaseModel):
@@ -150,3 +162,48 @@ class KeyCreateRequest(_Request):
 class KeyCreated(BaseModel):
     key_id: int
     api_key: str
+
+
+class LevelCreateRequest(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    epsilon: Epsilon
+    delta: Delta
+
+
+class Level(BaseModel):
+    name: str
+    epsilon: float
+    delta: float
+
+
+class JobCreateRequest(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=200)]
+    silo_ids: Annotated[list[int], Field(min_length=1, max_length=10_000)]
+
+
+class JobCreated(BaseModel):
+    job_id: int
+
+
+class NormReportRequest(_Request):
+    silo_id: int
+    l2_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class NormReported(BaseModel):
+    job_id: int
+    round: int
+    silo_id: int
+    l2_norm: float
+
+
+class GroupComponent(BaseModel):
+    mean_norm: float
+    std_norm: float
+    size: int
+
+
+class GroupsResponse(BaseModel):
+    groups: dict[int, int] = Field(description="silo id → privacy group; 0 is the least noisy")
+    components: list[GroupComponent]
+    n_components: int

@@ -98,3 +98,44 @@ class ApiKey(Base):
     silo_id: Mapped[int | None] = mapped_column(ForeignKey("silos.id"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class PrivacyLevel(Base):
+    """A menu entry (paper 003 §2): silos may register by choosing one; it is a budget like any other."""
+
+    __tablename__ = "privacy_levels"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    epsilon: Mapped[float] = mapped_column(Float)
+    delta: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class JobSilo(Base):
+    __tablename__ = "job_silos"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"), primary_key=True)
+
+
+class NormReport(Base):
+    """The L2 norm of a silo's noisy update in one round: already private, so free to share."""
+
+    __tablename__ = "norm_reports"
+    __table_args__ = (UniqueConstraint("job_id", "round", "silo_id", name="uq_norm_reports_job_round_silo"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"))
+    round: Mapped[int] = mapped_column(Integer)
+    silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"))
+    l2_norm: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

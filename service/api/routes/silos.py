@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from service.api.deps import READERS, FactoryDep, PrincipalDep
 from service.api.schemas import HistoryEntry, SiloCreated, SiloCreateRequest, SiloDetail, SiloSummary, finite_or_none
-from service.ledger import charges, silos
+from service.ledger import charges, jobs, silos
 from service.ledger.models import Role, Silo
 
 router = APIRouter(prefix="/v1/silos", tags=["silos"])
@@ -28,9 +28,13 @@ def _summary(silo: Silo) -> SiloSummary:
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo")
 def create_silo(body: SiloCreateRequest, caller: PrincipalDep, factory: FactoryDep) -> SiloCreated:
     caller.require(Role.admin)
-    silo, api_key = silos.register(
-        factory, name=body.name, epsilon=body.epsilon, delta=body.delta, dataset_size=body.dataset_size
-    )
+    epsilon, delta = body.epsilon, body.delta
+    if body.level is not None:
+        with factory() as session:
+            level = jobs.level_by_name(session, body.level)
+        epsilon, delta = level.epsilon, level.delta
+    assert epsilon is not None and delta is not None  # the request model guarantees one or the other
+    silo, api_key = silos.register(factory, name=body.name, epsilon=epsilon, delta=delta, dataset_size=body.dataset_size)
     return SiloCreated(
         id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size, api_key=api_key
     )

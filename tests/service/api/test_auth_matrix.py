@@ -16,6 +16,7 @@ ROLES = ["admin", "own_silo", "other_silo", "auditor", "coordinator", "no_key", 
 class World:
     client: object
     silo_id: int
+    job_id: int
     keys: dict[str, dict[str, str]]
     counter: int = 0
 
@@ -47,7 +48,8 @@ def world(client, make_silo) -> World:  # type: ignore[no-untyped-def]
         "coordinator": key("coordinator"), "no_key": {}, "unknown_key": bearer("dpl_not-a-key"),
         "revoked_key": bearer(revoked["api_key"]),
     }
-    return World(client, own.id, keys)
+    job = client.post("/v1/jobs", json={"name": "matrix", "silo_ids": [own.id, other.id]}, headers=ADMIN).json()
+    return World(client, own.id, job["job_id"], keys)
 
 
 def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
@@ -84,6 +86,18 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
         case "revoke_key":
             created = world.client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()  # type: ignore[attr-defined]
             return "DELETE", f"/v1/keys/{created['key_id']}", None
+        case "create_job":
+            return "POST", "/v1/jobs", {"name": "j", "silo_ids": [s]}
+        case "report_norm":
+            world.counter += 1
+            return "POST", f"/v1/jobs/{world.job_id}/rounds/{world.counter}/norms", {"silo_id": s, "l2_norm": 1.5}
+        case "round_groups":
+            return "GET", f"/v1/jobs/{world.job_id}/rounds/0/groups", None
+        case "publish_level":
+            world.counter += 1
+            return "POST", "/v1/levels", {"name": f"level-{world.counter}", "epsilon": 1.0, "delta": 1e-5}
+        case "list_levels":
+            return "GET", "/v1/levels", None
         case "healthz":
             return "GET", "/healthz", None
     raise AssertionError(route)
@@ -106,6 +120,11 @@ EXPECTED = {
     "calibrate":        [200, 200, 200, 200, 200, *A],
     "create_key":       [201, 403, 403, 403, 403, *A],
     "revoke_key":       [204, 403, 403, 403, 403, *A],
+    "create_job":       [201, 403, 403, 403, 201, *A],
+    "report_norm":      [403, 201, 403, 403, 403, *A],
+    "round_groups":     [200, 403, 403, 200, 200, *A],
+    "publish_level":    [201, 403, 403, 403, 403, *A],
+    "list_levels":      [200, 200, 200, 200, 200, *A],
     "healthz":          [200, 200, 200, 200, 200, 200, 200, 200],
 }
 
