@@ -1,0 +1,50 @@
+"""Server-side aggregation over stacked silo updates [K, P]: pure torch functions, no state.
+
+- `pfa_aggregate`: projected federated averaging (paper 001 Alg. 1).
+- `fedhdp_aggregate`, `optimal_ratio`, `estimate_noise_variance_from_norms`, `budget_blind_ratio`:
+  FedHDP's two-step aggregation and its ratio r (paper 003 §3.1.2, Lemma 1, Alg. 2).
+- `noisy_quantile_clip_update`: adaptive clipping by a noisy quantile query (paper 003 Alg. 2;
+  Andrew et al. 2021), returning the mechanism that query ran.
+- `pmtl_server_step`, `pmtl_round_mechanism`: PMTL's noisy global learner (paper 004 Alg. 1, Thm 1).
+
+Aggregating already-private updates is post-processing (DESIGN.md, "The privacy model"); only the
+quantile query and PMTL's server noise are mechanisms, and each returns what it must be charged as.
+"""
+
+from trainer.aggregation.clipping import QuantileClipUpdate, clip_updates, noisy_quantile_clip_update
+from trainer.aggregation.fedhdp import (
+    budget_blind_ratio,
+    estimate_noise_variance_from_norms,
+    fedhdp_aggregate,
+    group_means,
+    optimal_ratio,
+)
+from trainer.aggregation.mechanisms import GaussianMechanism, PoissonSampledGaussian
+from trainer.aggregation.pfa import pfa_aggregate, project_onto, public_mask, top_k_subspace
+from trainer.aggregation.pmtl import (
+    pmtl_record_level_mechanism,
+    pmtl_round_mechanism,
+    pmtl_server_step,
+    sample_tasks,
+)
+
+__all__ = [
+    "GaussianMechanism",
+    "PoissonSampledGaussian",
+    "QuantileClipUpdate",
+    "budget_blind_ratio",
+    "clip_updates",
+    "estimate_noise_variance_from_norms",
+    "fedhdp_aggregate",
+    "group_means",
+    "noisy_quantile_clip_update",
+    "optimal_ratio",
+    "pfa_aggregate",
+    "pmtl_record_level_mechanism",
+    "pmtl_round_mechanism",
+    "pmtl_server_step",
+    "project_onto",
+    "public_mask",
+    "sample_tasks",
+    "top_k_subspace",
+]
