@@ -130,6 +130,18 @@ class LedgerClient:
             return None  # an earlier attempt landed and only its answer was lost
         return self._json(response, 200)["epsilon_spent"]  # type: ignore[no-any-return]
 
+    # --- jobs, norms and groups (the coordinator's side) -------------------------------------------
+    def create_job(self, *, name: str, silo_ids: list[int]) -> int:
+        return int(self._json(self._send("POST", "/v1/jobs", {"name": name, "silo_ids": silo_ids}), 201)["job_id"])
+
+    def report_norm(self, job_id: int, round: int, *, silo_id: int, l2_norm: float) -> None:
+        self._json(self._send("POST", f"/v1/jobs/{job_id}/rounds/{round}/norms", {"silo_id": silo_id, "l2_norm": l2_norm}), 201)
+
+    def groups(self, job_id: int, round: int) -> dict[int, int]:
+        """Silo id → privacy group (0 = least noisy), from the norms alone."""
+        body = self._json(self._send("GET", f"/v1/jobs/{job_id}/rounds/{round}/groups"), 200)
+        return {int(silo): group for silo, group in body["groups"].items()}
+
     # --- anyone ------------------------------------------------------------------------------------
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
