@@ -1,0 +1,154 @@
+"""One DP-SGD step (Abadi et al. 2016) as small named phases.
+
+Public API:
+
+- `clip_factors(norms, *, max_grad_norm) -> Tensor`: min(1, C/||g_i||), 1 for a zero gradient.
+- `clipped_grad_sum(model, loss_fn, x, y, *, max_grad_norm) -> ClippedGradSum`: Σ_i c_i·g_i for
+  every trainable parameter, and the per-sample norms it clipped, without per-sample gradients
+  wherever a ghost rule exists (see `trainer.dpsgd.norms`).
+- `add_gaussian_noise(grads, *, std, generator) -> list[Tensor]`: grads + N(0, std²) per coordinate.
+- `dp_sgd_step(model, loss_fn, x, y, *, max_grad_norm, noise_multiplier, expected_batch_size,
+  generator, optimizer) -> StepStats`: the phases above, then division by the expected batch size
+  and `optimizer.step()`.
+
+`loss_fn(output, y)` returns per-example losses (reduction="none"). The step runs on the device of
+the model's parameters; `generator` must live there too, so the noise never crosses devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from trainer.dpsgd.capture import LossFn, trainable_parameters
+from trainer.dpsgd.norms import layer_grads, norms_from_layers
+
+
+@dataclass(frozen=True)
+class ClippedGradSum:
+    """Σ_i c_i·g_i, aligned with `params`, and the pre-clip norms ||g_i|| of the batch."""
+
+    params: list[nn.Parameter]
+    grads: list[Tensor]
+    norms: Tensor
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did.
+
+    Only `noisy_update_norm` is a private release (post-processing of the noisy sum) and may leave
+    the silo; `batch_size` and `clipped_fraction` are computed from raw data and are local
+    diagnostics only.
+    """
+
+    batch_size: int
+    clipped_fraction: float
+    noisy_update_norm: float
+
+
+def _require_finite_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0. Found {value}.")
+
+
+def _model_device(params: Sequence[nn.Parameter]) -> torch.device:
+    if not params:
+        raise ValueError("The model has no trainable parameters.")
+    return params[0].device
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # torch.device("cuda") and torch.device("cuda:0") name the same device when index is unset.
+    if a.type != b.type:
+        return False
+    return a.index is None or b.index is None or a.index == b.index
+
+
+def clip_factors(norms: Tensor, *, max_grad_norm: float) -> Tensor:
+    """min(1, C/||g_i||) for each example.
+
+    Written as C / max(||g_i||, C): identical to the min, and a zero norm gives C/C = 1 instead of
+    C/0, so no epsilon in the denominator is needed and no NaN can appear.
+    """
+    _require_finite_positive("max_grad_norm", max_grad_norm)
+    return max_grad_norm / norms.clamp(min=max_grad_norm)
+
+
+def clipped_grad_sum(
+    model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, *, max_grad_norm: float
+) -> ClippedGradSum:
+    """Σ_i min(1, C/||g_i||)·g_i over the batch, for each trainable parameter (zeros if empty)."""
+    _require_finite_positive("max_grad_norm", max_grad_norm)
+    params = trainable_parameters(model)
+    device = _model_device(params)
+    x, y = x.to(device), y.to(device)
+    layers = layer_grads(model, loss_fn, x, y)
+    norms = norms_from_layers(layers, batch_size=x.shape[0], like=params[0])
+    factors = clip_factors(norms, max_grad_norm=max_grad_norm)
+    summed: dict[int, Tensor] = {}
+    for layer in layers:
+        for param, value in layer.weighted_sum(factors):
+            summed[id(param)] = value
+    # A parameter whose layer did not run (or an empty batch) has a zero clipped sum.
+    grads = [summed[id(p)] if id(p) in summed else torch.zeros_like(p) for p in params]
+    return ClippedGradSum(params=params, grads=grads, norms=norms)
+
+
+def add_gaussian_noise(grads: Sequence[Tensor], *, std: float, generator: torch.Generator) -> list[Tensor]:
+    """grads + N(0, std²) on every coordinate, drawn from `generator` in the order given."""
+    if not (math.isfinite(std) and std >= 0):
+        raise ValueError(f"std must be finite and >= 0. Found {std}.")
+    noisy: list[Tensor] = []
+    # One stream, drawn serially (on CPU, the largest cost of the step left over the non-private
+    # one). Splitting it over child generators seeded from this one would parallelize, but torch
+    # seeds a CPU generator from 32 bits only: over ~10^5 child seeds two chunks of different
+    # steps would likely get the same seed, and so the same noise.
+    for g in grads:
+        if not _same_device(generator.device, g.device):
+            raise ValueError(f"generator is on {generator.device} but the gradients are on {g.device}.")
+        noise = torch.empty_like(g, memory_format=torch.contiguous_format).normal_(0.0, std, generator=generator)
+        noisy.append(noise.add_(g))
+    return noisy
+
+
+def dp_sgd_step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+    optimizer: torch.optim.Optimizer,
+) -> StepStats:
+    """Clip, sum, add N(0, σ²C²), divide by the expected batch size, and step the optimizer.
+
+    `x` is a Poisson-sampled batch and may be empty (the update is then noise only). Dividing by
+    the expected batch size q·n rather than the realized one keeps the sensitivity of the average
+    at C/(q·n) whatever batch was drawn; the realized size depends on the data and is not private.
+    """
+    _require_finite_positive("expected_batch_size", expected_batch_size)
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0. Found {noise_multiplier}.")
+    clipped = clipped_grad_sum(model, loss_fn, x, y, max_grad_norm=max_grad_norm)
+    noisy = add_gaussian_noise(clipped.grads, std=noise_multiplier * max_grad_norm, generator=generator)
+    for param, value in zip(clipped.params, noisy, strict=True):
+        param.grad = value.div_(expected_batch_size)
+    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in noisy]))
+    optimizer.step()
+    batch_size = int(clipped.norms.shape[0])
+    clipped_count = (clipped.norms > max_grad_norm).sum()
+    # One host transfer for both numbers: each .item() would be its own device sync on CUDA.
+    update_norm_value, clipped_count_value = torch.stack([update_norm.double(), clipped_count.double()]).tolist()
+    return StepStats(
+        batch_size=batch_size,
+        clipped_fraction=clipped_count_value / batch_size if batch_size else 0.0,
+        noisy_update_norm=update_norm_value,
+    )
