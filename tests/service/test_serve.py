@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,24 @@ def test_serve_migrates_the_default_sqlite_file_and_answers(tmp_path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_keys_create_bootstraps_an_admin_without_any_env_key(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from service.api.app import create_app
+    from service.settings import Settings
+
+    url = f"sqlite:///{tmp_path}/keys.db"
+    env = {**os.environ, "DATABASE_URL": url}
+    env.pop("DPLEDGER_ADMIN_KEY", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "keys", "create", "--role", "admin"], env=env, capture_output=True, text=True, check=True
+    )
+    key = json.loads(out.stdout)["api_key"]
+
+    app = create_app(Settings(database_url=url, admin_key=None))
+    with TestClient(app) as client:
+        assert client.get("/v1/silos", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert client.get("/v1/silos", headers={"Authorization": "Bearer dpl_guess"}).status_code == 401
+    app.state.engine.dispose()
