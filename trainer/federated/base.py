@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import torch
 from torch.func import vmap
@@ -31,6 +31,24 @@ from trainer.federated.config import (
     make_generator,
 )
 from trainer.federated.models import Architecture, ModelFactory, make_template
+
+
+class _RequiredArgs(TypedDict):
+    x_train: Sequence[torch.Tensor]
+    y_train: Sequence[torch.Tensor]
+    x_test: Sequence[torch.Tensor]
+    y_test: Sequence[torch.Tensor]
+
+
+class AlgorithmArgs(_RequiredArgs, total=False):
+    """The constructor arguments every algorithm shares (subclasses take `**common: Unpack[...]`)."""
+
+    model: ModelFactory | Architecture
+    task: Task
+    num_classes: int | None
+    config: DPSGDConfig
+    noise_multipliers: Sequence[float] | None
+    device: torch.device | str
 
 
 class FederatedAlgorithm(ABC):

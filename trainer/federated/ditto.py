@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import math
-from collections.abc import Sequence
 
 import torch
 
-from trainer.federated.base import FederatedAlgorithm
-from trainer.federated.config import DPSGDConfig, Task, Weighting, check_weighting
-from trainer.federated.models import Architecture, ModelFactory
+from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from trainer.federated.config import Weighting, check_weighting
 
 
 class Ditto(FederatedAlgorithm):
@@ -31,34 +31,14 @@ class Ditto(FederatedAlgorithm):
         lam: float,
         personal_steps: int,
         weighting: Weighting = "uniform",
-        x_train: Sequence[torch.Tensor],
-        y_train: Sequence[torch.Tensor],
-        x_test: Sequence[torch.Tensor],
-        y_test: Sequence[torch.Tensor],
-        model: ModelFactory | Architecture = "mlp",
-        task: Task = "classification",
-        num_classes: int | None = None,
-        config: DPSGDConfig = DPSGDConfig(),
-        noise_multipliers: Sequence[float] | None = None,
-        device: torch.device | str = "cpu",
+        **common: Unpack[AlgorithmArgs],
     ) -> None:
         if not (math.isfinite(lam) and lam >= 0):
             raise ValueError(f"lam must be finite and >= 0. Found {lam}.")
         if personal_steps <= 0:
             raise ValueError(f"personal_steps must be positive. Found {personal_steps}.")
         self.weighting = check_weighting(weighting)
-        super().__init__(
-            x_train=x_train,
-            y_train=y_train,
-            x_test=x_test,
-            y_test=y_test,
-            model=model,
-            task=task,
-            num_classes=num_classes,
-            config=config,
-            noise_multipliers=noise_multipliers,
-            device=device,
-        )
+        super().__init__(**common)
         self.lam = lam
         self.personal_steps = personal_steps
         self.global_model = self.initial.clone()

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Unpack
+
 
 import torch
 
-from trainer.federated.base import FederatedAlgorithm
-from trainer.federated.config import DPSGDConfig, Task, Weighting, check_weighting
-from trainer.federated.models import Architecture, ModelFactory
+from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from trainer.federated.config import Weighting, check_weighting
 
 
 class FedAvg(FederatedAlgorithm):
@@ -27,30 +27,10 @@ class FedAvg(FederatedAlgorithm):
         self,
         *,
         weighting: Weighting = "uniform",
-        x_train: Sequence[torch.Tensor],
-        y_train: Sequence[torch.Tensor],
-        x_test: Sequence[torch.Tensor],
-        y_test: Sequence[torch.Tensor],
-        model: ModelFactory | Architecture = "mlp",
-        task: Task = "classification",
-        num_classes: int | None = None,
-        config: DPSGDConfig = DPSGDConfig(),
-        noise_multipliers: Sequence[float] | None = None,
-        device: torch.device | str = "cpu",
+        **common: Unpack[AlgorithmArgs],
     ) -> None:
         self.weighting = check_weighting(weighting)
-        super().__init__(
-            x_train=x_train,
-            y_train=y_train,
-            x_test=x_test,
-            y_test=y_test,
-            model=model,
-            task=task,
-            num_classes=num_classes,
-            config=config,
-            noise_multipliers=noise_multipliers,
-            device=device,
-        )
+        super().__init__(**common)
         self.global_model = self.initial.clone()
         # The model each silo last trained locally (what it uploaded); refused silos keep theirs.
         self.local = self.initial.expand(self.num_silos, -1).clone()

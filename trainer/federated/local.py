@@ -3,13 +3,12 @@ end of the personalization spectrum)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Unpack
+
 
 import torch
 
-from trainer.federated.base import FederatedAlgorithm
-from trainer.federated.config import DPSGDConfig, Task
-from trainer.federated.models import Architecture, ModelFactory
+from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 
 class LocalTraining(FederatedAlgorithm):
@@ -21,32 +20,8 @@ class LocalTraining(FederatedAlgorithm):
 
     name = "local"
 
-    def __init__(
-        self,
-        *,
-        x_train: Sequence[torch.Tensor],
-        y_train: Sequence[torch.Tensor],
-        x_test: Sequence[torch.Tensor],
-        y_test: Sequence[torch.Tensor],
-        model: ModelFactory | Architecture = "mlp",
-        task: Task = "classification",
-        num_classes: int | None = None,
-        config: DPSGDConfig = DPSGDConfig(),
-        noise_multipliers: Sequence[float] | None = None,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__(
-            x_train=x_train,
-            y_train=y_train,
-            x_test=x_test,
-            y_test=y_test,
-            model=model,
-            task=task,
-            num_classes=num_classes,
-            config=config,
-            noise_multipliers=noise_multipliers,
-            device=device,
-        )
+    def __init__(self, **common: Unpack[AlgorithmArgs]) -> None:
+        super().__init__(**common)
         self.personal = self.initial.expand(self.num_silos, -1).clone()
 
     def declared_steps(self, round_index: int) -> list[int]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import math
-from collections.abc import Sequence
 
 import torch
 
-from trainer.federated.base import FederatedAlgorithm
-from trainer.federated.config import DPSGDConfig, Task
-from trainer.federated.models import Architecture, ModelFactory
+from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 
 class MRMTL(FederatedAlgorithm):
@@ -27,31 +26,11 @@ class MRMTL(FederatedAlgorithm):
         self,
         *,
         lam: float,
-        x_train: Sequence[torch.Tensor],
-        y_train: Sequence[torch.Tensor],
-        x_test: Sequence[torch.Tensor],
-        y_test: Sequence[torch.Tensor],
-        model: ModelFactory | Architecture = "mlp",
-        task: Task = "classification",
-        num_classes: int | None = None,
-        config: DPSGDConfig = DPSGDConfig(),
-        noise_multipliers: Sequence[float] | None = None,
-        device: torch.device | str = "cpu",
+        **common: Unpack[AlgorithmArgs],
     ) -> None:
         if not (math.isfinite(lam) and lam >= 0):
             raise ValueError(f"lam must be finite and >= 0. Found {lam}.")
-        super().__init__(
-            x_train=x_train,
-            y_train=y_train,
-            x_test=x_test,
-            y_test=y_test,
-            model=model,
-            task=task,
-            num_classes=num_classes,
-            config=config,
-            noise_multipliers=noise_multipliers,
-            device=device,
-        )
+        super().__init__(**common)
         self.lam = lam
         self.personal = self.initial.expand(self.num_silos, -1).clone()
         self.mean = self.initial.clone()

@@ -29,14 +29,14 @@ sampling is claimed, because the silo and the server both know whether it took p
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import math
-from collections.abc import Sequence
 
 import torch
 
-from trainer.federated.base import FederatedAlgorithm
-from trainer.federated.config import STREAM_CLIENTS, DPSGDConfig, Task, derive_seed, make_generator
-from trainer.federated.models import Architecture, ModelFactory
+from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from trainer.federated.config import STREAM_CLIENTS, derive_seed, make_generator
 
 
 class PPSGD(FederatedAlgorithm):
@@ -57,33 +57,13 @@ class PPSGD(FederatedAlgorithm):
         *,
         alpha: float,
         client_rate: float = 1.0,
-        x_train: Sequence[torch.Tensor],
-        y_train: Sequence[torch.Tensor],
-        x_test: Sequence[torch.Tensor],
-        y_test: Sequence[torch.Tensor],
-        model: ModelFactory | Architecture = "mlp",
-        task: Task = "classification",
-        num_classes: int | None = None,
-        config: DPSGDConfig = DPSGDConfig(),
-        noise_multipliers: Sequence[float] | None = None,
-        device: torch.device | str = "cpu",
+        **common: Unpack[AlgorithmArgs],
     ) -> None:
         if not (math.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be finite and >= 0. Found {alpha}.")
         if not 0 < client_rate <= 1:
             raise ValueError(f"client_rate must be in (0, 1]. Found {client_rate}.")
-        super().__init__(
-            x_train=x_train,
-            y_train=y_train,
-            x_test=x_test,
-            y_test=y_test,
-            model=model,
-            task=task,
-            num_classes=num_classes,
-            config=config,
-            noise_multipliers=noise_multipliers,
-            device=device,
-        )
+        super().__init__(**common)
         self.alpha = alpha
         self.client_rate = client_rate
         self.global_model = self.initial.clone()
