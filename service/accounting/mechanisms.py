@@ -11,7 +11,7 @@ import math
 from typing import Annotated, Any, Literal, Union
 
 from dp_accounting import dp_event as de
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_NESTING = 8
 MAX_COUNT = 10_000_000  # steps / self-composition count: ~a decade of one step per 30 s

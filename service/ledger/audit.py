@@ -4,7 +4,6 @@ replays history on purpose."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
