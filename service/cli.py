@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-WORKER_COMMANDS = ("demo", "train")
+WORKER_COMMANDS = ("demo", "train", "tune")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The worker's commands: `dpledger demo` and `dpledger train`."""
+"""The worker's commands: `dpledger demo`, `dpledger train` and `dpledger tune`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,22 @@ def main(argv: list[str]) -> int:
     train.add_argument("--device", default=None)
     train.set_defaults(run=_train)
 
+    tune = commands.add_parser("tune", help="privately tune MR-MTL's λ with a ledger-drawn number of trials")
+    tune.add_argument("--grid", default="0,0.1,1,10", help="comma-separated λ values (default 0,0.1,1,10)")
+    tune.add_argument("--silos", type=int, default=4)
+    tune.add_argument("--rounds", type=int, default=3, help="rounds of each trial's MR-MTL run")
+    tune.add_argument("--mean-trials", type=float, default=3.0, help="E[K]")
+    tune.add_argument("--distribution", default="geometric",
+                      choices=["poisson", "geometric", "logarithmic", "truncated_negative_binomial"])
+    tune.add_argument("--shape", type=float, default=None, help="η of truncated_negative_binomial")
+    tune.add_argument("--epsilon", type=float, default=20.0, help="each silo's budget ε")
+    tune.add_argument("--delta", type=float, default=1e-5)
+    tune.add_argument("--noise-multiplier", type=float, default=1.0)
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--url", help="a running ledger (admin key in DPLEDGER_ADMIN_KEY); default: a temporary one")
+    tune.add_argument("--device", default=None)
+    tune.set_defaults(run=_tune)
+
     args = parser.parse_args(argv)
     return int(args.run(args) or 0)
 
@@ -71,3 +87,15 @@ def _train(args: argparse.Namespace) -> None:
         print(f"silo {k}: rounds approved {approved}, refused {refused}, final metric {metric:.4f}")
     if run.stop_reason:
         print(f"stopped: {run.stop_reason}", file=sys.stderr)
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from trainer.tune import TuneConfig, format_outcomes, run_tune
+
+    config = TuneConfig(
+        grid=tuple(float(v) for v in args.grid.split(",") if v.strip()), silos=args.silos, rounds=args.rounds,
+        mean_trials=args.mean_trials, distribution=args.distribution, shape=args.shape, epsilon=args.epsilon,
+        delta=args.delta, noise_multiplier=args.noise_multiplier, seed=args.seed, device=default_device(args.device),
+        url=args.url,
+    )
+    print(format_outcomes(run_tune(config)))

@@ -21,8 +21,8 @@ from service.accounting.mechanisms import AnyMechanism, MechanismError, resolve
 from service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 from service.ledger import silos
 from service.ledger.db import write_transaction
-from service.ledger.errors import InvalidRequest, NotFound, OverBudget, SettledAlready
-from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry
+from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget, SettledAlready
+from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, Search
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,10 @@ def _settle(factory: sessionmaker[Session], *, charge_id: int, event: EntryEvent
         assert charge is not None  # charges are never deleted
         if charge.status != ChargeStatus.reserved:
             raise SettledAlready(charge_id, ChargeStatus(charge.status).value)
+        if event is EntryEvent.release and session.scalars(select(Search.id).where(Search.charge_id == charge_id)).first():
+            # A search's trials query the data as soon as K is known: its charge settles only by
+            # reporting them, never by a release that would hand the budget back.
+            raise Conflict(f"charge {charge_id} pays for a hyperparameter search; it is committed by the search's last trial")
         curve = curve_from_json(charge.rdp)
         if event is EntryEvent.commit:
             charge.status = ChargeStatus.committed

@@ -139,3 +139,28 @@ class NormReport(Base):
     silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"))
     l2_norm: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SearchStatus(str, enum.Enum):
+    running = "running"  # fewer than K trials reported
+    done = "done"  # K trials reported; the search's charge is committed
+
+
+class Search(Base):
+    """A private hyperparameter search (paper 000 §7; Papernot & Steinke 2022): one
+    repeat_and_select charge, reserved up front, and the K the service drew for it."""
+
+    __tablename__ = "searches"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"), index=True)
+    charge_id: Mapped[int] = mapped_column(ForeignKey("charges.id"), unique=True)
+    trial_mechanism: Mapped[str] = mapped_column(Text)  # one trial's mechanism JSON, as requested
+    distribution: Mapped[str] = mapped_column(String(40))
+    shape: Mapped[str] = mapped_column(String(40))  # a float's repr, or "infinity"
+    mean_trials: Mapped[float] = mapped_column(Float)
+    trials: Mapped[int] = mapped_column(Integer)  # K, drawn by the service
+    trials_reported: Mapped[int] = mapped_column(Integer, default=0)
+    best_score: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[SearchStatus] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

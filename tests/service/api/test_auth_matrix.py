@@ -30,6 +30,17 @@ class World:
         assert response.status_code == 201
         return int(response.json()["charge_id"])
 
+    def search(self) -> int:
+        """A running search of the own silo; Poisson-free (geometric K ≥ 1), so a trial can be reported."""
+        self.counter += 1
+        response = self.client.post(  # type: ignore[attr-defined]
+            f"/v1/silos/{self.silo_id}/searches",
+            json={"trial": STEP, "mean_trials": 1, "distribution": {"kind": "geometric"}, "idempotency_key": f"setup-s-{self.counter}"},
+            headers=self.keys["own_silo"],
+        )
+        assert response.status_code == 201
+        return int(response.json()["search_id"])
+
 
 @pytest.fixture
 def world(client, make_silo) -> World:  # type: ignore[no-untyped-def]
@@ -100,6 +111,17 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
             return "GET", "/v1/levels", None
         case "healthz":
             return "GET", "/healthz", None
+        case "start_search":
+            world.counter += 1
+            return "POST", f"/v1/silos/{s}/searches", {
+                "trial": STEP, "mean_trials": 3, "distribution": {"kind": "geometric"}, "idempotency_key": f"s-{world.counter}",
+            }
+        case "get_search":
+            return "GET", f"/v1/searches/{world.search()}", None
+        case "report_trial":
+            return "POST", f"/v1/searches/{world.search()}/trials", {"score": 0.5}
+        case "quote_search":
+            return "POST", "/v1/searches/quote", {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5}
     raise AssertionError(route)
 
 
@@ -126,6 +148,10 @@ EXPECTED = {
     "publish_level":    [201, 403, 403, 403, 403, *A],
     "list_levels":      [200, 200, 200, 200, 200, *A],
     "healthz":          [200, 200, 200, 200, 200, 200, 200, 200],
+    "start_search":     [403, 201, 403, 403, 403, *A],
+    "get_search":       [200, 200, 403, 200, 403, *A],
+    "report_trial":     [403, 200, 403, 403, 403, *A],
+    "quote_search":     [200, 200, 200, 200, 200, *A],
 }
 
 

@@ -1,0 +1,184 @@
+"""Private hyperparameter searches (paper 000 §7): start one, report its trials, quote its cost.
+
+The wire models live here, beside their only routes, so that this feature's API stays in one file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Response, status
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from service.accounting import rdp
+from service.accounting.mechanisms import Mechanism, MechanismError, SelfComposed, check_nesting, resolve
+from service.accounting.trial_counts import MAX_MEAN_TRIALS, DistributionKind, TrialDistribution, distribution
+from service.api.deps import READERS, FactoryDep, PrincipalDep
+from service.api.schemas import Delta, OverBudgetResponse, finite_or_none
+from service.ledger import searches
+from service.ledger.errors import InvalidRequest
+from service.ledger.models import Search, SearchStatus
+
+router = APIRouter(tags=["searches"])
+
+MeanTrials = Annotated[float, Field(ge=1, le=MAX_MEAN_TRIALS, allow_inf_nan=False, description="E[K]")]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _WithTrial(_Request):
+    trial: Mechanism = Field(description="one trial's whole mechanism (e.g. a training run's dpsgd)")
+
+    @field_validator("trial", mode="before")
+    @classmethod
+    def _bounded_nesting(cls, value: Any) -> Any:
+        return check_nesting(value)
+
+
+class DistributionSpec(_Request):
+    kind: DistributionKind
+    shape: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="η, only for truncated_negative_binomial"
+    )
+
+
+class SearchRequest(_WithTrial):
+    mean_trials: MeanTrials
+    distribution: DistributionSpec
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=200)]
+
+    @model_validator(mode="after")
+    def _law(self) -> SearchRequest:
+        self.law()  # a kind/shape mismatch is a 422 here, before anything is reserved
+        return self
+
+    def law(self) -> TrialDistribution:
+        return distribution(self.distribution.kind, mean=self.mean_trials, shape=self.distribution.shape)
+
+
+class SearchStarted(BaseModel):
+    search_id: int
+    trials: int = Field(description="K, drawn by the service: run exactly this many trials")
+    charge_id: int
+    epsilon_spent: float = Field(description="the silo's ε right after the search was approved")
+
+
+class SearchDetail(BaseModel):
+    search_id: int
+    silo_id: int
+    charge_id: int
+    trial: dict[str, Any]
+    distribution: DistributionKind
+    shape: float | Literal["infinity"]
+    mean_trials: float
+    trials: int
+    trials_reported: int
+    best_score: float | None
+    status: SearchStatus
+
+
+class TrialReport(_Request):
+    score: Annotated[float, Field(allow_inf_nan=False, description="higher is better (e.g. accuracy)")]
+
+
+class SearchQuoteRequest(_WithTrial):
+    mean_trials: MeanTrials
+    delta: Delta
+    grid_size: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        None, description="trials of the naive search (default: mean_trials rounded up)"
+    )
+    tnb_shapes: Annotated[list[Annotated[float, Field(gt=0, allow_inf_nan=False)]], Field(max_length=16)] = Field(
+        default_factory=lambda: [0.5], description="η values of truncated_negative_binomial to quote"
+    )
+
+
+class DistributionQuote(BaseModel):
+    kind: DistributionKind
+    shape: float | Literal["infinity"]
+    epsilon: float | None
+
+
+class SearchQuote(BaseModel):
+    delta: float
+    trial_epsilon: float | None
+    naive_grid_size: int
+    naive_epsilon: float | None = Field(description="grid_size trials composed (self_composed)")
+    distributions: list[DistributionQuote]
+
+
+def _detail(search: Search) -> SearchDetail:
+    shape: float | Literal["infinity"] = "infinity" if search.shape == "infinity" else float(search.shape)
+    return SearchDetail(
+        search_id=search.id, silo_id=search.silo_id, charge_id=search.charge_id,
+        trial=json.loads(search.trial_mechanism), distribution=search.distribution,  # type: ignore[arg-type]
+        shape=shape, mean_trials=search.mean_trials, trials=search.trials, trials_reported=search.trials_reported,
+        best_score=search.best_score, status=SearchStatus(search.status),
+    )
+
+
+@router.post(
+    "/v1/silos/{silo_id}/searches",
+    status_code=status.HTTP_201_CREATED,
+    response_model=SearchStarted,
+    name="start_search",
+    responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"}},
+)
+def start_search(
+    silo_id: int, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, response: Response
+) -> SearchStarted:
+    caller.require_silo(silo_id)
+    started = searches.start(
+        factory, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key
+    )
+    if started.replayed:
+        response.headers["Idempotent-Replayed"] = "true"
+    return SearchStarted(
+        search_id=started.search.id, trials=started.search.trials, charge_id=started.search.charge_id,
+        epsilon_spent=started.epsilon_spent,
+    )
+
+
+@router.get("/v1/searches/{search_id}", response_model=SearchDetail, name="get_search")
+def get_search(search_id: int, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
+    with factory() as session:
+        search = searches.get(session, search_id)
+    caller.require_silo(search.silo_id, also=READERS)  # a search reveals a silo's spending
+    return _detail(search)
+
+
+@router.post("/v1/searches/{search_id}/trials", response_model=SearchDetail, name="report_trial")
+def report_trial(search_id: int, body: TrialReport, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
+    with factory() as session:
+        silo_id = searches.get(session, search_id).silo_id
+    caller.require_silo(silo_id)
+    return _detail(searches.report_trial(factory, search_id=search_id, score=body.score))
+
+
+@router.post("/v1/searches/quote", response_model=SearchQuote, name="quote_search")
+def quote_search(body: SearchQuoteRequest, caller: PrincipalDep) -> SearchQuote:
+    """The naive search (a fixed grid, every run composed) beside each random-K search of the same
+    mean (Papernot & Steinke 2022; paper 000 §7), before anyone spends."""
+    try:
+        trial = resolve(body.trial, dataset_size=None, path="trial")
+        grid = body.grid_size if body.grid_size is not None else math.ceil(body.mean_trials)
+        trial_eps = rdp.epsilon(rdp.rdp_curve(trial), delta=body.delta)[0]
+        naive_eps = rdp.epsilon(rdp.rdp_curve(SelfComposed(count=grid, event=trial)), delta=body.delta)[0]
+        laws = [distribution(kind, mean=body.mean_trials) for kind in ("poisson", "geometric", "logarithmic")]
+        laws += [distribution("truncated_negative_binomial", mean=body.mean_trials, shape=eta) for eta in body.tnb_shapes]
+        quotes = [
+            DistributionQuote(
+                kind=law.kind, shape=law.shape,
+                epsilon=finite_or_none(rdp.epsilon(rdp.rdp_curve(searches.search_mechanism(trial, law)), delta=body.delta)[0]),
+            )
+            for law in laws
+        ]
+    except MechanismError as error:
+        raise InvalidRequest(error.field.replace("mechanism", "trial", 1), error.message) from error
+    return SearchQuote(
+        delta=body.delta, trial_epsilon=finite_or_none(trial_eps), naive_grid_size=grid,
+        naive_epsilon=finite_or_none(naive_eps), distributions=quotes,
+    )
