@@ -12,6 +12,8 @@ one `vmap`-ed computation (see `batched`). Every algorithm implements `Federated
 | `MRMTL(lam)` | dpsgd(B_k/n_k, σ, E) | own model, pulled to the mean |
 | `Ditto(lam, personal_steps)` | dpsgd(B_k/n_k, σ, E + E_p) | personalized model |
 | `PPSGD(alpha, client_rate)` | dpsgd(B_k/n_k, σ, E) if sampled, else None | w + θ_k |
+| `PFA(k)` | dpsgd(B_k/n_k, σ, E), the warm-start round too | global model, grouped by norm |
+| `FedHDP(ratio)` | dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive) | global model |
 
 The `DPSGDConfig` defaults (small tanh MLP, lr 0.5, C 1, σ 1, B 16, E 10) take MR-MTL on 8x8
 digits (features scaled to [0, 1]) to well above chance within 20 rounds, in seconds on CPU.
@@ -21,20 +23,26 @@ from trainer.federated.base import FederatedAlgorithm
 from trainer.federated.config import DPSGDConfig, RoundResult, Task, Weighting
 from trainer.federated.ditto import Ditto
 from trainer.federated.fedavg import FedAvg
+from trainer.federated.fedhdp import AdaptiveClip, FedHDP
 from trainer.federated.local import LocalTraining
 from trainer.federated.models import Architecture, FlatModel, ModelFactory, build_model
 from trainer.federated.mrmtl import MRMTL
+from trainer.federated.pfa import PFA, GroupAggregated
 from trainer.federated.ppsgd import PPSGD
 
 __all__ = [
     "MRMTL",
+    "PFA",
     "PPSGD",
+    "AdaptiveClip",
     "Architecture",
     "DPSGDConfig",
     "Ditto",
     "FedAvg",
+    "FedHDP",
     "FederatedAlgorithm",
     "FlatModel",
+    "GroupAggregated",
     "LocalTraining",
     "ModelFactory",
     "RoundResult",
