@@ -210,7 +210,14 @@ def gated_rounds(
         num_classes=dataset.n_classes, config=dpsgd, noise_multipliers=noise, device=demo.device,
     )
     # Instance attributes shadow the methods, so run_gated's calls go through the timers.
-    algorithm.run_round = watch.wrap("train", algorithm.run_round)  # type: ignore[method-assign]
+    run_round = algorithm.run_round
+
+    def run_round_synchronized(*args: Any) -> Any:
+        result = run_round(*args)
+        synchronize(demo.device)
+        return result
+
+    algorithm.run_round = watch.wrap("train", run_round_synchronized)  # type: ignore[method-assign]
     algorithm.evaluate = watch.wrap("eval", algorithm.evaluate)  # type: ignore[method-assign]
     created = [
         admin.create_silo(name=f"{tag}-silo-{k}", epsilon=budgets[k], delta=demo.delta, dataset_size=s.n_train)
@@ -263,17 +270,25 @@ def batched_vs_loop(*, dataset: Any, noise: list[float], dpsgd: DPSGDConfig, dem
     for r in range(1 + rounds):
         t0 = time.perf_counter()
         batched.run_round(r, everyone)
+        synchronize(demo.device)
         t1 = time.perf_counter()
         for single in singles:
             single.run_round(r, one)
+        synchronize(demo.device)
         t2 = time.perf_counter()
         if r > 0:  # round 0 is the warm-up
             cell.batched.append(t1 - t0)
             cell.loop.append(t2 - t1)
 
 
-def measure_k(k: int, *, rounds: int, thread_configs: list[int], seed: int) -> list[Cell]:
-    demo = DemoConfig(silos=k, rounds=1 + rounds, seed=seed, progress=False)
+def synchronize(device: str) -> None:
+    # CUDA kernels run asynchronously: a timer read before they finish would time only the launches.
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def measure_k(k: int, *, rounds: int, thread_configs: list[int], seed: int, device: str) -> list[Cell]:
+    demo = DemoConfig(silos=k, rounds=1 + rounds, seed=seed, progress=False, device=device)
     dataset = make_rotated_masked_digits(n_silos=k, seed=seed, mask_probability=demo.mask_probability)
     budgets = [float(e) for e in draw_budgets(demo.mixture, n_silos=k, seed=seed).epsilons]
     dpsgd = DPSGDConfig(seed=seed)
@@ -392,6 +407,7 @@ def main() -> None:
                         help="torch thread configurations, comma-separated integers or 'default' "
                              "(default: 1,default; with --quick: 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--quick", action="store_true", help="K = 4, 8; 1 timed round; 1 thread only (< 60 s)")
     args = parser.parse_args()
 
@@ -408,15 +424,15 @@ def main() -> None:
             thread_configs.append(n)
 
     log(f"K in {ks}, 1 warm-up + {rounds} timed rounds, torch threads {thread_configs} (default {default_threads}), "
-        f"torch {torch.__version__}, device cpu")
+        f"torch {torch.__version__}, device {args.device}")
     cells: list[Cell] = []
     for k in ks:
-        cells.extend(measure_k(k, rounds=rounds, thread_configs=thread_configs, seed=args.seed))
+        cells.extend(measure_k(k, rounds=rounds, thread_configs=thread_configs, seed=args.seed, device=args.device))
     torch.set_num_threads(default_threads)
 
     print(f"dpledger demo rounds: MR-MTL (λ=1) on rotated & masked digits (p=0.1), MixGauss1 budgets, "
           f"σ_k calibrated; SQLite ledger, uvicorn 1 worker, real HTTP; DP-SGD B=16, E=10 steps/round, "
-          f"mlp 64-32-10; cpu, torch {torch.__version__}; 1 warm-up + {rounds} timed round(s)")
+          f"mlp 64-32-10; {args.device}, torch {torch.__version__}; 1 warm-up + {rounds} timed round(s)")
     print(table(cells, ks, thread_configs, default_threads))
     refused = sum(c.refused for c in cells)
     largest = max(cells, key=lambda c: c.silos)
