@@ -1,0 +1,873 @@
+"""Approval throughput and latency of dpledger over real HTTP, against ledger history and pair reuse.
+
+One run measures, for SQLite (a temp file; uvicorn workers 1 and 2) and PostgreSQL (a fresh `public`
+schema; workers 2 and 4; skipped when 127.0.0.1:5432 does not answer):
+
+* approvals/s and p50/p99 latency with 16 concurrent closed-loop clients (one keep-alive connection
+  each; a minimal asyncio HTTP/1.1 client, ~0.3 ms CPU per request, or `--client httpx` for
+  httpx.AsyncClient, ~2.5 ms) against a server in a child process (`service.server.running_server`),
+  plus the p50 with one client (no queueing);
+* for a silo with a history of 10 charges and one with `--history` charges (default 100,000),
+  the ratio of their p50s; the two are measured interleaved (small, big, big, small, `--rounds`
+  times) so that drift of the machine or of the database falls on both alike;
+* for a repeated (q, σ) pair (the curve cache hits) and for a fresh σ on every request (dp-accounting
+  computes a curve);
+* the time dp-accounting takes to replay a 1,000-charge history from scratch, beside our p50;
+* CPU per request of the load generator, the server tree and PostgreSQL (from /proc), and the cores
+  that other processes used meanwhile (the machine may be shared).
+
+The big history is seeded in bulk through the ledger's own functions (`charges.prepare`,
+`charges.request_hash`, `RunningSum`, `rdp.epsilon`, `silos.append_entry`), in batches of one
+transaction each, which gives the state a loop of `charges.reserve` would give (checked at start on a
+small history; the seeded chain is verified with `audit.verify` at the end).
+
+    python bench/approvals.py              # full run (~9 min on 2 cores)
+    python bench/approvals.py --quick      # smoke test (~1 min): history 2000, SQLite w1, PostgreSQL w2
+
+Prints a table, then one JSON line with every figure. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+from sqlalchemy import create_engine, func, select, text  # noqa: E402
+
+from service.accounting import rdp  # noqa: E402
+from service.accounting.mechanisms import DpSgd  # noqa: E402
+from service.accounting.running_sum import RunningSum, curve_to_json  # noqa: E402
+from service.ledger import audit, charges, silos  # noqa: E402
+from service.ledger.db import make_engine, make_session_factory, migrate, write_transaction  # noqa: E402
+from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, Silo  # noqa: E402
+from service.server import running_server  # noqa: E402
+
+ADMIN_KEY = "bench-admin-key-0123456789abcdef"
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+# Every silo: the largest budget the API accepts, so nothing is refused while timing.
+EPSILON, DELTA, DATASET_SIZE, BATCH_SIZE = 1e4, 1e-5, 60_000, 256
+REPEATED_SIGMA = 1.1  # the pair of every "repeated" request and of every small silo's history
+SEED_SIGMAS = (1.0, 1.1, 1.2, 1.3)  # the big history cycles over these pairs
+SMALL_HISTORY = 10
+
+
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"# {time.perf_counter() - _T0:6.1f}s {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Seeding a long history in bulk, with the ledger's own functions
+
+
+def seed_mechanism(i: int) -> DpSgd:
+    return DpSgd(batch_size=BATCH_SIZE, noise_multiplier=SEED_SIGMAS[i % len(SEED_SIGMAS)], steps=1)
+
+
+def _allocate_charge_ids(session, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """The ids `reserve`'s flush would get: the serial's next values (PostgreSQL), or max(rowid) + 1
+    onwards (SQLite; the caller holds the write lock, so nobody else inserts meanwhile)."""
+    if session.get_bind().dialect.name == "postgresql":
+        rows = session.scalars(
+            text("SELECT nextval(pg_get_serial_sequence('charges', 'id')) FROM generate_series(1, :n)"), {"n": count}
+        )
+        return sorted(int(r) for r in rows)
+    start = (session.scalar(select(func.max(Charge.id))) or 0) + 1
+    return list(range(start, start + count))
+
+
+_EPSILON_PATHS: dict[tuple[str, float, int, int, int], list[float]] = {}
+
+
+def seed_bulk(factory, silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:  # type: ignore[no-untyped-def]
+    """Appends `count` reserved charges to the silo, `batch` per transaction: exactly what
+    `charges.reserve(factory, silo_id=…, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}",
+    job_id="seed", round=i)` would append one by one (same fields, curves, ε after, hash chain).
+
+    What depends only on the pair (its curve and their JSON) is computed once per pair, and the path
+    of ε after each charge once per starting sum (a second database with the same history reuses it)."""
+    with factory() as session:
+        pairs = {}
+        for k, sigma in enumerate(SEED_SIGMAS):
+            resolved, curve = charges.prepare(session, silo_id, seed_mechanism(k))
+            pairs[sigma] = (curve, resolved.model_dump_json(), curve_to_json(curve))
+        silo = silos.get(session, silo_id)
+        path_key = (silo.rdp_spent, silo.delta, silo.dataset_size, start, count)
+    path = _EPSILON_PATHS.get(path_key)
+    fresh_path: list[float] = []
+    done = 0
+    while done < count:
+        k = min(batch, count - done)
+        with write_transaction(factory) as session:
+            silo = silos.lock(session, silo_id)
+            spent = RunningSum.from_json(silo.rdp_spent)
+            ids = _allocate_charge_ids(session, k)
+            batch_charges: list[tuple[Charge, float]] = []
+            for j in range(k):
+                i = start + done + j
+                mechanism = seed_mechanism(i)
+                curve, mechanism_json, curve_json = pairs[mechanism.noise_multiplier]
+                candidate = spent.add(curve)
+                if path is not None:
+                    eps = path[done + j]
+                else:
+                    eps, _ = rdp.epsilon(candidate.curve(), delta=silo.delta)
+                    fresh_path.append(eps)
+                if not rdp.within_budget(eps, budget=silo.epsilon):
+                    raise RuntimeError(f"seeding went over budget at charge {i}: ε={eps}")
+                now = datetime.now(UTC)
+                charge = Charge(
+                    id=ids[j], silo_id=silo_id, idempotency_key=f"seed-{i}",
+                    request_hash=charges.request_hash(mechanism=mechanism, job_id="seed", round=i),
+                    mechanism=mechanism_json, rdp=curve_json, order_grid=rdp.ORDER_GRID_ID,
+                    conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id="seed", round=i,
+                    epsilon_spent_after=eps, created_at=now,
+                )
+                session.add(charge)
+                batch_charges.append((charge, eps))
+                spent = candidate
+            session.flush()  # every charge row before any entry that names it (foreign keys)
+            for charge, eps in batch_charges:
+                silos.append_entry(
+                    session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps, now=charge.created_at
+                )
+            silo.rdp_spent = spent.to_json()
+        done += k
+    if path is None:
+        _EPSILON_PATHS[path_key] = fresh_path
+
+
+def check_bulk_seeding(count: int = 25) -> str:
+    """Seeds one silo with `reserve` in a loop and another in bulk (batches of 10), and compares."""
+    with tempfile.TemporaryDirectory(prefix="dpledger-seedcheck-") as tmp:
+        url = f"sqlite:///{tmp}/check.db"
+        migrate(url)
+        engine = make_engine(url)
+        factory = make_session_factory(engine)
+        a, _ = silos.register(factory, name="by-reserve", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+        b, _ = silos.register(factory, name="by-bulk", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+        for i in range(count):
+            charges.reserve(factory, silo_id=a.id, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}", job_id="seed", round=i)
+        seed_bulk(factory, b.id, count, batch=10)
+        charge_cols = ("idempotency_key", "request_hash", "mechanism", "rdp", "order_grid", "conversion", "status",
+                       "job_id", "round", "epsilon_spent_after")
+        with factory() as session:
+            def state(silo_id: int) -> tuple[Any, ...]:
+                silo = session.get(Silo, silo_id)
+                cs = session.scalars(select(Charge).where(Charge.silo_id == silo_id).order_by(Charge.id)).all()
+                es = session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo_id).order_by(LedgerEntry.seq)).all()
+                return (
+                    silo.rdp_spent, silo.rdp_committed, silo.chain_seq,
+                    [tuple(getattr(c, k) for k in charge_cols) for c in cs],
+                    [(e.seq, e.event, e.epsilon_spent) for e in es],
+                )
+            same = state(a.id) == state(b.id)
+            report = audit.verify(session, [a.id, b.id])
+        engine.dispose()
+    if not same or not report.ok:
+        raise RuntimeError(f"bulk seeding differs from reserve(): same={same} verify={report.problems[:3]}")
+    return f"bulk seeding == reserve() loop for {count} charges (fields, curves, ε after, running sum), audit.verify ok"
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU accounting from /proc (no psutil): the load generator, the server tree, PostgreSQL, the machine
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stat(pid: int) -> tuple[int, str, float] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return int(rest[1]), comm, (int(rest[11]) + int(rest[12])) / _TICK  # ppid, comm, utime+stime
+
+
+def _all_procs() -> dict[int, tuple[int, str, float]]:
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None:
+                out[int(entry)] = st
+    return out
+
+
+def _machine_busy() -> tuple[float, float]:
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields) - idle) / _TICK, sum(fields) / _TICK
+
+
+@dataclass
+class CpuSnapshot:
+    client: float
+    server: dict[int, float]  # per pid: a process that exits between two snapshots is lost, never negative
+    postgres: dict[int, float]
+    busy: float
+    total: float
+
+
+def cpu_snapshot(server_root: int | None) -> CpuSnapshot:
+    procs = _all_procs()
+    tree: set[int] = set()
+    if server_root is not None:
+        tree = {server_root}
+        grew = True
+        while grew:
+            grew = False
+            for pid, (ppid, _, _) in procs.items():
+                if ppid in tree and pid not in tree:
+                    tree.add(pid)
+                    grew = True
+    server = {p: procs[p][2] for p in tree if p in procs}
+    postgres = {pid: cpu for pid, (_, comm, cpu) in procs.items() if comm.startswith("postgres")}
+    busy, total = _machine_busy()
+    return CpuSnapshot(time.process_time(), server, postgres, busy, total)
+
+
+def _grown(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
+
+
+def wait_until_settled(root: int | None, workers: int, timeout: float = 120.0) -> float:
+    """`running_server` returns once one worker answers; the others may still be importing (or be
+    respawning: a worker can die at start-up, see the report). Wait until `workers` live workers
+    exist and the server tree burns < 5 % of a core over half a second."""
+    t0 = time.perf_counter()
+    if root is None:
+        return 0.0
+    while time.perf_counter() - t0 < timeout:
+        before = cpu_snapshot(root)
+        time.sleep(0.5)
+        after = cpu_snapshot(root)
+        live = len(worker_pids(root)) if workers > 1 else 1
+        if live >= workers and _grown(before.server, after.server) < 0.025:
+            break
+    return time.perf_counter() - t0
+
+
+def find_server_root() -> int | None:
+    me = os.getpid()
+    for pid, (ppid, _, _) in _all_procs().items():
+        if ppid == me:
+            try:
+                if b"uvicorn" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                pass
+    return None
+
+
+def worker_pids(root: int | None) -> list[int]:
+    if root is None:
+        return []
+    procs = _all_procs()
+    workers = []
+    for pid, (ppid, _, _) in procs.items():
+        if ppid == root:
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    workers.append(pid)
+            except OSError:
+                pass
+    return sorted(workers) or [root]
+
+
+def connection_owners(server_port: int) -> dict[int, int] | None:
+    """client port -> pid of the uvicorn worker that accepted it (from `ss`), None without `ss`."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["ss", "-tnpH", "state", "established", "sport", f"= :{server_port}"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    owners = {}
+    for m in re.finditer(r"127\.0\.0\.1:(\d+)\s+127\.0\.0\.1:(\d+)\s+users:\(\(\"[^\"]*\",pid=(\d+)", out):
+        if int(m.group(1)) == server_port:
+            owners[int(m.group(2))] = int(m.group(3))
+    return owners
+
+
+async def balance_connections(loader: RawClient, root: int | None, workers: int, tries: int = 400) -> list[int] | None:
+    """With several workers on one listening socket, the kernel hands most keep-alive connections
+    to one worker (15 of 16 seen here), which makes `--workers 2` serve like 1. Close connections
+    of the busiest worker and reconnect until each worker holds its share. Returns connections per
+    worker (None when `ss` is missing)."""
+    pids = worker_pids(root)
+    target = math.ceil(loader.limit / max(len(pids), 1))
+    counts: Counter = Counter()
+    for _ in range(tries):
+        await loader.fill()
+        owners = connection_owners(loader.port)
+        if owners is None:
+            return None
+        stale = [p for p in loader.client_ports() if p not in owners]  # closed by the server meanwhile
+        for port in stale:
+            await loader.close_port(port)
+        if stale:
+            continue
+        mine = {p: owners[p] for p in loader.client_ports()}
+        counts = Counter({pid: 0 for pid in pids})
+        counts.update(mine.values())
+        if workers <= 1 or max(counts.values()) <= target:
+            break
+        busiest = max(counts, key=lambda pid: counts[pid])
+        victim = next(p for p, pid in mine.items() if pid == busiest)
+        await loader.close_port(victim)
+        await asyncio.sleep(0.005)
+    return sorted(counts.values(), reverse=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Load generation
+
+
+@dataclass
+class Tally:
+    latencies: list[float] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)
+    elapsed: float = 0.0
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
+    postgres_cpu: float = 0.0
+    busy: float = 0.0
+    machine: float = 0.0
+
+    def add_cpu(self, before: CpuSnapshot, after: CpuSnapshot) -> None:
+        self.client_cpu += after.client - before.client
+        self.server_cpu += _grown(before.server, after.server)
+        self.postgres_cpu += _grown(before.postgres, after.postgres)
+        self.busy += after.busy - before.busy
+        self.machine += after.total - before.total
+
+
+class Sigmas:
+    """A fresh σ for every "new pair" request of the run: every one is a cache miss."""
+
+    def __init__(self) -> None:
+        self.k = 0
+
+    def next(self) -> float:
+        self.k += 1
+        return 2.0 + self.k * 1e-6
+
+
+def charge_body(key: str, sigma: float) -> bytes:
+    return json.dumps({
+        "mechanism": {"type": "dpsgd", "batch_size": BATCH_SIZE, "noise_multiplier": sigma, "steps": 1},
+        "idempotency_key": key,
+    }).encode()
+
+
+class RawClient:
+    """A minimal HTTP/1.1 keep-alive client on asyncio streams (~10x less CPU per request than
+    httpx.AsyncClient, which matters when the load generator shares 2 cores with the server).
+    One connection per concurrent caller, at most `limit` of them."""
+
+    def __init__(self, url: str, limit: int) -> None:
+        hostport = url.removeprefix("http://").rstrip("/")
+        self.host, port = hostport.rsplit(":", 1)
+        self.port = int(port)
+        self.limit = limit
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.opened = 0
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
+        return await self.request("POST", path, body, headers)
+
+    async def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> int:
+        head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        request = (
+            f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n{head}content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        while True:
+            reused = False
+            while self.idle:
+                reader, writer = self.idle.pop()
+                if reader.at_eof() or writer.is_closing():  # uvicorn closes connections idle > 5 s
+                    writer.close()
+                    self.opened -= 1
+                    continue
+                reused = True
+                break
+            if not reused:
+                if self.opened >= self.limit:
+                    raise RuntimeError("more concurrent callers than connections")
+                reader, writer = await asyncio.open_connection(self.host, self.port)  # asyncio sets TCP_NODELAY
+                self.opened += 1
+            writer.write(request)
+            try:
+                status_and_headers = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError) as error:
+                writer.close()
+                self.opened -= 1
+                if reused and not getattr(error, "partial", b""):
+                    continue  # the server had closed the idle connection: nothing was received, send again
+                raise
+            break
+        try:
+            lines = status_and_headers.decode("latin-1").split("\r\n")
+            status = int(lines[0].split(" ", 2)[1])
+            length = 0
+            keep = True
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                name = name.strip().lower()
+                if name == "content-length":
+                    length = int(value)
+                elif name == "connection" and value.strip().lower() == "close":
+                    keep = False
+            if length:
+                await reader.readexactly(length)
+        except BaseException:
+            writer.close()
+            self.opened -= 1
+            raise
+        if keep:
+            self.idle.append((reader, writer))
+        else:
+            writer.close()
+            self.opened -= 1
+        return status
+
+    def client_ports(self) -> list[int]:
+        return [writer.get_extra_info("sockname")[1] for _, writer in self.idle]
+
+    async def close_port(self, port: int) -> None:
+        for k, (_, writer) in enumerate(self.idle):
+            if writer.get_extra_info("sockname")[1] == port:
+                writer.close()
+                del self.idle[k]
+                self.opened -= 1
+                return
+
+    async def fill(self) -> None:
+        """Opens connections up to the limit (each answers a GET /healthz, so a worker accepted it)."""
+        kept, self.idle = self.idle, []  # so that every caller below opens a new connection
+        try:
+            await asyncio.gather(*(self.request("GET", "/healthz") for _ in range(self.limit - self.opened)))
+        finally:
+            self.idle = kept + self.idle
+
+    async def aclose(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+class HttpxClient:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
+        return (await self.client.post(path, content=body, headers=headers)).status_code
+
+
+async def fire(
+    client, silo: dict[str, Any], n: int, concurrency: int, *, sigma_of, tag: str,  # type: ignore[no-untyped-def]
+    tally: Tally | None, server_root: int | None,
+) -> None:
+    """`n` approvals for `silo` by `concurrency` closed-loop callers; adds what it saw to `tally`."""
+    path = f"/v1/silos/{silo['id']}/charges"
+    headers = {"authorization": f"Bearer {silo['api_key']}", "content-type": "application/json"}
+    next_index = 0
+    latencies: list[float] = []
+    statuses: Counter = Counter()
+
+    async def one_caller() -> None:
+        nonlocal next_index
+        while next_index < n:
+            i = next_index
+            next_index += 1
+            body = charge_body(f"{tag}-{i}", sigma_of())
+            t0 = time.perf_counter()
+            try:
+                statuses[await client.post(path, body, headers)] += 1
+            except (httpx.HTTPError, OSError, asyncio.IncompleteReadError, ValueError) as error:
+                statuses[type(error).__name__] += 1
+            latencies.append(time.perf_counter() - t0)
+
+    before = cpu_snapshot(server_root)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_caller() for _ in range(min(concurrency, n))))
+    elapsed = time.perf_counter() - t0
+    after = cpu_snapshot(server_root)
+    if tally is not None:
+        tally.latencies += latencies
+        tally.statuses += statuses
+        tally.elapsed += elapsed
+        tally.add_cpu(before, after)
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = p / 100 * (len(ordered) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(t: Tally) -> dict[str, Any]:
+    n = len(t.latencies)
+    ok = t.statuses.get(201, 0)
+    return {
+        "requests": n,
+        "ok_201": ok,
+        "non_201": n - ok,
+        "non_201_by_status": {str(k): v for k, v in t.statuses.items() if k != 201},
+        "approvals_per_s": ok / t.elapsed if t.elapsed else math.nan,
+        "p50_ms": percentile(t.latencies, 50) * 1e3,
+        "p99_ms": percentile(t.latencies, 99) * 1e3,
+        "mean_ms": statistics.fmean(t.latencies) * 1e3 if n else math.nan,
+        "client_cpu_ms_per_req": t.client_cpu / n * 1e3 if n else math.nan,
+        "server_cpu_ms_per_req": t.server_cpu / n * 1e3 if n else math.nan,
+        "postgres_cpu_ms_per_req": t.postgres_cpu / n * 1e3 if n else math.nan,
+        "machine_cpu_util": t.busy / t.machine if t.machine else math.nan,
+        # cores kept busy meanwhile by processes that are neither the bench, the server nor postgres
+        "other_cpu_cores": max(0.0, t.busy - t.client_cpu - t.server_cpu - t.postgres_cpu) / t.elapsed if t.elapsed else math.nan,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# One server configuration: fresh small silos, the shared big silo, both pair modes
+
+
+async def create_small_silo(admin: httpx.AsyncClient, loader, name: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    r = await admin.post(
+        "/v1/silos", headers={"authorization": f"Bearer {ADMIN_KEY}"},
+        json={"name": name, "epsilon": EPSILON, "delta": DELTA, "dataset_size": DATASET_SIZE},
+    )
+    r.raise_for_status()
+    silo = r.json()
+    await fire(loader, silo, SMALL_HISTORY, 1, sigma_of=lambda: REPEATED_SIGMA, tag="history", tally=None, server_root=None)
+    return silo
+
+
+async def run_config(url: str, big: dict[str, Any], args: argparse.Namespace, label: str, sigmas: Sigmas,
+                     history_count) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    server_root = find_server_root()
+    settle = wait_until_settled(server_root, args.workers_now)
+    log(f"{label}: server settled {settle:.1f} s after its first answer")
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    results: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120.0) as admin:
+        loader = HttpxClient(admin) if args.client == "httpx" else RawClient(url, args.concurrency)
+        for mode in ("repeated", "new"):
+            small = await create_small_silo(admin, loader, f"{label}-{mode}-small")
+            spread = None
+            if isinstance(loader, RawClient) and args.balance:
+                spread = await balance_connections(loader, server_root, args.workers_now)
+                log(f"{label} {mode}: keep-alive connections per worker {spread}")
+            sigma_of = (lambda: REPEATED_SIGMA) if mode == "repeated" else sigmas.next
+            n = args.requests if mode == "repeated" else args.new_requests
+            # Warm-up: every connection, and the repeated pair's curve in every worker's cache.
+            warm = args.warm if mode == "repeated" else 4
+            for silo in (small, big):
+                await fire(loader, silo, warm, args.concurrency, sigma_of=sigma_of, tag=f"{label}-{mode}-warm",
+                           tally=None, server_root=None)
+            histories = {"small": history_count(small["id"]), "big": history_count(big["id"])}
+            tallies = {"small": Tally(), "big": Tally()}
+            serial = {"small": Tally(), "big": Tally()}
+            # Interleaved small, big, big, small (`rounds` times): drift of the machine or of the
+            # database falls on both silos alike.
+            order = [("small", "big", "big", "small")[k % 4] for k in range(4 * args.rounds)]
+            for part, which in enumerate(order):
+                silo = small if which == "small" else big
+                await fire(loader, silo, n // (2 * args.rounds), args.concurrency, sigma_of=sigma_of,
+                           tag=f"{label}-{mode}-c{args.concurrency}-{part}", tally=tallies[which], server_root=server_root)
+            if mode == "repeated" and args.serial_requests:
+                # Unloaded latency: one client at a time, same interleaving.
+                for part, which in enumerate(order):
+                    silo = small if which == "small" else big
+                    await fire(loader, silo, args.serial_requests // (2 * args.rounds), 1, sigma_of=sigma_of,
+                               tag=f"{label}-{mode}-c1-{part}", tally=serial[which], server_root=server_root)
+            cell: dict[str, Any] = {}
+            for which in ("small", "big"):
+                row = summarize(tallies[which])
+                row["history_at_start"] = histories[which]
+                if serial[which].latencies:
+                    row["p50_ms_unloaded"] = percentile(serial[which].latencies, 50) * 1e3
+                cell[which] = row
+            cell["p50_ratio_big_over_small"] = cell["big"]["p50_ms"] / cell["small"]["p50_ms"]
+            if "p50_ms_unloaded" in cell["big"]:
+                cell["p50_unloaded_ratio_big_over_small"] = cell["big"]["p50_ms_unloaded"] / cell["small"]["p50_ms_unloaded"]
+            cell["connections_per_worker"] = spread
+            results[mode] = cell
+            log(f"{label} {mode}: small {cell['small']['approvals_per_s']:.0f}/s p50 {cell['small']['p50_ms']:.1f} ms; "
+                f"big {cell['big']['approvals_per_s']:.0f}/s p50 {cell['big']['p50_ms']:.1f} ms; "
+                f"ratio {cell['p50_ratio_big_over_small']:.2f}")
+        if isinstance(loader, RawClient):
+            await loader.aclose()
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# One database: migrate, seed the big silo, run each worker count, verify the big chain
+
+
+def reset_postgres(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+
+
+def postgres_answers(url: str) -> str | None:
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 3})
+        with engine.connect() as connection:
+            version = connection.execute(text("SHOW server_version")).scalar()
+        engine.dispose()
+        return str(version)
+    except Exception as error:  # noqa: BLE001 - any failure means "no PostgreSQL"
+        log(f"PostgreSQL at {url}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        return None
+
+
+def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.Namespace, sigmas: Sigmas) -> dict[str, Any]:
+    migrate(url)
+    engine = make_engine(url)
+    factory = make_session_factory(engine)
+    big_silo, big_key = silos.register(factory, name=f"{kind}-big", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+    log(f"{kind}: seeding {args.history} charges into silo {big_silo.id} …")
+    t0 = time.perf_counter()
+    seed_bulk(factory, big_silo.id, args.history)
+    seed_s = time.perf_counter() - t0
+    if kind == "sqlite":
+        with engine.connect() as connection:
+            connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    else:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            connection.exec_driver_sql("VACUUM ANALYZE")
+    log(f"{kind}: seeded {args.history} charges in {seed_s:.1f} s ({seed_s / max(args.history, 1) * 1e6:.0f} µs/charge)")
+
+    def history_count(silo_id: int) -> int:
+        with factory() as session:
+            return int(session.get(Silo, silo_id).chain_seq) - 1  # minus the genesis entry; = reservations
+
+    out: dict[str, Any] = {"seed_charges": args.history, "seed_s": seed_s, "runs": {}}
+    big = {"id": big_silo.id, "api_key": big_key}
+    for workers in workers_list:
+        label = f"{kind}-w{workers}"
+        log(f"{label}: starting uvicorn with {workers} worker(s)")
+        args.workers_now = workers
+        t0 = time.perf_counter()
+        with running_server(database_url=url, admin_key=ADMIN_KEY, workers=workers) as server_url:
+            log(f"{label}: first answer after {time.perf_counter() - t0:.1f} s")
+            out["runs"][str(workers)] = asyncio.run(run_config(server_url, big, args, label, sigmas, history_count))
+    if args.verify:
+        t0 = time.perf_counter()
+        with factory() as session:
+            report = audit.verify(session, [big_silo.id])
+        out["verify_big_silo"] = {"ok": report.ok, "entries": report.entries, "seconds": time.perf_counter() - t0,
+                                  "problems": report.problems[:3]}
+        log(f"{kind}: audit.verify of the big silo: ok={report.ok}, {report.entries} entries, "
+            f"{out['verify_big_silo']['seconds']:.1f} s")
+    if kind == "sqlite":
+        out["db_file_mb"] = Path(url.removeprefix("sqlite:///")).stat().st_size / 2**20
+    engine.dispose()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The baseline: a service without a running sum replays the history through dp-accounting
+
+
+def replay_baseline(n: int) -> dict[str, Any]:
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    accountant = rdp_lib.RdpAccountant(list(rdp.ORDERS))
+    q0 = BATCH_SIZE / DATASET_SIZE
+    t0 = time.perf_counter()
+    for i in range(n):  # distinct (q, σ) per event: nothing for dp-accounting to fold together
+        accountant.compose(dp_event.PoissonSampledDpEvent(
+            q0 * (1 + i * 1e-5), dp_event.GaussianDpEvent(1.0 + i * 1e-4)))
+    eps = accountant.get_epsilon(DELTA)
+    seconds = time.perf_counter() - t0
+    return {"events": n, "seconds": seconds, "ms_per_event": seconds / n * 1e3, "epsilon": eps,
+            "seconds_for_1000_est": seconds / n * 1000}
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+
+
+def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
+    header = (f"{'db':8} {'wk':>2} {'pairs':8} {'history':>8} {'n':>5} {'non201':>6} {'appr/s':>7} "
+              f"{'p50 ms':>7} {'p99 ms':>7} {'p50@1':>6} {'ratio':>6} {'rat@1':>6} {'cli ms':>6} {'srv ms':>6} {'pg ms':>6} {'cpu%':>5} {'other':>5} {'conns':>7}")
+    print(f"approvals over HTTP, {args.concurrency} concurrent clients ({args.client} client); history = the silo's charges at "
+          f"the start; ratio = p50 big / p50 small history; p50@1 = p50 with one client (rat@1 its ratio); cli/srv/pg ms = CPU ms per request "
+          f"in the load generator / uvicorn / postgres; cpu% = machine busy (of {os.cpu_count()} cores); "
+          f"other = cores used meanwhile by processes outside this bench; conns = keep-alive connections per worker")
+    print(header)
+    print("-" * len(header))
+    for kind in ("sqlite", "postgres"):
+        db = results["databases"].get(kind)
+        if db is None:
+            continue
+        if "skipped" in db:
+            print(f"{kind:8} skipped: {db['skipped']}")
+            continue
+        for workers, run in db["runs"].items():
+            for mode in ("repeated", "new"):
+                cell = run[mode]
+                for which in ("small", "big"):
+                    r = cell[which]
+                    ratio = f"{cell['p50_ratio_big_over_small']:.2f}" if which == "big" else ""
+                    ratio1 = f"{cell['p50_unloaded_ratio_big_over_small']:.2f}" if which == "big" and "p50_unloaded_ratio_big_over_small" in cell else ""
+                    unloaded = f"{r['p50_ms_unloaded']:.1f}" if "p50_ms_unloaded" in r else ""
+                    conns = "/".join(map(str, cell.get("connections_per_worker") or [])) or "-"
+                    print(f"{kind:8} {workers:>2} {mode:8} {r['history_at_start']:>8} {r['requests']:>5} {r['non_201']:>6} "
+                          f"{r['approvals_per_s']:>7.1f} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {unloaded:>6} {ratio:>6} {ratio1:>6} "
+                          f"{r['client_cpu_ms_per_req']:>6.2f} {r['server_cpu_ms_per_req']:>6.2f} "
+                          f"{r['postgres_cpu_ms_per_req']:>6.2f} {100 * r['machine_cpu_util']:>5.0f} {r['other_cpu_cores']:>5.2f} {conns:>7}")
+    print()
+    for kind in ("sqlite", "postgres"):
+        db = results["databases"].get(kind)
+        if db and "seed_s" in db:
+            extra = f", file {db['db_file_mb']:.0f} MiB" if "db_file_mb" in db else ""
+            v = db.get("verify_big_silo")
+            ver = f"; audit.verify of that chain: ok={v['ok']} ({v['entries']} entries, {v['seconds']:.1f} s)" if v else ""
+            print(f"seeding {kind}: {db['seed_charges']} charges in {db['seed_s']:.1f} s{extra}{ver}")
+    rb = results["replay"]
+    est = "" if rb["events"] == 1000 else f" (measured on {rb['events']}, scaled to 1,000)"
+    print(f"replay baseline: dp-accounting composes 1,000 distinct Poisson-sampled Gaussians and reads ε in "
+          f"{rb['seconds_for_1000_est']:.1f} s{est} ({rb['ms_per_event']:.1f} ms/event)")
+    for line in results["aims"]["lines"]:
+        print(line)
+
+
+def judge(results: dict[str, Any]) -> dict[str, Any]:
+    lines = []
+    ratios, sqlite_rates, replay_vs = [], {}, []
+    replay_s = results["replay"]["seconds_for_1000_est"]
+    for kind, db in results["databases"].items():
+        for workers, run in db.get("runs", {}).items():
+            for mode in ("repeated", "new"):
+                cell = run[mode]
+                ratios.append((f"{kind} w{workers} {mode}", cell["p50_ratio_big_over_small"]))
+                if mode == "repeated":
+                    p50 = cell["big"]["p50_ms"]
+                    replay_vs.append((f"{kind} w{workers}", p50, replay_s * 1e3 / p50))
+                    if kind == "sqlite":
+                        sqlite_rates[workers] = cell["small"]["approvals_per_s"], cell["big"]["approvals_per_s"]
+    worst = max(ratios, key=lambda r: r[1]) if ratios else ("", math.nan)
+    ok_ratio = all(r <= 1.2 for _, r in ratios)
+    lines.append(f"aim p50(big history) <= 1.2 x p50(10): {'MET' if ok_ratio else 'MISSED'} "
+                 f"(worst {worst[1]:.2f} at {worst[0]}; " + ", ".join(f"{n} {r:.2f}" for n, r in ratios) + ")")
+    best = max((min(v), w) for w, v in sqlite_rates.items()) if sqlite_rates else (math.nan, "")
+    lines.append(f"aim >= 300 approvals/s on SQLite, repeated pair: {'MET' if best[0] >= 300 else 'MISSED'} "
+                 f"(best {best[0]:.0f}/s with {best[1]} worker(s); " +
+                 ", ".join(f"w{w}: {a:.0f}/s (10) {b:.0f}/s (big)" for w, (a, b) in sqlite_rates.items()) + ")")
+    for name, p50, ratio in replay_vs:
+        lines.append(f"replay of 1,000 charges vs our p50 at the big history ({name}, repeated, 16 clients): "
+                     f"{replay_s:.1f} s / {p50:.1f} ms = {ratio:,.0f}x")
+    return {"lines": lines, "p50_ratio_ok": ok_ratio, "sqlite_300_ok": best[0] >= 300}
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke test: history 2000, few requests, SQLite w1 + PostgreSQL w2 only, replay 20")
+    parser.add_argument("--history", type=int, help="charges in the big silo (default 100000; quick 2000)")
+    parser.add_argument("--requests", type=int, help="timed repeated-pair requests per silo and config (default 2000)")
+    parser.add_argument("--new-requests", type=int, help="timed new-pair requests per silo and config (default 160)")
+    parser.add_argument("--serial-requests", type=int, help="unloaded (1 client) requests per silo (default 120)")
+    parser.add_argument("--replay", type=int, help="events in the dp-accounting replay (default 1000; quick 50)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, help="small/big/big/small passes per measurement (default 5; quick 1)")
+    parser.add_argument("--no-balance", dest="balance", action="store_false",
+                        help="keep the kernel's spread of keep-alive connections over workers (mostly onto one)")
+    parser.add_argument("--client", choices=["raw", "httpx"], default="raw",
+                        help="load generator: raw asyncio HTTP/1.1 (default, light) or httpx.AsyncClient")
+    parser.add_argument("--sqlite-workers", help="uvicorn worker counts on SQLite (default 1,2; quick 1)")
+    parser.add_argument("--pg-workers", help="uvicorn worker counts on PostgreSQL (default 2,4; quick 2)")
+    parser.add_argument("--pg-url", default=os.environ.get("DPLEDGER_BENCH_POSTGRES_URL", DEFAULT_PG_URL))
+    parser.add_argument("--no-postgres", action="store_true")
+    parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip audit.verify of the big chain")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.history = args.history if args.history is not None else (2000 if quick else 100_000)
+    args.requests = args.requests if args.requests is not None else (200 if quick else 2000)
+    args.new_requests = args.new_requests if args.new_requests is not None else (16 if quick else 160)
+    args.serial_requests = args.serial_requests if args.serial_requests is not None else (20 if quick else 120)
+    args.replay = args.replay if args.replay is not None else (20 if quick else 1000)
+    args.rounds = args.rounds if args.rounds is not None else (1 if quick else 5)
+    args.warm = (2 if quick else 4) * args.concurrency
+    args.sqlite_workers = args.sqlite_workers or ("1" if quick else "1,2")
+    args.pg_workers = args.pg_workers or ("2" if quick else "2,4")
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {"config": dict(vars(args)), "databases": {}}
+    results["config"]["cpu_count"] = os.cpu_count()
+    log(check_bulk_seeding())
+    results["seed_check"] = "ok"
+    sigmas = Sigmas()
+
+    with tempfile.TemporaryDirectory(prefix="dpledger-bench-") as tmp:
+        url = f"sqlite:///{tmp}/ledger.db"
+        results["databases"]["sqlite"] = bench_database(
+            "sqlite", url, [int(w) for w in args.sqlite_workers.split(",") if w], args, sigmas)
+
+    version = None if args.no_postgres else postgres_answers(args.pg_url)
+    if version is None:
+        print("skipped: no PostgreSQL", flush=True)
+        results["databases"]["postgres"] = {"skipped": "no PostgreSQL"}
+    else:
+        log(f"PostgreSQL {version}: dropping and recreating schema public")
+        reset_postgres(args.pg_url)
+        results["databases"]["postgres"] = bench_database(
+            "postgres", args.pg_url, [int(w) for w in args.pg_workers.split(",") if w], args, sigmas)
+        results["databases"]["postgres"]["server_version"] = version
+
+    log(f"replaying {args.replay} distinct events through dp-accounting …")
+    results["replay"] = replay_baseline(args.replay)
+    results["aims"] = judge(results)
+    results["total_s"] = time.perf_counter() - started
+    print_table(results, args)
+    print(f"total {results['total_s']:.0f} s")
+    print(json.dumps(_json_safe(results), default=str, allow_nan=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
