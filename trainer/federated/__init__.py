@@ -14,6 +14,9 @@ one `vmap`-ed computation (see `batched`). Every algorithm implements `Federated
 | `PPSGD(alpha, client_rate)` | dpsgd(B_k/n_k, σ, E) if sampled, else None | w + θ_k |
 | `PFA(k)` | dpsgd(B_k/n_k, σ, E), the warm-start round too | global model, grouped by norm |
 | `FedHDP(ratio)` | dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive) | global model |
+| `Finetuning(federated_rounds)` | dpsgd(B_k/n_k, σ, E), finetuning rounds too | global, then own model |
+| `IFCA(clusters, selection_rounds)` | dpsgd(B_k/n_k, σ, E) + dpsgd(B_s/n_k, σ_s, 1) in selecting rounds | its cluster's model |
+| `ClusteredMRMTL(lam, clusters, selection_rounds)` | IFCA's, then dpsgd(B_k/n_k, σ, E) | cluster's, then own model |
 
 The `DPSGDConfig` defaults (small tanh MLP, lr 0.5, C 1, σ 1, B 16, E 10) take MR-MTL on 8x8
 digits (features scaled to [0, 1]) to well above chance within 20 rounds, in seconds on CPU.
@@ -24,6 +27,8 @@ from trainer.federated.config import DPSGDConfig, RoundResult, Task, Weighting
 from trainer.federated.ditto import Ditto
 from trainer.federated.fedavg import FedAvg
 from trainer.federated.fedhdp import AdaptiveClip, FedHDP
+from trainer.federated.finetune import Finetuning
+from trainer.federated.ifca import IFCA, ClusteredMRMTL, ClusterSelection, clustering_rounds
 from trainer.federated.local import LocalTraining
 from trainer.federated.models import Architecture, FlatModel, ModelFactory, build_model
 from trainer.federated.mrmtl import MRMTL
@@ -31,6 +36,11 @@ from trainer.federated.pfa import PFA, GroupAggregated
 from trainer.federated.ppsgd import PPSGD
 
 __all__ = [
+    "IFCA",
+    "ClusterSelection",
+    "ClusteredMRMTL",
+    "Finetuning",
+    "clustering_rounds",
     "MRMTL",
     "PFA",
     "PPSGD",

@@ -1,0 +1,297 @@
+"""IFCA with charged cluster selection, local finetuning and warm-started MR-MTL (paper 000 §4–5)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from dp_accounting import dp_event as de
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from service.server import running_server
+from tests.conftest import ADMIN_KEY
+from trainer.client import LedgerClient
+from trainer.data.digits import make_rotated_masked_digits
+from trainer.federated import (
+    IFCA,
+    ClusteredMRMTL,
+    ClusterSelection,
+    Ditto,
+    DPSGDConfig,
+    FedAvg,
+    FederatedAlgorithm,
+    Finetuning,
+    clustering_rounds,
+)
+from trainer.loop import GatedSilo, RoundRecord, run_gated
+
+CONFIG = DPSGDConfig(batch_size=16, local_steps=3, noise_multiplier=1.2, seed=2)
+DELTA = 1e-5
+ALL = torch.ones
+
+
+def digits_args(silos: int, *, seed: int = 0, config: DPSGDConfig = CONFIG) -> tuple[dict[str, Any], list[int]]:
+    data = make_rotated_masked_digits(n_silos=silos, seed=seed, mask_probability=0.1)
+    args = dict(
+        x_train=[s.x_train for s in data.silos], y_train=[s.y_train for s in data.silos],
+        x_test=[s.x_test for s in data.silos], y_test=[s.y_test for s in data.silos], num_classes=10, config=config,
+    )
+    return args, [s.group for s in data.silos]
+
+
+def run_ungated(algorithm: FederatedAlgorithm, rounds: int) -> None:
+    for r in range(rounds):
+        algorithm.run_round(r, ALL(algorithm.num_silos, dtype=torch.bool))
+
+
+def purity(assignment: list[int], groups: list[int]) -> float:
+    """Share of silos whose cluster's majority rotation group is their own."""
+    agree = 0
+    for cluster in set(assignment):
+        members = [g for a, g in zip(assignment, groups) if a == cluster]
+        agree += Counter(members).most_common(1)[0][1]
+    return agree / len(groups)
+
+
+# ----- the algorithms, without a ledger -----------------------------------------------------------
+
+
+def test_ifca_selection_recovers_the_rotation_clusters() -> None:
+    args, groups = digits_args(20, config=DPSGDConfig(seed=0))
+    ifca = IFCA(clusters=4, **args)
+    run_ungated(ifca, 12)
+    assignment = ifca.assignment.tolist()
+    assert purity(assignment, groups) == 1.0
+    assert len(set(assignment)) == 4
+    # Each silo deploys its own cluster's model, and the clusters are distinct models.
+    assert torch.equal(ifca.deployed_parameters(), ifca.cluster_models[ifca.assignment])
+    assert torch.linalg.matrix_rank(ifca.cluster_models) == 4
+
+
+def test_selection_noise_is_what_separates_private_from_exact_selection() -> None:
+    """With vanishing σ_s the noisy argmin is the exact argmin of the clipped loss sums; with a
+    huge σ_s the choice is noise (a sanity check that the noise is really added)."""
+    args, groups = digits_args(8)
+    exact = IFCA(clusters=4, selection=ClusterSelection(noise_multiplier=1e-9), **args)
+    run_ungated(exact, 4)
+    silos = torch.arange(8)
+    losses = []
+    for k in range(8):
+        x, y = exact.train.x[k, : exact.train.sizes[k]], exact.train.y[k, : exact.train.sizes[k]]
+        per = torch.stack([torch.nn.functional.cross_entropy(exact.model.forward(m, x), y, reduction="none") for m in exact.cluster_models], 1)
+        factor = (exact.selection.loss_clip / torch.linalg.vector_norm(per, dim=1).clamp(min=exact.selection.loss_clip)).unsqueeze(1)
+        losses.append((per * factor).sum(0))
+    expected = torch.stack(losses).argmin(1)
+    assert torch.equal(exact._select(silos), expected)
+
+    noisy = IFCA(clusters=4, selection=ClusterSelection(noise_multiplier=1e6), **args)
+    picks = torch.cat([noisy._select(silos) for _ in range(50)])
+    assert set(picks.tolist()) == {0, 1, 2, 3}
+
+
+def test_ifca_declares_selection_only_in_selecting_rounds() -> None:
+    args, _ = digits_args(4)
+    ifca = IFCA(clusters=3, selection_rounds=2, **args)
+    dpsgd = {"type": "dpsgd", "batch_size": 16, "noise_multiplier": CONFIG.noise_multiplier, "steps": CONFIG.local_steps}
+    for r in (0, 1):
+        for k, mechanism in enumerate(ifca.round_mechanisms(r)):
+            selection = {"type": "dpsgd", "batch_size": ifca.train.sizes[k], "noise_multiplier": 1.0, "steps": 1}
+            assert mechanism == {"type": "composed", "events": [dpsgd, selection]}
+    assert ifca.round_mechanisms(2) == [dpsgd] * 4
+    assert clustering_rounds(0.1, 40) == 4 and clustering_rounds(0.05, 10) == 1 and clustering_rounds(1.0, 7) == 7
+    with pytest.raises(ValueError, match="fraction"):
+        clustering_rounds(0.0, 10)
+
+
+def test_a_refused_silo_neither_selects_nor_trains() -> None:
+    args, _ = digits_args(4)
+    ifca = IFCA(clusters=2, **args)
+    approved = torch.tensor([True, False, True, True])
+    before = ifca.state()
+    result = ifca.run_round(0, approved)
+    assert ifca.selection_queries.tolist() == [1, 0, 1, 1]
+    assert result.steps.tolist() == [CONFIG.local_steps, 0, CONFIG.local_steps, CONFIG.local_steps]
+    assert int(ifca.assignment[1]) == int(before["assignment"][1]) == 0
+
+
+class _SelectsWithoutDeclaring(IFCA):
+    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
+        self._select(silos)
+        return super()._train(round_index, silos)
+
+
+def test_a_selection_that_was_not_declared_fails_the_round() -> None:
+    args, _ = digits_args(4)
+    sneaky = _SelectsWithoutDeclaring(clusters=2, selection_rounds=0, **args)
+    assert sneaky.round_mechanisms(0)[0]["type"] == "dpsgd"  # declares no selection
+    with pytest.raises(RuntimeError, match="selections run"):
+        sneaky.run_round(0, ALL(4, dtype=torch.bool))
+
+
+def test_finetuning_is_fedavg_until_it_switches_then_local() -> None:
+    args, _ = digits_args(6)
+    finetune, fedavg = Finetuning(federated_rounds=3, **args), FedAvg(**args)
+    run_ungated(finetune, 3)
+    run_ungated(fedavg, 3)
+    assert torch.equal(finetune.global_model, fedavg.global_model)
+    assert torch.equal(finetune.deployed_parameters(), fedavg.deployed_parameters())
+    finetune.run_round(3, ALL(6, dtype=torch.bool))
+    deployed = finetune.deployed_parameters()
+    assert torch.equal(finetune.global_model, fedavg.global_model)  # the global model stops
+    assert all(not torch.equal(deployed[0], deployed[k]) for k in range(1, 6))  # each silo its own
+    assert finetune.round_mechanisms(3) == fedavg.round_mechanisms(3)  # finetuning steps are charged
+
+
+def test_warm_started_mrmtl_starts_each_silo_from_its_cluster_model() -> None:
+    args, _ = digits_args(8)
+    warm = ClusteredMRMTL(lam=0.5, clusters=4, selection_rounds=2, **args)
+    run_ungated(warm, 2)
+    clusters, assignment = warm.cluster_models.clone(), warm.assignment.clone()
+    assert torch.equal(warm.deployed_parameters(), clusters[assignment])
+    warm.run_round(2, ALL(8, dtype=torch.bool))
+    assert warm.personal is not None
+    assert torch.equal(warm.assignment, assignment)  # no selection after the warm start
+    assert warm.selection_queries.tolist() == [2] * 8
+    # The pull towards the cluster's mean: after a few rounds the models of one cluster are closer
+    # to each other than to any model of another cluster.
+    warm_small = ClusteredMRMTL(lam=0.5, clusters=4, selection_rounds=2, **args)
+    run_ungated(warm_small, 6)
+    personal = warm_small.personal
+    assert personal is not None
+    same, other = [], []
+    for i in range(8):
+        for j in range(i + 1, 8):
+            d = float(torch.linalg.vector_norm(personal[i] - personal[j]))
+            (same if warm_small.assignment[i] == warm_small.assignment[j] else other).append(d)
+    assert same and other and max(same) < min(other)
+
+
+# ----- charged ε == dp-accounting's composition of the queries made -------------------------------
+
+
+@pytest.fixture(scope="module")
+def ledger(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    url = f"sqlite:///{tmp_path_factory.mktemp('personalization')}/ledger.db"
+    with running_server(database_url=url, admin_key=ADMIN_KEY) as base:
+        yield base
+
+
+def gated_silos(url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: float) -> list[GatedSilo]:
+    with LedgerClient(url, ADMIN_KEY) as admin:
+        created = [
+            admin.create_silo(name=f"{prefix}-{k}", epsilon=epsilon, delta=DELTA, dataset_size=n)
+            for k, n in enumerate(algorithm.train.sizes)
+        ]
+    return [GatedSilo(c["id"], LedgerClient(url, c["api_key"])) for c in created]
+
+
+def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, rounds: int, epsilon: float = 1e3):
+    """Runs the algorithm gated by the ledger; returns the run and, per round, per silo, the DP-SGD
+    steps and selection queries the algorithm actually made (read off its own counters)."""
+    made: list[tuple[list[int], list[int]]] = []
+    last = [algorithm._queries.clone(), getattr(algorithm, "selection_queries", torch.zeros(algorithm.num_silos, dtype=torch.int64)).clone()]
+
+    def snapshot(_: RoundRecord) -> None:
+        now = [algorithm._queries.clone(), getattr(algorithm, "selection_queries", torch.zeros_like(last[1])).clone()]
+        made.append(((now[0] - last[0]).tolist(), (now[1] - last[1]).tolist()))
+        last[:] = now
+
+    silos = gated_silos(url, algorithm, prefix, epsilon)
+    try:
+        run = run_gated(algorithm, silos, rounds=rounds, job_id=prefix, on_round=snapshot)
+    finally:
+        for silo in silos:
+            silo.client.close()
+    return run, made
+
+
+def independent_epsilons(algorithm: FederatedAlgorithm, made, selection: ClusterSelection | None) -> list[list[float]]:
+    """ε of each silo after each round, from dp-accounting alone, given the queries made."""
+    out = []
+    accountants = [rdp_lib.RdpAccountant() for _ in range(algorithm.num_silos)]
+    for steps, selections in made:
+        for k, accountant in enumerate(accountants):
+            q = algorithm.batch_sizes[k] / algorithm.train.sizes[k]
+            accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), steps[k])
+            if selections[k]:
+                assert selection is not None
+                n = algorithm.train.sizes[k]
+                q_s = (n if selection.batch_size is None else min(selection.batch_size, n)) / n
+                accountant.compose(de.PoissonSampledDpEvent(q_s, de.GaussianDpEvent(selection.noise_multiplier)), selections[k])
+        out.append([a.get_epsilon(DELTA) for a in accountants])
+    return out
+
+
+SELECTION = ClusterSelection(noise_multiplier=2.0, loss_clip=4.0, batch_size=24)
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["ifca", "ifca_10pct", "ifca_mrmtl", "finetune", "ditto", "fedavg"],
+)
+def test_charged_epsilon_equals_the_composition_of_the_queries_made(ledger: str, method: str) -> None:
+    args, _ = digits_args(3, seed=1)
+    rounds = 4
+    algorithm: FederatedAlgorithm = {
+        "ifca": lambda: IFCA(clusters=2, selection=SELECTION, **args),
+        "ifca_10pct": lambda: IFCA(clusters=2, selection=SELECTION, selection_rounds=clustering_rounds(0.1, rounds), **args),
+        "ifca_mrmtl": lambda: ClusteredMRMTL(lam=0.5, clusters=2, selection=SELECTION, selection_rounds=2, **args),
+        "finetune": lambda: Finetuning(federated_rounds=2, **args),
+        "ditto": lambda: Ditto(lam=0.5, personal_steps=2, **args),
+        "fedavg": lambda: FedAvg(**args),
+    }[method]()
+    run, made = queries_per_round(algorithm, ledger, f"eps-{method}", rounds)
+    assert run.stop_reason is None and len(run.rounds) == rounds
+    expected = independent_epsilons(algorithm, made, SELECTION)
+    for r, record in enumerate(run.rounds):
+        for k in range(algorithm.num_silos):
+            assert record.epsilon_spent[k] == pytest.approx(expected[r][k], rel=1e-9), (method, r, k)
+
+    selecting = {"ifca": rounds, "ifca_10pct": 1, "ifca_mrmtl": 2}.get(method, 0)
+    assert [sum(s) for _, s in made] == [algorithm.num_silos if r < selecting else 0 for r in range(rounds)]
+    steps_per_round = CONFIG.local_steps + (2 if method == "ditto" else 0)
+    assert all(s == [steps_per_round] * algorithm.num_silos for s, _ in made)
+
+
+def test_a_selecting_round_costs_more_than_a_plain_one_by_the_selection(ledger: str) -> None:
+    args, _ = digits_args(2, seed=1)
+    ifca = IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args)
+    run, _ = queries_per_round(ifca, ledger, "eps-step", 2)
+    first, second = run.rounds[0].epsilon_spent[0], run.rounds[1].epsilon_spent[0]
+    plain_round = second - first
+    assert first > plain_round > 0  # round 0 paid dpsgd + selection, round 1 dpsgd alone
+
+    # In RDP, where composition is additive, the difference is exactly the selection's curve.
+    q = ifca.batch_sizes[0] / ifca.train.sizes[0]
+    q_s = min(SELECTION.batch_size or 0, ifca.train.sizes[0]) / ifca.train.sizes[0]
+    step = de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), CONFIG.local_steps)
+    selection = de.PoissonSampledDpEvent(q_s, de.GaussianDpEvent(SELECTION.noise_multiplier))
+    with_selection, without = rdp_lib.RdpAccountant(), rdp_lib.RdpAccountant()
+    with_selection.compose(de.ComposedDpEvent([step, selection]))
+    without.compose(step)
+    assert first == pytest.approx(with_selection.get_epsilon(DELTA), rel=1e-9)
+    assert first > without.get_epsilon(DELTA)
+
+
+def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> None:
+    """Paper 000 Fig. 4: at one budget, selecting every round buys fewer rounds than selecting
+    only at the start. The budget fits 6 plain rounds plus one selection."""
+    args, _ = digits_args(2, seed=1)
+    rounds = 8
+    probe = IFCA(clusters=2, selection=SELECTION, **args)
+    accountant = rdp_lib.RdpAccountant()
+    q = probe.batch_sizes[0] / probe.train.sizes[0]
+    q_s = min(SELECTION.batch_size or 0, probe.train.sizes[0]) / probe.train.sizes[0]
+    accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), 6 * CONFIG.local_steps)
+    accountant.compose(de.PoissonSampledDpEvent(q_s, de.GaussianDpEvent(SELECTION.noise_multiplier)))
+    budget = accountant.get_epsilon(DELTA) * 1.0001
+    assert probe.train.sizes[0] == probe.train.sizes[1]
+
+    every, _ = queries_per_round(IFCA(clusters=2, selection=SELECTION, **args), ledger, "budget-every", rounds, budget)
+    once, _ = queries_per_round(IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args), ledger, "budget-once", rounds, budget)
+    assert once.approved_rounds() == [6, 6]
+    assert all(n < 6 for n in every.approved_rounds())
+    assert all(once.stopped) and all(every.stopped)
