@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging.config
 import sys
 from pathlib import Path
+
+from service import people_cli
+from service.logging_setup import FORMATS, logging_config
 
 WORKER_COMMANDS = ("demo", "train", "tune")
 
@@ -29,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workers", type=int, default=1)
+    serve.add_argument("--log-format", choices=FORMATS, default="json", help="json: one object a line (default)")
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser("migrate", help="migrate the database to head and stop")
@@ -45,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     openapi.add_argument("--out", type=Path, default=Path("openapi/openapi.json"))
     openapi.set_defaults(run=_openapi)
 
+    people_cli.add_commands(commands)
+
     for name in WORKER_COMMANDS:
         commands.add_parser(name, help=f"the worker's `{name}` (see `dpledger {name} --help`)")
     return parser
@@ -56,8 +63,14 @@ def _serve(args: argparse.Namespace) -> None:
     from service.ledger.db import migrate
     from service.settings import get_settings
 
+    log_config = logging_config(args.log_format)
+    logging.config.dictConfig(log_config)  # the migration's lines too, before uvicorn starts
     migrate(get_settings().database_url)
-    uvicorn.run("service.api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.workers)
+    # Each worker process re-applies log_config; uvicorn's own access line is replaced by dpledger.access.
+    uvicorn.run(
+        "service.api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
+        log_config=log_config, access_log=False,
+    )
 
 
 def _migrate(_: argparse.Namespace) -> None:

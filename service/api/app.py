@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from service.api import errors
-from service.api.routes import audit, charges, jobs, keys, quote, searches, silos
+from service.api import errors, metrics
+from service.api.routes import audit, charges, dashboard, jobs, keys, quote, searches, silos
 from service.ledger import keys as ledger_keys
 from service.ledger.db import make_engine, make_session_factory
 from service.settings import Settings, get_settings
@@ -32,7 +32,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ledger_keys.ensure_admin_key(app.state.session_factory, settings.admin_key)
 
     errors.install(app)
-    for module in (silos, charges, jobs, audit, quote, keys, searches):
+    metrics.install(app)
+    for module in (silos, charges, jobs, audit, quote, keys, searches, dashboard):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"], name="healthz")

@@ -44,7 +44,7 @@ class Principal:
 
 
 def principal(
-    factory: FactoryDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, factory: FactoryDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
     if credentials is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key", headers={"WWW-Authenticate": "Bearer"})
@@ -52,7 +52,9 @@ def principal(
         key = keys.authenticate(session, credentials.credentials)
     if key is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
-    return Principal(key_id=key.id, role=Role(key.role), silo_id=key.silo_id)
+    caller = Principal(key_id=key.id, role=Role(key.role), silo_id=key.silo_id)
+    request.state.principal = caller  # for the access log (service/api/metrics.py); never the key itself
+    return caller
 
 
 PrincipalDep = Annotated[Principal, Depends(principal)]

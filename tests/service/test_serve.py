@@ -61,3 +61,53 @@ def test_keys_create_bootstraps_an_admin_without_any_env_key(tmp_path) -> None:
         assert client.get("/v1/silos", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert client.get("/v1/silos", headers={"Authorization": "Bearer dpl_guess"}).status_code == 401
     app.state.engine.dispose()
+
+
+def test_serve_with_two_workers_sums_metrics_across_processes_and_logs_json(tmp_path) -> None:
+    """Two uvicorn workers on one SQLite file, prometheus_client in multiprocess mode: `/metrics`,
+    whichever worker answers, counts every approval once; every log line is JSON and holds no key."""
+    port = free_port()
+    metrics_dir = tmp_path / "prometheus"
+    metrics_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DPLEDGER_DATABASE_URL")}
+    env.update(DPLEDGER_ADMIN_KEY=KEY, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", "2"],
+            cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT,
+        )
+        try:
+            # Each worker creates its counter file when it builds the app: two files, two live workers.
+            deadline = time.monotonic() + 90
+            while len(list(metrics_dir.glob("counter_*.db"))) < 2 or not _healthy(url):
+                assert time.monotonic() < deadline and process.poll() is None, "two workers did not start"
+                time.sleep(0.2)
+            admin = {"Authorization": f"Bearer {KEY}"}
+            silo = httpx.post(f"{url}/v1/silos", headers=admin,
+                              json={"name": "clinic", "epsilon": 10.0, "delta": 1e-5, "dataset_size": 1000}).json()
+            step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
+            for i in range(8):  # a new connection each time, so the kernel spreads them over the workers
+                response = httpx.post(f"{url}/v1/silos/{silo['id']}/charges", json={"mechanism": step, "idempotency_key": f"k{i}"},
+                                      headers={"Authorization": f"Bearer {silo['api_key']}"})
+                assert response.status_code == 201
+
+            text = httpx.get(f"{url}/metrics").text
+        finally:
+            process.terminate()
+            process.wait(timeout=20)
+
+    assert 'dpledger_charge_decisions_total{outcome="approved",reason="reserved"} 8.0' in text
+    assert 'dpledger_http_request_duration_seconds_count{method="POST",route="/v1/silos/{silo_id}/charges",status_class="2xx"} 8.0' in text
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert {"uvicorn.error", "dpledger.access"} <= {line["logger"] for line in lines}
+    assert sum(line.get("outcome") == "approved" for line in lines if line["logger"] == "dpledger.access") == 8
+    assert KEY not in log.read_text() and silo["api_key"] not in log.read_text()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

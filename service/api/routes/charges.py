@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 
 from service.api.deps import FactoryDep, PrincipalDep
+from service.api.metrics import Decision, note_decision
 from service.api.schemas import ChargeRequest, ChargeReserved, ChargeSettled, OverBudgetResponse, finite_or_none
 from service.ledger import charges
+from service.ledger.errors import OverBudget
 
 router = APIRouter(tags=["charges"])
 
@@ -19,13 +21,24 @@ router = APIRouter(tags=["charges"])
     responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written"}},
 )
 def reserve_charge(
-    silo_id: int, body: ChargeRequest, caller: PrincipalDep, factory: FactoryDep, response: Response
+    silo_id: int, body: ChargeRequest, caller: PrincipalDep, factory: FactoryDep, request: Request, response: Response
 ) -> ChargeReserved:
     caller.require_silo(silo_id)
-    result = charges.reserve(
-        factory, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
-        job_id=body.job_id, round=body.round,
-    )
+    try:
+        result = charges.reserve(
+            factory, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
+            job_id=body.job_id, round=body.round,
+        )
+    except OverBudget as refusal:
+        note_decision(request, Decision(
+            outcome="refused", reason="over_budget", silo_id=silo_id, charge_id=None,
+            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
+        ))
+        raise
+    note_decision(request, Decision(
+        outcome="approved", reason="replayed" if result.replayed else "reserved", silo_id=silo_id,
+        charge_id=result.charge_id, epsilon_spent=result.epsilon_spent,
+    ))
     if result.replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return ChargeReserved(

@@ -1,0 +1,161 @@
+"""The auditors' dashboard over HTTP: a cookie sign-in, then HTML pages built from the same ledger
+calls as the JSON API. Left out of the OpenAPI document, which describes the JSON API only."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Cookie, Depends, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from service.api.deps import READERS, FactoryDep, Principal
+from service.api.schemas import finite_or_none
+from service.dashboard import pages, series
+from service.ledger import audit, charges, keys, silos
+from service.ledger.errors import NotFound
+from service.ledger.models import Role, Silo
+
+router = APIRouter(prefix="/dashboard", include_in_schema=False)
+
+COOKIE = "dpledger_dashboard_key"
+LOGIN_PATH = "/dashboard/login"
+_MAX_FORM_BYTES = 4096  # an API key is ~50 characters; nothing legitimate posts more
+
+
+def _html(body: str, status_code: int = status.HTTP_200_OK) -> HTMLResponse:
+    # The pages show budgets: never cached, never framed, and allowed to load nothing from anywhere.
+    return HTMLResponse(
+        body,
+        status_code=status_code,
+        headers={
+            "Content-Security-Policy": pages.CONTENT_SECURITY_POLICY,
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+        },
+    )
+
+
+def _reader(factory: FactoryDep, key: Annotated[str | None, Cookie(alias=COOKIE)] = None) -> Principal | None:
+    """The signed-in reader, checked again on every page, so a key revoked since sign-in stops
+    working at once; None sends the visitor to the sign-in page."""
+    if not key:
+        return None
+    with factory() as session:
+        found = keys.authenticate(session, key)
+    if found is None or Role(found.role) not in READERS:
+        return None
+    return Principal(key_id=found.id, role=Role(found.role), silo_id=found.silo_id)
+
+
+ReaderDep = Annotated[Principal | None, Depends(_reader)]
+
+
+def _to_login() -> Response:
+    response = RedirectResponse(LOGIN_PATH, status_code=status.HTTP_303_SEE_OTHER)
+    response.delete_cookie(COOKIE, path="/dashboard", httponly=True, samesite="strict")
+    return response
+
+
+@router.get("/login", name="dashboard_login_form")
+def login_form() -> HTMLResponse:
+    return _html(pages.login())
+
+
+@router.post("/login", name="dashboard_login")
+async def login(request: Request, factory: FactoryDep) -> Response:
+    body = await request.body()
+    if len(body) > _MAX_FORM_BYTES:
+        return _html(pages.login("That form is too large to be a sign-in."), status.HTTP_413_CONTENT_TOO_LARGE)
+    # urlencoded by hand: the one field does not justify the python-multipart dependency.
+    raw = parse_qs(body.decode("utf-8", errors="replace")).get("api_key", [""])[0].strip()
+    if not raw:
+        return _html(pages.login("Enter an API key."), status.HTTP_401_UNAUTHORIZED)
+    with factory() as session:
+        key = keys.authenticate(session, raw)
+    if key is None:
+        return _html(pages.login("Unknown or revoked API key."), status.HTTP_401_UNAUTHORIZED)
+    role = Role(key.role)
+    if role not in READERS:
+        message = f"A key of role '{role.value}' may not open the dashboard: it shows every silo's budget, so only admin and auditor keys may."
+        return _html(pages.problem("not allowed", message, signed_in=False), status.HTTP_403_FORBIDDEN)
+    response = RedirectResponse("/dashboard", status_code=status.HTTP_303_SEE_OTHER)
+    # HttpOnly: no script can read the key; SameSite=Strict: no other site's form can post with it.
+    response.set_cookie(
+        COOKIE, raw, httponly=True, samesite="strict", secure=request.url.scheme == "https", path="/dashboard"
+    )
+    return response
+
+
+@router.post("/logout", name="dashboard_logout")
+def logout() -> Response:
+    return _to_login()
+
+
+def _row(silo: Silo) -> pages.SiloRow:
+    # The same calls and the same null-for-∞ as GET /v1/silos/{id}, so page and API agree exactly.
+    budget = silos.status(silo)
+    return pages.SiloRow(
+        id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta,
+        epsilon_spent=finite_or_none(budget.epsilon_spent),
+        epsilon_committed=finite_or_none(budget.epsilon_committed),
+        epsilon_remaining=budget.epsilon_remaining,
+    )
+
+
+@router.get("", name="dashboard_overview")
+def overview(reader: ReaderDep, factory: FactoryDep) -> Response:
+    if reader is None:
+        return _to_login()
+    with factory() as session:
+        rows = [_row(s) for s in silos.list_all(session)]
+    return _html(pages.overview(rows))
+
+
+@router.get("/silos/{silo_id}", name="dashboard_silo")
+def silo_page(silo_id: int, reader: ReaderDep, factory: FactoryDep) -> Response:
+    if reader is None:
+        return _to_login()
+    with factory() as session:
+        try:
+            silo = silos.get(session, silo_id)
+        except NotFound as error:
+            return _html(pages.problem("not found", str(error), signed_in=True), status.HTTP_404_NOT_FOUND)
+        row = _row(silo)
+        history = charges.history(session, silo_id, limit=1_000_000)
+        report = audit.verify(session, silo_ids=[silo_id])
+        steps = [
+            series.Step(seq=h.entry.seq, event=h.entry.event, charge_rdp=None if h.charge is None else h.charge.rdp,
+                        epsilon_spent=h.entry.epsilon_spent)
+            for h in history
+        ]
+        charge_rows = _charge_rows(history, delta=silo.delta)
+    verification = pages.Verification(
+        ok=report.ok, entries=report.entries, bad_charge_ids=report.bad_charge_ids, problems=report.problems
+    )
+    return _html(pages.silo(row, series.points(steps, delta=silo.delta), charge_rows, verification))
+
+
+def _charge_rows(history: list[charges.HistoryRow], *, delta: float) -> list[pages.ChargeRow]:
+    """One row per charge in the silo's history (its reserve entry names it first), by id."""
+    rows: dict[int, pages.ChargeRow] = {}
+    for h in history:
+        c = h.charge
+        if c is not None and c.id not in rows:
+            rows[c.id] = pages.ChargeRow(
+                id=c.id, status=c.status, job_id=c.job_id, round=c.round,
+                mechanism_type=_mechanism_type(c.mechanism),
+                epsilon=finite_or_none(series.charge_epsilon(c.rdp, delta=delta)),
+            )
+    return sorted(rows.values(), key=lambda r: r.id)
+
+
+def _mechanism_type(stored: str) -> str:
+    # An auditor opens this page precisely when rows may have been edited: show what is there.
+    try:
+        kind = json.loads(stored).get("type")
+    except (ValueError, AttributeError):
+        return "unreadable mechanism"
+    return kind if isinstance(kind, str) else "unreadable mechanism"

@@ -1,0 +1,40 @@
+"""ε over time from a silo's history: the chart's points, replayed from the stored entries.
+
+An entry stores ε of committed + reserved charges after it; ε of committed charges alone is not
+stored, so it is recomputed by composing the curves of the charges committed so far, through the
+same dp-accounting conversion that the ledger uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from service.accounting import rdp
+from service.accounting.running_sum import RunningSum, curve_from_json
+from service.dashboard.svg import Point
+
+
+@dataclass(frozen=True)
+class Step:
+    seq: int
+    event: str  # an EntryEvent value
+    charge_rdp: str | None  # the charge's curve JSON; None for the silo's genesis entry
+    epsilon_spent: float
+
+
+def points(steps: Iterable[Step], *, delta: float) -> list[Point]:
+    committed = RunningSum.empty(len(rdp.ORDERS))
+    eps_committed = 0.0
+    out = []
+    for step in steps:
+        if step.event == "commit" and step.charge_rdp is not None:
+            committed = committed.add(curve_from_json(step.charge_rdp))
+            eps_committed, _ = rdp.epsilon(committed.curve(), delta=delta)
+        out.append(Point(seq=step.seq, committed=eps_committed, spent=step.epsilon_spent))
+    return out
+
+
+def charge_epsilon(charge_rdp: str, *, delta: float) -> float:
+    """ε of one charge alone at the silo's δ: what that charge would cost a fresh ledger."""
+    return rdp.epsilon(curve_from_json(charge_rdp), delta=delta)[0]

@@ -1,0 +1,192 @@
+"""`dpledger silos|history|verify`: the ledger read over HTTP by a person at a terminal.
+
+Only httpx and the standard library: it runs wherever the service is reachable, with any reader's
+key (admin or auditor; a silo key for its own silo). Every failure is one line on stderr and exit
+code 2, so scripts can tell "the chain is broken" (1) from "could not ask" (2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import io
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+PAGE = 10_000  # the API's default page of history entries
+EXIT_BROKEN, EXIT_FAILED = 1, 2
+
+
+class CliError(Exception):
+    """Said to the person on one line; never a traceback."""
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        return response.text.strip()[:200]
+    return detail if isinstance(detail, str) else json.dumps(detail)
+
+
+def _get(path: str, params: dict[str, Any] | None = None) -> httpx.Response:
+    url = os.environ.get("DPLEDGER_URL", DEFAULT_URL).rstrip("/")
+    key = os.environ.get("DPLEDGER_KEY")
+    if not key:
+        raise CliError("DPLEDGER_KEY is not set: export an admin, auditor or silo API key")
+    try:
+        response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
+    except httpx.HTTPError as error:
+        raise CliError(f"cannot reach the ledger at {url} (DPLEDGER_URL): {error}") from None
+    if response.status_code == 401:
+        raise CliError(f"401 unauthorized: DPLEDGER_KEY was refused ({_detail(response)})")
+    if response.status_code == 403:
+        raise CliError(f"403 forbidden: this key may not read {path} ({_detail(response)})")
+    if response.status_code >= 400:
+        raise CliError(f"HTTP {response.status_code} from {path}: {_detail(response)}")
+    return response
+
+
+def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except CliError as error:
+            print(f"dpledger: {error}", file=sys.stderr)
+            return EXIT_FAILED
+
+    return run
+
+
+def number(value: float | None) -> str:
+    """How the tables print ε and δ; None is the API's way of saying infinite (beyond the RDP orders)."""
+    return "inf" if value is None else f"{value:.6g}"
+
+
+def remaining(silo: dict[str, Any]) -> float:
+    spent = silo["epsilon_spent"]
+    return 0.0 if spent is None else max(0.0, silo["epsilon"] - spent)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
+    return "\n".join(lines)
+
+
+SILO_HEADER = ("id", "name", "ε budget", "δ", "ε spent", "remaining")
+
+
+@_reports_errors
+def silos_list(args: argparse.Namespace) -> int:
+    silos: list[dict[str, Any]] = _get("/v1/silos").json()
+    if args.json:
+        print(json.dumps(silos, indent=2))
+        return 0
+    rows = [
+        (str(s["id"]), s["name"], number(s["epsilon"]), number(s["delta"]), number(s["epsilon_spent"]), number(remaining(s)))
+        for s in silos
+    ]
+    print(table(SILO_HEADER, rows))
+    return 0
+
+
+DETAIL_FIELDS = (
+    ("id", "id"), ("name", "name"), ("ε budget", "epsilon"), ("δ", "delta"), ("dataset size", "dataset_size"),
+    ("ε spent", "epsilon_spent"), ("ε committed", "epsilon_committed"), ("ε remaining", "epsilon_remaining"),
+    ("zCDP ρ", "rho"), ("RDP order", "order"),
+)
+
+
+@_reports_errors
+def silos_show(args: argparse.Namespace) -> int:
+    silo: dict[str, Any] = _get(f"/v1/silos/{args.silo_id}").json()
+    if args.json:
+        print(json.dumps(silo, indent=2))
+        return 0
+    width = max(len(label) for label, _ in DETAIL_FIELDS)
+    for label, field in DETAIL_FIELDS:
+        value = silo.get(field)
+        shown = str(value) if field in {"id", "name", "dataset_size"} else number(value)
+        print(f"{label.ljust(width)}  {shown}")
+    return 0
+
+
+def _history_pages(silo_id: int, fmt: str) -> list[httpx.Response]:
+    # Paged by seq, so an auditor's export of a long ledger is complete, not the first page only.
+    pages, after = [], 0
+    while True:
+        page = _get(f"/v1/silos/{silo_id}/history", {"format": fmt, "after_seq": after, "limit": PAGE})
+        pages.append(page)
+        if fmt == "csv":
+            seqs = [int(row["seq"]) for row in csv.DictReader(io.StringIO(page.text))]
+        else:
+            seqs = [entry["seq"] for entry in page.json()]
+        if len(seqs) < PAGE:
+            return pages
+        after = seqs[-1]
+
+
+HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after", "at")
+
+
+@_reports_errors
+def history(args: argparse.Namespace) -> int:
+    if args.csv:
+        pages = _history_pages(args.silo_id, "csv")
+        first, *rest = [page.text.splitlines(keepends=True) for page in pages]
+        sys.stdout.write("".join(first + [line for lines in rest for line in lines[1:]]))  # one header
+        return 0
+    entries = [e for page in _history_pages(args.silo_id, "json") for e in page.json()]
+    rows = [
+        (str(e["seq"]), e["event"], "" if e["charge_id"] is None else str(e["charge_id"]), e["job_id"] or "",
+         "" if e["round"] is None else str(e["round"]), number(e["epsilon_spent"]), e["created_at"])
+        for e in entries
+    ]
+    print(table(HISTORY_HEADER, rows))
+    return 0
+
+
+@_reports_errors
+def verify(_: argparse.Namespace) -> int:
+    report: dict[str, Any] = _get("/v1/audit/verify").json()
+    if report["ok"]:
+        print(f"ok: {report['entries']} entries, every hash recomputes")
+        return 0
+    print(
+        f"BROKEN: {report['entries']} entries; first bad entry seq {report['first_bad_seq']} "
+        f"of silo {report['first_bad_silo_id']}; edited charges {report['bad_charge_ids']}"
+    )
+    for problem in report["problems"]:
+        print(f"  - {problem}")
+    return EXIT_BROKEN
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Wires the subcommands into `dpledger`'s parser (service/cli.py)."""
+    env_note = f"Reads DPLEDGER_URL (default {DEFAULT_URL}) and DPLEDGER_KEY (a reader's API key)."
+    silos = commands.add_parser("silos", help="list or show silos' budgets (over HTTP)", description=env_note)
+    actions = silos.add_subparsers(required=True, metavar="action")
+    listing = actions.add_parser("list", help="a table of every silo: budget, δ, ε spent, remaining")
+    listing.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
+    listing.set_defaults(run=silos_list)
+    show = actions.add_parser("show", help="one silo's budget in detail")
+    show.add_argument("silo_id", type=int, metavar="ID")
+    show.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
+    show.set_defaults(run=silos_show)
+
+    hist = commands.add_parser("history", help="a silo's hash-chained ε history (over HTTP)", description=env_note)
+    hist.add_argument("silo_id", type=int, metavar="ID")
+    hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page")
+    hist.set_defaults(run=history)
+
+    check = commands.add_parser("verify", help="recompute the audit chain; exit 1 if broken (over HTTP)", description=env_note)
+    check.set_defaults(run=verify)

@@ -1,0 +1,116 @@
+"""The dashboard in a real headless Chromium against a real uvicorn: sign in through the form, read
+the numbers through the DOM, compare them with the JSON API, open a silo's chart, screenshot it.
+
+Skipped where Debian's chromium or the playwright package is missing (.ci/run installs both)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.server import running_server
+from tests.conftest import ADMIN_KEY
+
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    pytest.skip(f"{CHROMIUM} is absent (apt-get install chromium)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is absent (pip install playwright)")
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+STEP = {"type": "dpsgd", "batch_size": 20, "noise_multiplier": 1.0, "steps": 10}
+# (name, ε, rounds charged, how many of them committed)
+SILOS = [("hospital-a", 4.0, 3, 2), ("bank-b", 8.0, 5, 3), ("school-c", 2.0, 0, 0)]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    with running_server(database_url=f"sqlite:///{tmp_path}/l.db", admin_key=ADMIN_KEY) as url:
+        yield url
+
+
+def populate(api: httpx.Client) -> list[int]:
+    ids = []
+    for name, epsilon, rounds, committed in SILOS:
+        silo = api.post("/v1/silos", json={"name": name, "epsilon": epsilon, "delta": 1e-5, "dataset_size": 2000}, headers=ADMIN)
+        assert silo.status_code == 201, silo.text
+        own = {"Authorization": f"Bearer {silo.json()['api_key']}"}
+        for i in range(rounds):
+            body = {"mechanism": STEP, "idempotency_key": f"round-{i}", "job_id": "job-1", "round": i}
+            reserved = api.post(f"/v1/silos/{silo.json()['id']}/charges", json=body, headers=own)
+            assert reserved.status_code == 201, reserved.text
+            if i < committed:
+                assert api.post(f"/v1/charges/{reserved.json()['charge_id']}/commit", headers=own).status_code == 200
+        ids.append(silo.json()["id"])
+    return ids
+
+
+def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server: str, tmp_path: Path) -> None:
+    with httpx.Client(base_url=server, timeout=30) as api:
+        ids = populate(api)
+        auditor_key = api.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
+        expected = {i: api.get(f"/v1/silos/{i}", headers=ADMIN).json() for i in ids}
+        history = api.get(f"/v1/silos/{ids[1]}/history", headers=ADMIN).json()
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            # A CSP violation (a blocked stylesheet, say) shows up as a console error.
+            console_errors: list[str] = []
+            page.on("console", lambda message: console_errors.append(message.text) if message.type == "error" else None)
+
+            page.goto(f"{server}/dashboard")
+            assert page.url == f"{server}/dashboard/login"
+            page.fill("#api_key", auditor_key)
+            page.click("button[type=submit]")
+            page.wait_for_url(f"{server}/dashboard")
+
+            rows = page.locator("tr[data-silo-id]")
+            assert rows.count() == len(SILOS)
+            for index, silo_id in enumerate(ids):
+                row = page.locator(f'tr[data-silo-id="{silo_id}"]')
+                api_silo = expected[silo_id]
+                assert row.locator("td[data-name]").inner_text() == api_silo["name"] == SILOS[index][0]
+                for field in ("epsilon", "delta", "epsilon_spent", "epsilon_committed", "epsilon_remaining"):
+                    cell = row.locator(f"td[data-{field.replace('_', '-')}]")
+                    assert json.loads(cell.get_attribute(f"data-{field.replace('_', '-')}") or "") == api_silo[field], field
+                assert row.locator("td[data-epsilon-spent]").inner_text() == f"{api_silo['epsilon_spent']:.6g}"
+                bar = row.locator("svg.bar rect.bar-spent")
+                assert float(bar.get_attribute("width") or "") == pytest.approx(160 * api_silo["epsilon_spent"] / api_silo["epsilon"], abs=0.01)
+            assert expected[ids[2]]["epsilon_spent"] == 0.0 and expected[ids[1]]["epsilon_spent"] > 0.0
+
+            # The inline stylesheet applied: its CSP hash matches what the page sends.
+            header_colour = page.locator("header").evaluate("element => getComputedStyle(element).backgroundColor")
+            assert header_colour == "rgb(31, 45, 61)"
+            page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+
+            page.click("text=bank-b")
+            page.wait_for_url(f"{server}/dashboard/silos/{ids[1]}")
+            chart = page.locator("svg.line-chart")
+            assert chart.is_visible()
+            assert chart.get_attribute("data-points") == str(len(history)) == str(1 + 5 + 3)
+            assert page.locator("svg.line-chart circle.point-spent").count() == len(history)
+            assert page.locator("svg.line-chart circle.point-committed").count() == len(history)
+            points = (page.locator("svg.line-chart polyline.series-spent").get_attribute("points") or "").split()
+            assert len(points) == len(history)
+            drawn = [json.loads(c.get_attribute("data-epsilon") or "") for c in page.locator("circle.point-spent").all()]
+            assert drawn == [entry["epsilon_spent"] for entry in history]
+            committed = [json.loads(c.get_attribute("data-epsilon") or "") for c in page.locator("circle.point-committed").all()]
+            assert committed[-1] == pytest.approx(expected[ids[1]]["epsilon_committed"], rel=1e-12) and committed[-1] < drawn[-1]
+            assert page.locator("tr[data-charge-id]").count() == 5
+            assert page.locator("#verification").get_attribute("data-ok") == "true"
+            assert page.locator("#verification").inner_text().startswith(f"verified: {len(history)} entries")
+
+            screenshot = tmp_path / "silo.png"
+            page.screenshot(path=str(screenshot), full_page=True)
+            assert console_errors == []
+        finally:
+            browser.close()
+
+    png = screenshot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(png) > 20_000  # a blank 1280×900 page compresses to a few kB

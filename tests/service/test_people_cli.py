@@ -1,0 +1,185 @@
+"""`dpledger silos|history|verify` against a real server over a socket, compared with the API's JSON."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from service.cli import main
+from service.people_cli import number
+from service.server import running_server
+from tests.conftest import ADMIN, ADMIN_KEY
+
+STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
+
+
+@dataclass(frozen=True)
+class Ledger:
+    url: str
+    database_url: str
+    silo_ids: list[int]
+    silo_keys: list[str]
+    charge_ids: list[int]
+
+
+@pytest.fixture(scope="module")
+def ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ledger]:
+    database_url = f"sqlite:///{tmp_path_factory.mktemp('cli')}/l.db"
+    with running_server(database_url=database_url, admin_key=ADMIN_KEY) as url:
+        ids, keys, charge_ids = [], [], []
+        for name, epsilon in (("clinic", 2.0), ("bank", 8.0)):
+            body = {"name": name, "epsilon": epsilon, "delta": 1e-5, "dataset_size": 1000}
+            created = httpx.post(f"{url}/v1/silos", json=body, headers=ADMIN).json()
+            ids.append(created["id"])
+            keys.append(created["api_key"])
+        silo_headers = {"Authorization": f"Bearer {keys[0]}"}
+        for i in range(3):
+            body = {"mechanism": STEP, "idempotency_key": f"r{i}", "job_id": "ward-7", "round": i}
+            response = httpx.post(f"{url}/v1/silos/{ids[0]}/charges", json=body, headers=silo_headers)
+            assert response.status_code == 201, response.text
+            charge_ids.append(response.json()["charge_id"])
+        assert httpx.post(f"{url}/v1/charges/{charge_ids[0]}/commit", headers=silo_headers).status_code == 200
+        assert httpx.post(f"{url}/v1/charges/{charge_ids[1]}/release", headers=silo_headers).status_code == 200
+        yield Ledger(url, database_url, ids, keys, charge_ids)
+
+
+@pytest.fixture
+def as_admin(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> Ledger:
+    monkeypatch.setenv("DPLEDGER_URL", ledger.url)
+    monkeypatch.setenv("DPLEDGER_KEY", ADMIN_KEY)
+    return ledger
+
+
+def api(ledger: Ledger, path: str) -> httpx.Response:
+    response = httpx.get(f"{ledger.url}{path}", headers=ADMIN)
+    assert response.status_code == 200
+    return response
+
+
+def test_silos_list_prints_the_apis_numbers(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["silos", "list"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+
+    assert header.split() == ["id", "name", "ε", "budget", "δ", "ε", "spent", "remaining"]
+    silos = api(as_admin, "/v1/silos").json()
+    assert [row.split() for row in rows] == [
+        [str(s["id"]), s["name"], number(s["epsilon"]), number(s["delta"]), number(s["epsilon_spent"]),
+         number(s["epsilon"] - s["epsilon_spent"])]
+        for s in silos
+    ]
+    assert silos[0]["epsilon_spent"] > 0 and silos[1]["epsilon_spent"] == 0.0
+
+
+def test_silos_list_and_show_json_are_the_apis_json(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["silos", "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == api(as_admin, "/v1/silos").json()
+    silo_id = as_admin.silo_ids[0]
+    assert main(["silos", "show", str(silo_id), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == api(as_admin, f"/v1/silos/{silo_id}").json()
+
+
+def test_silos_show_prints_every_field_of_the_detail(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    silo_id = as_admin.silo_ids[0]
+    assert main(["silos", "show", str(silo_id)]) == 0
+    shown = dict(line.rsplit(None, 1) for line in capsys.readouterr().out.splitlines())
+
+    detail = api(as_admin, f"/v1/silos/{silo_id}").json()
+    assert shown["name"] == "clinic"
+    assert shown["ε budget"] == number(detail["epsilon"])
+    assert shown["ε spent"] == number(detail["epsilon_spent"])
+    assert shown["ε committed"] == number(detail["epsilon_committed"])
+    assert shown["ε remaining"] == number(detail["epsilon_remaining"])
+    assert shown["zCDP ρ"] == number(detail["rho"])
+    assert shown["dataset size"] == "1000"
+    assert detail["epsilon_committed"] < detail["epsilon_spent"]  # one reserved charge is still open
+
+
+def test_history_table_and_csv_match_the_apis_history(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    silo_id = as_admin.silo_ids[0]
+    entries = api(as_admin, f"/v1/silos/{silo_id}/history").json()
+
+    assert main(["history", str(silo_id)]) == 0
+    _, *rows = capsys.readouterr().out.splitlines()
+    assert [row.split()[:2] for row in rows] == [[str(e["seq"]), e["event"]] for e in entries]
+    assert [row.split()[-2] for row in rows] == [number(e["epsilon_spent"]) for e in entries]
+
+    assert main(["history", str(silo_id), "--csv"]) == 0
+    out = capsys.readouterr().out
+    assert out == api(as_admin, f"/v1/silos/{silo_id}/history?format=csv").text
+    parsed = list(csv.DictReader(io.StringIO(out)))
+    assert [int(r["seq"]) for r in parsed] == [e["seq"] for e in entries]
+    assert [r["hash"] for r in parsed] == [e["hash"] for e in entries]
+    assert [float(r["epsilon_spent"]) for r in parsed] == [e["epsilon_spent"] for e in entries]
+    charged = [r for r in parsed if r["charge_id"]]
+    assert {int(r["charge_id"]) for r in charged} == set(as_admin.charge_ids)
+    assert {r["job_id"] for r in charged} == {"ward-7"}
+    assert len(entries) == 1 + 3 + 2  # registered, three reserved, one committed, one released
+
+
+def test_verify_exits_0_on_an_intact_chain_and_1_after_an_edit(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify"]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {api(as_admin, '/v1/audit/verify').json()['entries']} entries")
+
+    target = as_admin.charge_ids[2]
+    engine = create_engine(as_admin.database_url)
+    with engine.begin() as connection:
+        original = connection.execute(text("SELECT job_id FROM charges WHERE id = :id"), {"id": target}).scalar_one()
+        connection.execute(text("UPDATE charges SET job_id = 'forged' WHERE id = :id"), {"id": target})
+    try:
+        assert main(["verify"]) == 1
+        out = capsys.readouterr().out
+        report = api(as_admin, "/v1/audit/verify").json()
+        assert out.startswith("BROKEN:") and f"edited charges [{target}]" in out
+        assert report["bad_charge_ids"] == [target]
+        for problem in report["problems"]:
+            assert f"  - {problem}" in out.splitlines()
+    finally:
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE charges SET job_id = :v WHERE id = :id"), {"v": original, "id": target})
+        engine.dispose()
+    assert main(["verify"]) == 0
+
+
+def test_a_silo_key_reading_everything_gets_403_and_exit_2(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DPLEDGER_URL", ledger.url)
+    monkeypatch.setenv("DPLEDGER_KEY", ledger.silo_keys[0])
+    for argv in (["silos", "list"], ["verify"], ["history", str(ledger.silo_ids[1])]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        (line,) = captured.err.splitlines()
+        assert line.startswith("dpledger: 403 forbidden:")
+        assert ledger.silo_keys[0] not in line
+    assert main(["silos", "show", str(ledger.silo_ids[0])]) == 0  # its own silo is readable
+
+
+def test_a_missing_or_unknown_key_or_no_server_is_one_line_and_exit_2(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DPLEDGER_URL", ledger.url)
+    monkeypatch.delenv("DPLEDGER_KEY", raising=False)
+    assert main(["silos", "list"]) == 2
+    assert capsys.readouterr().err == "dpledger: DPLEDGER_KEY is not set: export an admin, auditor or silo API key\n"
+
+    monkeypatch.setenv("DPLEDGER_KEY", "dpl_guess")
+    assert main(["verify"]) == 2
+    assert capsys.readouterr().err == "dpledger: 401 unauthorized: DPLEDGER_KEY was refused (unknown or revoked API key)\n"
+
+    monkeypatch.setenv("DPLEDGER_KEY", ADMIN_KEY)
+    assert main(["silos", "show", "999"]) == 2
+    assert capsys.readouterr().err == "dpledger: HTTP 404 from /v1/silos/999: silo 999 not found\n"
+
+    monkeypatch.setenv("DPLEDGER_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+    assert main(["silos", "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dpledger: cannot reach the ledger at http://127.0.0.1:9 (DPLEDGER_URL):")
+    assert err.count("\n") == 1
