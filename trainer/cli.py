@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
     train = commands.add_parser("train", help="run a configured job against any ledger URL")
     train.add_argument("config", type=Path, nargs="?", help="a TOML file (see README)")
     train.add_argument("--url", help="the ledger's base URL")
-    train.add_argument("--algorithm", choices=["local", "fedavg", "mrmtl", "ditto", "ppsgd"])
+    train.add_argument("--algorithm", choices=["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"])
     train.add_argument("--rounds", type=int)
     train.add_argument("--job-id")
     train.add_argument("--device", default=None)

@@ -16,7 +16,20 @@ from trainer.client import LedgerClient
 from trainer.data import FederatedDataset
 from trainer.data.digits import make_rotated_masked_digits
 from trainer.data.npz import load_npz_folder
-from trainer.federated import MRMTL, PPSGD, Ditto, DPSGDConfig, FedAvg, FederatedAlgorithm, LocalTraining
+from trainer.federated import (
+    IFCA,
+    MRMTL,
+    PPSGD,
+    ClusteredMRMTL,
+    ClusterSelection,
+    Ditto,
+    DPSGDConfig,
+    FedAvg,
+    FederatedAlgorithm,
+    Finetuning,
+    LocalTraining,
+    clustering_rounds,
+)
 from trainer.loop import GatedSilo, JobRun, run_gated
 
 
@@ -62,12 +75,18 @@ class SiloKey(_Strict):
 class JobConfig(_Strict):
     url: str
     job_id: str = "job"
-    algorithm: Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd"] = "mrmtl"
+    algorithm: Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"] = "mrmtl"
     rounds: Annotated[int, Field(ge=1)] = 20
     lam: Annotated[float, Field(ge=0)] = 1.0
     personal_steps: Annotated[int, Field(ge=1)] = 5
     alpha: Annotated[float, Field(gt=0)] = 1.0
     client_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
+    federated_rounds: Annotated[int, Field(ge=0)] = 10
+    clusters: Annotated[int, Field(ge=1)] = 4
+    cluster_fraction: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None, description="IFCA selects in the first ⌈fraction·rounds⌉ rounds only (ifca_mrmtl: default 0.1)"
+    )
+    selection_noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
     device: str = "cpu"
     data: DataConfig = DataConfig()
     dpsgd: DpSgdSettings = DpSgdSettings()
@@ -99,6 +118,16 @@ def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
             return Ditto(lam=job.lam, personal_steps=job.personal_steps, **common)
         case "ppsgd":
             return PPSGD(alpha=job.alpha, client_rate=job.client_rate, **common)
+        case "finetune":
+            return Finetuning(federated_rounds=job.federated_rounds, **common)
+        case "ifca" | "ifca_mrmtl":
+            selection = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
+            fraction = job.cluster_fraction if job.algorithm == "ifca" else job.cluster_fraction or 0.1
+            selecting = None if fraction is None else clustering_rounds(fraction, job.rounds)
+            if job.algorithm == "ifca":
+                return IFCA(clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
+            assert selecting is not None
+            return ClusteredMRMTL(lam=job.lam, clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
     raise AssertionError(job.algorithm)
 
 

@@ -295,3 +295,24 @@ def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> N
     assert once.approved_rounds() == [6, 6]
     assert all(n < 6 for n in every.approved_rounds())
     assert all(once.stopped) and all(every.stopped)
+
+
+def test_train_runs_warm_started_mrmtl_and_charges_selection_only_while_clustering(ledger: str, tmp_path, monkeypatch) -> None:
+    from trainer.cli import main
+
+    with LedgerClient(ledger, ADMIN_KEY) as admin:
+        sizes = [s.n_train for s in make_rotated_masked_digits(n_silos=2, seed=0, mask_probability=0.1).silos]
+        created = [admin.create_silo(name=f"train-ifca-{k}", epsilon=50.0, delta=DELTA, dataset_size=n) for k, n in enumerate(sizes)]
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'url = "{ledger}"\njob_id = "warm"\nalgorithm = "ifca_mrmtl"\nrounds = 3\nclusters = 2\ncluster_fraction = 0.5\n'
+        "[data]\nsilos = 2\n[dpsgd]\nlocal_steps = 2\n"
+        + "".join(f'[[silos]]\nid = {c["id"]}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
+    )
+    for k, c in enumerate(created):
+        monkeypatch.setenv(f"KEY_{k}", c["api_key"])
+    assert main(["train", str(config)]) == 0
+    with LedgerClient(ledger, created[0]["api_key"]) as silo:
+        history = silo.history(created[0]["id"])
+    kinds = [e["mechanism"]["type"] for e in history if e["event"] == "reserve"]
+    assert kinds == ["composed", "composed", "dpsgd"]  # ⌈0.5·3⌉ = 2 selecting rounds, then MR-MTL
