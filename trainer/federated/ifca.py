@@ -40,7 +40,7 @@ from torch.func import vmap
 from trainer.dpsgd.sampler import PoissonSampler
 from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 from trainer.federated.batched import gaussian_noise, pad_batches
-from trainer.federated.config import STREAM_INIT, derive_seed, make_generator
+from trainer.federated.config import STREAM_INIT, RoundResult, derive_seed, make_generator
 from trainer.federated.models import make_template
 
 # Random streams of their own (0–4 are taken in trainer.federated.config and .fedhdp), so that
@@ -152,7 +152,7 @@ class IFCA(FederatedAlgorithm):
             for k, m in enumerate(mechanisms)
         ]
 
-    def run_round(self, round_index: int, approved: torch.Tensor):  # type: ignore[no-untyped-def]
+    def run_round(self, round_index: int, approved: torch.Tensor) -> RoundResult:
         before = self.selection_queries.clone()
         result = super().run_round(round_index, approved)
         made = self.selection_queries - before
