@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,25 +25,75 @@ def free_port() -> int:
 @contextmanager
 def running_server(*, database_url: str, admin_key: str, workers: int = 1, startup_timeout: float = 60.0) -> Iterator[str]:
     """Migrates, starts `uvicorn` with `workers` processes, yields the base URL, stops it on exit."""
-    migrate(database_url)
-    port = free_port()
-    env = {**os.environ, "DATABASE_URL": database_url, "DPLEDGER_ADMIN_KEY": admin_key}
-    command = [
-        sys.executable, "-m", "uvicorn", "service.api.app:create_app", "--factory",
-        "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), "--log-level", "warning",
-    ]
-    process = subprocess.Popen(command, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_healthy(url, process, startup_timeout)
-        yield url
-    finally:
-        process.terminate()
+    with ServerProcess(database_url=database_url, admin_key=admin_key, workers=workers, startup_timeout=startup_timeout) as server:
+        yield server.url
+
+
+class ServerProcess:
+    """A uvicorn server that can be SIGKILLed and restarted on the same port and database, for crash
+    tests: an answered approval must survive the kill of every process that might have held it."""
+
+    def __init__(
+        self, *, database_url: str, admin_key: str, workers: int = 1, port: int | None = None, startup_timeout: float = 60.0
+    ) -> None:
+        self.database_url = database_url
+        self.admin_key = admin_key
+        self.workers = workers
+        self.port = port or free_port()
+        self.startup_timeout = startup_timeout
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._migrated = False
+
+    def start(self) -> None:
+        """Starts the server (migrating first, once) and returns when it answers /healthz."""
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"the server on {self.url} is running already")
+        if not self._migrated:
+            migrate(self.database_url)
+            self._migrated = True
+        env = {**os.environ, "DATABASE_URL": self.database_url, "DPLEDGER_ADMIN_KEY": self.admin_key}
+        command = [
+            sys.executable, "-m", "uvicorn", "service.api.app:create_app", "--factory", "--host", "127.0.0.1",
+            "--port", str(self.port), "--workers", str(self.workers), "--log-level", "warning",
+        ]
+        # A session of its own, so that kill() reaches the master and every worker it spawned, and
+        # nothing else.
+        self.process = subprocess.Popen(command, env=env, start_new_session=True)
         try:
-            process.wait(timeout=20)
+            _wait_until_healthy(self.url, self.process, self.startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: no worker gets to finish or roll back anything."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+        self.process = None
+
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM to the master, which stops its workers); SIGKILL after 20 s."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            pass
+        self.kill()  # also reaps any worker the master left behind
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
 
 
 def _wait_until_healthy(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:

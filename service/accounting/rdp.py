@@ -82,7 +82,7 @@ def _leaf_curve_cached(mechanism_json: str) -> tuple[float, ...]:
         accountant.compose(to_dp_event(mechanism))
     except privacy_accountant.UnsupportedEventError as error:
         raise MechanismError("mechanism", f"dp-accounting's RDP accountant cannot account it: {error}") from error
-    except ValueError as error:  # e.g. a Laplace scale so small that 1/b overflows
+    except (ValueError, ArithmeticError) as error:  # e.g. 1/b of a tiny Laplace scale, σ² that overflows or underflows
         raise MechanismError("mechanism", f"dp-accounting refused it: {error}") from error
     return tuple(accountant.rdp.tolist())
 

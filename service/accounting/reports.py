@@ -9,7 +9,7 @@ from dp_accounting import mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from service.accounting.mechanisms import AnyMechanism, to_dp_event
+from service.accounting.mechanisms import AnyMechanism, MechanismError, to_dp_event
 from service.accounting.rdp import ORDERS
 
 # 1e-3 keeps a 10^4-step DP-SGD report well under a second; the PLD accountant's discretisation is
@@ -53,16 +53,23 @@ def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float,
     def make_event(sigma: float) -> de.DpEvent:
         return dpsgd_event(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps)
 
-    sigma = float(
-        mechanism_calibration.calibrate_dp_mechanism(
-            lambda: rdp_privacy_accountant.RdpAccountant(list(ORDERS)),
-            make_event,
-            epsilon,
-            delta,
-            mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0),
-            tol=1e-7,
+    try:
+        sigma = float(
+            mechanism_calibration.calibrate_dp_mechanism(
+                lambda: rdp_privacy_accountant.RdpAccountant(list(ORDERS)),
+                make_event,
+                epsilon,
+                delta,
+                mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0),
+                tol=1e-7,
+            )
         )
-    )
+    except (mechanism_calibration.NoBracketIntervalFoundError, ArithmeticError) as error:
+        # A target so small that no σ dp-accounting can represent reaches it: the request's fault.
+        raise MechanismError(
+            "epsilon", f"no noise multiplier reaches ε={epsilon!r} at δ={delta!r} with sampling_rate={sampling_rate!r} "
+            f"and steps={steps}: {error}"
+        ) from error
     eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
     while eps > epsilon:
         sigma *= 1 + 1e-6

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.schemas import MAX_ID
 from service.ledger import keys
 from service.ledger.models import Role
 
@@ -58,4 +59,6 @@ def principal(
 
 
 PrincipalDep = Annotated[Principal, Depends(principal)]
+# Every id in a path: bounded like the columns it names (see schemas.MAX_ID).
+IdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
 READERS = (Role.admin, Role.auditor)

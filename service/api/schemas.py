@@ -6,7 +6,7 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.accounting.mechanisms import Mechanism, check_nesting
 from service.ledger.models import ChargeStatus, EntryEvent, Role
@@ -14,6 +14,21 @@ from service.ledger.models import ChargeStatus, EntryEvent, Role
 Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
 Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]
 DatasetSize = Annotated[int, Field(ge=1, le=10**12)]
+
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, so the insert would fail as a 500 there (and pass on SQLite).
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (0x00) characters")
+    return value
+
+
+# Names, keys and job ids: stored as text on every database.
+Text = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_nul)]
+# Ids are PostgreSQL `integer` columns: a larger one names nothing, and the database driver would
+# refuse it with an overflow (a 500) where the caller deserves a 422 naming the field.
+MAX_ID = 2**31 - 1
+Id = Annotated[int, Field(ge=1, le=MAX_ID)]
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -37,10 +52,10 @@ class _WithMechanism(_Request):
 class SiloCreateRequest(_Request):
     """A budget given as (epsilon, delta), or chosen from the menu by `level` (paper 003 §2)."""
 
-    name: Annotated[str, Field(min_length=1, max_length=200)]
+    name: Text
     epsilon: Epsilon | None = None
     delta: Delta | None = None
-    level: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    level: Text | None = None
     dataset_size: DatasetSize
 
     @model_validator(mode="after")
@@ -79,8 +94,8 @@ class SiloDetail(SiloSummary):
 
 
 class ChargeRequest(_WithMechanism):
-    idempotency_key: Annotated[str, Field(min_length=1, max_length=200)]
-    job_id: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    idempotency_key: Text
+    job_id: Text | None = None
     round: Annotated[int, Field(ge=0, le=10**9)] | None = None
 
 
@@ -128,7 +143,7 @@ class VerifyResponse(BaseModel):
 
 class QuoteRequest(_WithMechanism):
     delta: Delta | None = Field(None, description="required unless silo_id is given (then the silo's δ)")
-    silo_id: int | None = None
+    silo_id: Id | None = None
 
 
 class QuoteResponse(BaseModel):
@@ -143,7 +158,9 @@ class QuoteResponse(BaseModel):
 
 
 class CalibrateRequest(_Request):
-    epsilon: Epsilon
+    # A floor on the target: dp-accounting's bracket search for ε near 0 (5e-324 was fuzzed) spins
+    # for seconds of CPU before it gives up, and any key may call this route.
+    epsilon: Annotated[Epsilon, Field(ge=1e-4, description="target ε in [1e-4, 1e4]")]
     delta: Delta
     sampling_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
     steps: Annotated[int, Field(ge=1, le=10_000_000)]
@@ -156,7 +173,7 @@ class CalibrateResponse(BaseModel):
 
 class KeyCreateRequest(_Request):
     role: Role
-    silo_id: int | None = None
+    silo_id: Id | None = None
 
 
 class KeyCreated(BaseModel):
@@ -165,7 +182,7 @@ class KeyCreated(BaseModel):
 
 
 class LevelCreateRequest(_Request):
-    name: Annotated[str, Field(min_length=1, max_length=200)]
+    name: Text
     epsilon: Epsilon
     delta: Delta
 
@@ -177,8 +194,8 @@ class Level(BaseModel):
 
 
 class JobCreateRequest(_Request):
-    name: Annotated[str, Field(min_length=1, max_length=200)]
-    silo_ids: Annotated[list[int], Field(min_length=1, max_length=10_000)]
+    name: Text
+    silo_ids: Annotated[list[Id], Field(min_length=1, max_length=10_000)]
 
 
 class JobCreated(BaseModel):
@@ -186,7 +203,7 @@ class JobCreated(BaseModel):
 
 
 class NormReportRequest(_Request):
-    silo_id: int
+    silo_id: Id
     l2_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 

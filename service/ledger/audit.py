@@ -20,6 +20,13 @@ _STATUS_AFTER = {
     EntryEvent.commit: ChargeStatus.committed,
     EntryEvent.release: ChargeStatus.released,
 }
+# The status a charge must have in the log before each event: a charge is reserved once, then
+# settled at most once. A commit with no reserve before it means the reserve entry was removed.
+_STATUS_BEFORE = {
+    EntryEvent.reserve: None,
+    EntryEvent.commit: ChargeStatus.reserved,
+    EntryEvent.release: ChargeStatus.reserved,
+}
 
 
 @dataclass
@@ -59,22 +66,35 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
     status_from_log: dict[int, ChargeStatus] = {}
     for entry in entries:
         report.entries += 1
-        event = EntryEvent(entry.event)
         charge = charges.get(entry.charge_id) if entry.charge_id is not None else None
         if entry.seq != expected_seq:
             report.flag(silo.id, entry.seq, f"entry seq {entry.seq} where {expected_seq} was expected")
         if entry.prev_hash != prev_hash:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} does not link to the entry before it", entry.charge_id)
-        if event is EntryEvent.create:
+        try:
+            event: EntryEvent | None = EntryEvent(entry.event)
+        except ValueError:  # an edited row must be reported, not crash the audit
+            event = None
+            report.flag(silo.id, entry.seq, f"entry {entry.seq} has an unknown event {entry.event!r}", entry.charge_id)
+        if event is None:
+            subject = {}
+        elif event is EntryEvent.create:
             subject = chain.silo_fields(silo)
         elif charge is None:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} names charge {entry.charge_id}, which is not this silo's")
             subject = {}
         else:
             subject = chain.charge_fields(charge)
+            before = status_from_log.get(charge.id)
+            if before != _STATUS_BEFORE[event]:
+                report.flag(
+                    silo.id, entry.seq,
+                    f"entry {entry.seq} ({event.value}) of charge {charge.id} follows "
+                    f"{'no entry' if before is None else 'its ' + before.value + ' entry'}", charge.id,
+                )
             status_from_log[charge.id] = _STATUS_AFTER[event]
         if chain.entry_hash(entry, subject=subject) != entry.hash:
-            report.flag(silo.id, entry.seq, f"entry {entry.seq} ({event.value}) does not match its hash", entry.charge_id)
+            report.flag(silo.id, entry.seq, f"entry {entry.seq} ({entry.event}) does not match its hash", entry.charge_id)
         prev_hash, expected_seq = entry.hash, entry.seq + 1
     if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:
         report.flag(silo.id, expected_seq, "the silo's chain head is not the last entry (an entry was removed)")
@@ -88,9 +108,13 @@ def _verify_charges(silo: Silo, charges: dict[int, Charge], status_from_log: dic
         logged = status_from_log.get(charge.id)
         if logged is None:
             report.flag(silo.id, None, f"charge {charge.id} has no entry in the chain", charge.id)
-        elif ChargeStatus(charge.status) != logged:
-            report.flag(silo.id, None, f"charge {charge.id} is stored {charge.status} but its entries say {logged.value}", charge.id)
-        curve = curve_from_json(charge.rdp)
+        elif charge.status != logged.value:
+            report.flag(silo.id, None, f"charge {charge.id} is stored {charge.status!r} but its entries say {logged.value}", charge.id)
+        curve = _stored_curve(charge)
+        if curve is None:
+            # Left out of the recomputed sums, so the running sums are reported as well.
+            report.flag(silo.id, None, f"charge {charge.id} has an RDP vector that does not parse as {len(rdp.ORDERS)} numbers", charge.id)
+            continue
         if logged in (ChargeStatus.reserved, ChargeStatus.committed):
             spent = spent.add(curve)
         if logged is ChargeStatus.committed:
@@ -104,3 +128,11 @@ def _verify_charges(silo: Silo, charges: dict[int, Charge], status_from_log: dic
         )
         if not same:
             report.flag(silo.id, None, f"the running {name} RDP sum differs from the sum of its charges")
+
+
+def _stored_curve(charge: Charge) -> np.ndarray | None:
+    try:
+        curve = curve_from_json(charge.rdp)
+    except (ValueError, TypeError):  # json's decode error is a ValueError
+        return None
+    return curve if curve.shape == (len(rdp.ORDERS),) else None

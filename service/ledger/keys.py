@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.ledger.db import write_transaction
 from service.ledger.errors import InvalidRequest, NotFound
 from service.ledger.models import ApiKey, Role, Silo
 
@@ -54,11 +55,13 @@ def revoke(session: Session, key_id: int) -> None:
 
 def ensure_admin_key(factory: sessionmaker[Session], raw: str) -> None:
     """Registers the bootstrap admin key (DPLEDGER_ADMIN_KEY) once; several workers may race here."""
-    with factory() as session:
-        if session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(raw))).one_or_none():
-            return
-        create_key(session, role=Role.admin, silo_id=None, raw=raw)
-        try:
-            session.commit()
-        except IntegrityError:
-            session.rollback()  # another worker registered it first
+    # SQLite: a deferred read-then-write transaction fails at once with "database is locked" when
+    # another worker wrote first (the busy timeout does not apply), killing that worker at start-up;
+    # the write lock up front makes the racers wait and then find the key.
+    try:
+        with write_transaction(factory) as session:
+            if session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(raw))).one_or_none():
+                return
+            create_key(session, role=Role.admin, silo_id=None, raw=raw)
+    except IntegrityError:
+        pass  # PostgreSQL: another worker registered it first

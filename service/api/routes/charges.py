@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response, status
 
-from service.api.deps import FactoryDep, PrincipalDep
+from service.api.deps import FactoryDep, IdPath, PrincipalDep
 from service.api.metrics import Decision, note_decision
 from service.api.schemas import ChargeRequest, ChargeReserved, ChargeSettled, OverBudgetResponse, finite_or_none
 from service.ledger import charges
@@ -21,7 +21,7 @@ router = APIRouter(tags=["charges"])
     responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written"}},
 )
 def reserve_charge(
-    silo_id: int, body: ChargeRequest, caller: PrincipalDep, factory: FactoryDep, request: Request, response: Response
+    silo_id: IdPath, body: ChargeRequest, caller: PrincipalDep, factory: FactoryDep, request: Request, response: Response
 ) -> ChargeReserved:
     caller.require_silo(silo_id)
     try:
@@ -55,12 +55,12 @@ def _settle(charge_id: int, caller: PrincipalDep, factory: FactoryDep, *, commit
 
 
 @router.post("/v1/charges/{charge_id}/commit", response_model=ChargeSettled, name="commit_charge")
-def commit_charge(charge_id: int, caller: PrincipalDep, factory: FactoryDep) -> ChargeSettled:
+def commit_charge(charge_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> ChargeSettled:
     """The round ran: the reservation stays spent for good."""
     return _settle(charge_id, caller, factory, commit=True)
 
 
 @router.post("/v1/charges/{charge_id}/release", response_model=ChargeSettled, name="release_charge")
-def release_charge(charge_id: int, caller: PrincipalDep, factory: FactoryDep) -> ChargeSettled:
+def release_charge(charge_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> ChargeSettled:
     """Only when the step never touched the data: the reservation's cost is returned."""
     return _settle(charge_id, caller, factory, commit=False)

@@ -10,7 +10,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Cookie, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from service.api.deps import READERS, FactoryDep, Principal
+from service.api.deps import READERS, FactoryDep, IdPath, Principal
 from service.api.schemas import finite_or_none
 from service.dashboard import pages, series
 from service.ledger import audit, charges, keys, silos
@@ -115,7 +115,7 @@ def overview(reader: ReaderDep, factory: FactoryDep) -> Response:
 
 
 @router.get("/silos/{silo_id}", name="dashboard_silo")
-def silo_page(silo_id: int, reader: ReaderDep, factory: FactoryDep) -> Response:
+def silo_page(silo_id: IdPath, reader: ReaderDep, factory: FactoryDep) -> Response:
     if reader is None:
         return _to_login()
     with factory() as session:

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, status
 
 from service.accounting.clustering import cluster_norms
-from service.api.deps import FactoryDep, PrincipalDep
+from service.api.deps import FactoryDep, IdPath, PrincipalDep
 from service.api.schemas import (
     GroupComponent,
     GroupsResponse,
@@ -37,7 +37,7 @@ def create_job(body: JobCreateRequest, caller: PrincipalDep, factory: FactoryDep
     "/jobs/{job_id}/rounds/{round}/norms", status_code=status.HTTP_201_CREATED, response_model=NormReported,
     name="report_norm",
 )
-def report_norm(job_id: int, round: Round, body: NormReportRequest, caller: PrincipalDep, factory: FactoryDep) -> NormReported:
+def report_norm(job_id: IdPath, round: Round, body: NormReportRequest, caller: PrincipalDep, factory: FactoryDep) -> NormReported:
     caller.require_silo(body.silo_id)
     with factory() as session:
         report = jobs.report_norm(session, job_id=job_id, round=round, silo_id=body.silo_id, l2_norm=body.l2_norm)
@@ -45,7 +45,7 @@ def report_norm(job_id: int, round: Round, body: NormReportRequest, caller: Prin
 
 
 @router.get("/jobs/{job_id}/rounds/{round}/groups", response_model=GroupsResponse, name="round_groups")
-def round_groups(job_id: int, round: Round, caller: PrincipalDep, factory: FactoryDep) -> GroupsResponse:
+def round_groups(job_id: IdPath, round: Round, caller: PrincipalDep, factory: FactoryDep) -> GroupsResponse:
     """A Gaussian mixture over the round's reported norms (1–3 components by BIC, fixed seed);
     groups numbered by increasing mean norm. Reads no budget (paper 001)."""
     caller.require(Role.coordinator, Role.admin, Role.auditor)

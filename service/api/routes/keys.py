@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
-from service.api.deps import FactoryDep, PrincipalDep
+from service.api.deps import FactoryDep, IdPath, PrincipalDep
 from service.api.schemas import KeyCreated, KeyCreateRequest
 from service.ledger import keys
 from service.ledger.models import Role
@@ -20,7 +20,7 @@ def create_key(body: KeyCreateRequest, caller: PrincipalDep, factory: FactoryDep
 
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, name="revoke_key")
-def revoke_key(key_id: int, caller: PrincipalDep, factory: FactoryDep) -> Response:
+def revoke_key(key_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> Response:
     caller.require(Role.admin)
     with factory() as session:
         keys.revoke(session, key_id)

@@ -46,7 +46,10 @@ def quote(body: QuoteRequest, caller: PrincipalDep, factory: FactoryDep) -> Quot
 @router.post("/calibrate", response_model=CalibrateResponse, name="calibrate")
 def calibrate(body: CalibrateRequest, caller: PrincipalDep) -> CalibrateResponse:
     """The smallest DP-SGD noise multiplier whose ε at δ never exceeds the target."""
-    sigma, eps = reports.calibrate_dpsgd_noise(
-        epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
-    )
+    try:
+        sigma, eps = reports.calibrate_dpsgd_noise(
+            epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
+        )
+    except MechanismError as error:
+        raise InvalidRequest(error.field, error.message) from error
     return CalibrateResponse(noise_multiplier=sigma, epsilon=eps)

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from service.accounting import rdp
 from service.accounting.mechanisms import Mechanism, MechanismError, SelfComposed, check_nesting, resolve
 from service.accounting.trial_counts import MAX_MEAN_TRIALS, DistributionKind, TrialDistribution, distribution
-from service.api.deps import READERS, FactoryDep, PrincipalDep
-from service.api.schemas import Delta, OverBudgetResponse, finite_or_none
+from service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from service.api.schemas import Delta, OverBudgetResponse, Text, finite_or_none
 from service.ledger import searches
 from service.ledger.errors import InvalidRequest
 from service.ledger.models import Search, SearchStatus
@@ -49,7 +49,7 @@ class DistributionSpec(_Request):
 class SearchRequest(_WithTrial):
     mean_trials: MeanTrials
     distribution: DistributionSpec
-    idempotency_key: Annotated[str, Field(min_length=1, max_length=200)]
+    idempotency_key: Text
 
     @model_validator(mode="after")
     def _law(self) -> SearchRequest:
@@ -128,7 +128,7 @@ def _detail(search: Search) -> SearchDetail:
     responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"}},
 )
 def start_search(
-    silo_id: int, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, response: Response
+    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, response: Response
 ) -> SearchStarted:
     caller.require_silo(silo_id)
     started = searches.start(
@@ -143,7 +143,7 @@ def start_search(
 
 
 @router.get("/v1/searches/{search_id}", response_model=SearchDetail, name="get_search")
-def get_search(search_id: int, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
+def get_search(search_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
     with factory() as session:
         search = searches.get(session, search_id)
     caller.require_silo(search.silo_id, also=READERS)  # a search reveals a silo's spending
@@ -151,7 +151,7 @@ def get_search(search_id: int, caller: PrincipalDep, factory: FactoryDep) -> Sea
 
 
 @router.post("/v1/searches/{search_id}/trials", response_model=SearchDetail, name="report_trial")
-def report_trial(search_id: int, body: TrialReport, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
+def report_trial(search_id: IdPath, body: TrialReport, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
     with factory() as session:
         silo_id = searches.get(session, search_id).silo_id
     caller.require_silo(silo_id)

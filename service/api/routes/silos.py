@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
-from service.api.deps import READERS, FactoryDep, PrincipalDep
+from service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
 from service.api.schemas import HistoryEntry, SiloCreated, SiloCreateRequest, SiloDetail, SiloSummary, finite_or_none
 from service.ledger import charges, jobs, silos
 from service.ledger.models import Role, Silo
@@ -48,7 +48,7 @@ def list_silos(caller: PrincipalDep, factory: FactoryDep) -> list[SiloSummary]:
 
 
 @router.get("/{silo_id}", response_model=SiloDetail, name="get_silo")
-def get_silo(silo_id: int, caller: PrincipalDep, factory: FactoryDep) -> SiloDetail:
+def get_silo(silo_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> SiloDetail:
     caller.require_silo(silo_id, also=READERS)
     with factory() as session:
         silo = silos.get(session, silo_id)
@@ -73,7 +73,7 @@ CSV_COLUMNS = ["seq", "charge_id", "event", "mechanism", "job_id", "round", "eps
     responses={200: {"content": {"text/csv": {}}, "description": "JSON list, or CSV with ?format=csv"}},
 )
 def silo_history(
-    silo_id: int,
+    silo_id: IdPath,
     caller: PrincipalDep,
     factory: FactoryDep,
     format: Literal["json", "csv"] = "json",

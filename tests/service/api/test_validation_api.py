@@ -111,6 +111,7 @@ def test_a_taken_name_is_a_conflict(client, make_silo) -> None:
         ({"epsilon": 1, "delta": 1e-5, "sampling_rate": 0, "steps": 10}, "sampling_rate"),
         ({"epsilon": 1, "delta": 1, "sampling_rate": 0.1, "steps": 10}, "delta"),
         ({"epsilon": 0, "delta": 1e-5, "sampling_rate": 0.1, "steps": 10}, "epsilon"),
+        ({"epsilon": 5e-324, "delta": 1e-5, "sampling_rate": 0.1, "steps": 10}, "epsilon"),  # below the 1e-4 floor
         ({"epsilon": 1, "delta": 1e-5, "sampling_rate": 0.1, "steps": 0}, "steps"),
     ],
 )
