@@ -3,9 +3,13 @@ PostgreSQL: row locks (`SELECT … FOR UPDATE`) taken by the ledger."""
 
 from __future__ import annotations
 
+import fcntl
+import threading
+import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import IO
 
 from alembic import command
 from alembic.config import Config
@@ -14,12 +18,47 @@ from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 _IMMEDIATE = "dpledger_immediate"
+# One writer at a time per SQLite database, queued on locks that wake the next writer at once:
+# SQLite's own busy handler makes a waiting writer sleep in growing steps (up to 100 ms), so writers
+# that meet only at SQLite's lock approve in bursts, with a p99 near a second (bench/approvals.py).
+_SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, SqliteWriters] = weakref.WeakKeyDictionary()
+
+
+class SqliteWriters:
+    """A thread lock for the writers of this process, then an flock on a file beside the database
+    for those of the other processes (`serve --workers N`); flock is per open file, so threads of
+    one process need the thread lock in front of it."""
+
+    def __init__(self, database: str | None) -> None:
+        self._threads = threading.Lock()
+        in_memory = not database or database == ":memory:" or database.startswith("file::memory:")
+        self._path = None if in_memory else f"{database}.writer-lock"
+        self._file: IO[bytes] | None = None
+
+    def __enter__(self) -> None:
+        self._threads.acquire()
+        try:
+            if self._path is not None:
+                if self._file is None:
+                    self._file = open(self._path, "ab")  # noqa: SIM115 - held for the process's life
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
+        except BaseException:
+            self._threads.release()
+            raise
+
+    def __exit__(self, *_: object) -> None:
+        try:
+            if self._file is not None:
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+        finally:
+            self._threads.release()
 
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
         _configure_sqlite(engine)
+        _SQLITE_WRITERS[engine] = SqliteWriters(engine.url.database)
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
@@ -52,7 +91,8 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 @contextmanager
 def write_transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One transaction that holds SQLite's write lock from its first statement; commits on exit."""
-    with factory() as session:
+    writers = _SQLITE_WRITERS.get(factory.kw.get("bind"))
+    with writers if writers is not None else nullcontext(), factory() as session:
         session.connection(execution_options={_IMMEDIATE: True})
         try:
             yield session
