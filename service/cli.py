@@ -58,19 +58,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from service.ledger.db import migrate
+    from service.serving import serve
     from service.settings import get_settings
 
     log_config = logging_config(args.log_format)
     logging.config.dictConfig(log_config)  # the migration's lines too, before uvicorn starts
     migrate(get_settings().database_url)
     # Each worker process re-applies log_config; uvicorn's own access line is replaced by dpledger.access.
-    uvicorn.run(
-        "service.api.app:create_app", factory=True, host=args.host, port=args.port, workers=args.workers,
-        log_config=log_config, access_log=False,
-    )
+    serve(host=args.host, port=args.port, workers=args.workers, log_config=log_config, access_log=False)
 
 
 def _migrate(_: argparse.Namespace) -> None:

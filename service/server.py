@@ -54,8 +54,8 @@ class ServerProcess:
             self._migrated = True
         env = {**os.environ, "DATABASE_URL": self.database_url, "DPLEDGER_ADMIN_KEY": self.admin_key}
         command = [
-            sys.executable, "-m", "uvicorn", "service.api.app:create_app", "--factory", "--host", "127.0.0.1",
-            "--port", str(self.port), "--workers", str(self.workers), "--log-level", "warning",
+            sys.executable, "-m", "service.serving", "--host", "127.0.0.1", "--port", str(self.port),
+            "--workers", str(self.workers), "--log-level", "warning",
         ]
         # A session of its own, so that kill() reaches the master and every worker it spawned, and
         # nothing else.

@@ -111,3 +111,37 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_every_worker_connection_has_nagle_off() -> None:
+    """The listener that `serve --workers N` shares with its workers hands out connections with
+    TCP_NODELAY (service/serving.py: without it each keep-alive request waits ~40 ms for a delayed ACK)."""
+    import asyncio
+    import socket
+
+    from service.serving import _NoDelayConfig
+
+    config = _NoDelayConfig("service.api.app:create_app", factory=True, host="127.0.0.1", port=0, workers=2)
+    listener = config.bind_socket()
+    assert listener.proto == socket.IPPROTO_TCP
+    seen: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            accepted = transport.get_extra_info("socket")
+            seen.append(accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def accept_one() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        _, writer = await asyncio.open_connection(*listener.getsockname()[:2])
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(accept_one())
+    assert seen and seen[0] != 0
