@@ -272,7 +272,7 @@ def find_server_root() -> int | None:
     for pid, (ppid, _, _) in _all_procs().items():
         if ppid == me:
             try:
-                if b"uvicorn" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if b"service.serving" in Path(f"/proc/{pid}/cmdline").read_bytes():  # ServerProcess's command
                     return pid
             except OSError:
                 pass
