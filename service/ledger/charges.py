@@ -68,6 +68,8 @@ def reserve(
     digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
     with factory() as session:
         resolved, curve = prepare(session, silo_id, mechanism)
+    # Encoded before the write lock: every writer of the database queues for the time it is held.
+    mechanism_json, curve_json = resolved.model_dump_json(), curve_to_json(curve)
 
     with write_transaction(factory) as session:
         silo = silos.lock(session, silo_id)
@@ -89,7 +91,7 @@ def reserve(
         now = datetime.now(UTC)
         charge = Charge(
             silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
-            mechanism=resolved.model_dump_json(), rdp=curve_to_json(curve), order_grid=rdp.ORDER_GRID_ID,
+            mechanism=mechanism_json, rdp=curve_json, order_grid=rdp.ORDER_GRID_ID,
             conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
             epsilon_spent_after=eps_candidate, created_at=now,
         )

@@ -92,7 +92,8 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 def write_transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One transaction that holds SQLite's write lock from its first statement; commits on exit."""
     writers = _SQLITE_WRITERS.get(factory.kw.get("bind"))
-    with writers if writers is not None else nullcontext(), factory() as session:
+    # The session opens and closes (its connection back to the pool) outside the writers' queue.
+    with factory() as session, writers if writers is not None else nullcontext():
         session.connection(execution_options={_IMMEDIATE: True})
         try:
             yield session
