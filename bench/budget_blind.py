@@ -92,10 +92,8 @@ def budget_groups(draw: BudgetDraw) -> list[int]:
 
 
 def common_args(setup: SeedSetup, config: DPSGDConfig) -> dict[str, Any]:
-    silos = setup.dataset.silos
     return {
-        "x_train": [s.x_train for s in silos], "y_train": [s.y_train for s in silos],
-        "x_test": [s.x_test for s in silos], "y_test": [s.y_test for s in silos],
+        **setup.dataset.tensors(),
         "num_classes": setup.dataset.n_classes, "config": config, "noise_multipliers": setup.noise,
     }
 

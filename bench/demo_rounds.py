@@ -205,8 +205,7 @@ def gated_rounds(
     watch = Stopwatch()
     algorithm = MRMTL(
         lam=demo.lam,
-        x_train=[s.x_train for s in dataset.silos], y_train=[s.y_train for s in dataset.silos],
-        x_test=[s.x_test for s in dataset.silos], y_test=[s.y_test for s in dataset.silos],
+        **dataset.tensors(),
         num_classes=dataset.n_classes, config=dpsgd, noise_multipliers=noise, device=demo.device,
     )
     # Instance attributes shadow the methods, so run_gated's calls go through the timers.

@@ -97,10 +97,8 @@ def purity(assignment: list[int], groups: list[int]) -> float:
 
 
 def common_args(dataset: FederatedDataset, config: DPSGDConfig) -> dict[str, Any]:
-    silos = dataset.silos
     return {
-        "x_train": [s.x_train for s in silos], "y_train": [s.y_train for s in silos],
-        "x_test": [s.x_test for s in silos], "y_test": [s.y_test for s in silos],
+        **dataset.tensors(),
         "num_classes": dataset.n_classes, "config": config,
     }
 

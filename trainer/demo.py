@@ -43,8 +43,7 @@ class DemoConfig:
 
 def build_algorithm(name: str, *, dataset, config: DPSGDConfig, noise_multipliers: list[float], lam: float, device: str) -> FederatedAlgorithm:  # type: ignore[no-untyped-def]
     common = dict(
-        x_train=[s.x_train for s in dataset.silos], y_train=[s.y_train for s in dataset.silos],
-        x_test=[s.x_test for s in dataset.silos], y_test=[s.y_test for s in dataset.silos],
+        **dataset.tensors(),
         num_classes=dataset.n_classes, config=config, noise_multipliers=noise_multipliers, device=device,
     )
     if name == "local":

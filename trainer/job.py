@@ -102,8 +102,7 @@ def load_data(config: DataConfig) -> FederatedDataset:
 
 def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
     common = dict(
-        x_train=[s.x_train for s in dataset.silos], y_train=[s.y_train for s in dataset.silos],
-        x_test=[s.x_test for s in dataset.silos], y_test=[s.y_test for s in dataset.silos],
+        **dataset.tensors(),
         task="classification" if dataset.task == "classification" else "regression",
         num_classes=dataset.n_classes, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device,
     )

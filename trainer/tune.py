@@ -111,8 +111,7 @@ def run_tune(config: TuneConfig) -> list[SiloOutcome]:
 
     def build(lam: float, trial_index: int) -> MRMTL:
         return MRMTL(
-            lam=lam, x_train=[s.x_train for s in dataset.silos], y_train=[s.y_train for s in dataset.silos],
-            x_test=[s.x_test for s in dataset.silos], y_test=[s.y_test for s in dataset.silos],
+            lam=lam, **dataset.tensors(),
             num_classes=dataset.n_classes, config=dataclasses.replace(dpsgd, seed=config.seed + trial_index),
             noise_multipliers=[config.noise_multiplier] * config.silos, device=config.device,
         )

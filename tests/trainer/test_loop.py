@@ -31,8 +31,7 @@ def ledger(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
 def digits_mrmtl(silos: int, *, seed: int = 3) -> MRMTL:
     data = make_rotated_masked_digits(n_silos=silos, seed=seed)
     return MRMTL(
-        lam=0.5, x_train=[s.x_train for s in data.silos], y_train=[s.y_train for s in data.silos],
-        x_test=[s.x_test for s in data.silos], y_test=[s.y_test for s in data.silos], num_classes=10, config=CONFIG,
+        lam=0.5, **data.tensors(), num_classes=10, config=CONFIG,
     )
 
 

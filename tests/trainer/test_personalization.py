@@ -36,8 +36,7 @@ ALL = torch.ones
 def digits_args(silos: int, *, seed: int = 0, config: DPSGDConfig = CONFIG) -> tuple[dict[str, Any], list[int]]:
     data = make_rotated_masked_digits(n_silos=silos, seed=seed, mask_probability=0.1)
     args = dict(
-        x_train=[s.x_train for s in data.silos], y_train=[s.y_train for s in data.silos],
-        x_test=[s.x_test for s in data.silos], y_test=[s.y_test for s in data.silos], num_classes=10, config=config,
+        **data.tensors(), num_classes=10, config=config,
     )
     return args, [s.group for s in data.silos]
 

@@ -124,6 +124,13 @@ class FederatedDataset:
     def groups(self) -> tuple[int, ...]:
         return tuple(silo.group for silo in self.silos)
 
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every silo's train and test tensors, keyed as the federated algorithms take them."""
+        return {
+            "x_train": [s.x_train for s in self.silos], "y_train": [s.y_train for s in self.silos],
+            "x_test": [s.x_test for s in self.silos], "y_test": [s.y_test for s in self.silos],
+        }
+
     def __len__(self) -> int:
         return len(self.silos)
 
