@@ -9,6 +9,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY trainer ./trainer
+COPY dpledger ./dpledger
 COPY migrations ./migrations
 # Editable, so that migrations/ stays beside the package where `dpledger serve` finds it.
 RUN pip install -e '.[postgres]'

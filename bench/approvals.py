@@ -5,7 +5,7 @@ schema; workers 2 and 4; skipped when 127.0.0.1:5432 does not answer):
 
 * approvals/s and p50/p99 latency with 16 concurrent closed-loop clients (one keep-alive connection
   each; a minimal asyncio HTTP/1.1 client, ~0.3 ms CPU per request, or `--client httpx` for
-  httpx.AsyncClient, ~2.5 ms) against a server in a child process (`service.server.running_server`),
+  httpx.AsyncClient, ~2.5 ms) against a server in a child process (`dpledger.harness.running_server`),
   plus the p50 with one client (no queueing);
 * for a silo with a history of 10 charges and one with `--history` charges (default 100,000),
   the ratio of their p50s; the two are measured interleaved (small, big, big, small, `--rounds`
@@ -47,15 +47,26 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+from dpledger.service.accounting import rdp  # noqa: E402
+from dpledger.service.accounting.running_sum import RunningSum, curve_to_json  # noqa: E402
+from dpledger.service.ledger import audit, charges, silos  # noqa: E402
+from dpledger.service.ledger.db import (  # noqa: E402
+    make_engine,
+    make_session_factory,
+    migrate,
+    write_transaction,
+)
+from dpledger.service.ledger.models import (  # noqa: E402
+    Charge,
+    ChargeStatus,
+    EntryEvent,
+    LedgerEntry,
+    Silo,
+)
 from sqlalchemy import create_engine, func, select, text  # noqa: E402
 
-from service.accounting import rdp  # noqa: E402
-from service.accounting.mechanisms import DpSgd  # noqa: E402
-from service.accounting.running_sum import RunningSum, curve_to_json  # noqa: E402
-from service.ledger import audit, charges, silos  # noqa: E402
-from service.ledger.db import make_engine, make_session_factory, migrate, write_transaction  # noqa: E402
-from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, Silo  # noqa: E402
-from service.server import running_server  # noqa: E402
+from dpledger.harness import running_server  # noqa: E402
+from dpledger.wire.mechanisms import DpSgd  # noqa: E402
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -272,7 +283,7 @@ def find_server_root() -> int | None:
     for pid, (ppid, _, _) in _all_procs().items():
         if ppid == me:
             try:
-                if b"service.serving" in Path(f"/proc/{pid}/cmdline").read_bytes():  # ServerProcess's command
+                if b"dpledger.service.serving" in Path(f"/proc/{pid}/cmdline").read_bytes():  # ServerProcess's command
                     return pid
             except OSError:
                 pass

@@ -45,13 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
-
-from service.server import running_server
-from trainer.client import LedgerClient
-from trainer.data import FederatedDataset
-from trainer.data.budgets import MIXGAUSS_TABLE, BudgetDraw, draw_budgets
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.federated import (
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data import FederatedDataset
+from dpledger.trainer.data.budgets import MIXGAUSS_TABLE, BudgetDraw, draw_budgets
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import (
     PFA,
     DPSGDConfig,
     FedAvg,
@@ -59,8 +57,10 @@ from trainer.federated import (
     FedHDP,
     GroupAggregated,
 )
-from trainer.grouped import issue_coordinator_key, run_grouped
-from trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.grouped import issue_coordinator_key, run_grouped
+from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+
+from dpledger.harness import running_server
 
 MIXTURE = "MixGauss1"
 DELTA = 1e-5

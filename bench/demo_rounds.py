@@ -5,10 +5,10 @@
     python bench/demo_rounds.py --quick              # K = 4, 8; 1 timed round, 1 thread only (< 60 s)
 
 For each K (one fresh ledger on a temp SQLite file per K, uvicorn in a child process via
-`service.server.running_server`), and for each torch thread configuration (1 thread, then torch's
+`dpledger.harness.running_server`), and for each torch thread configuration (1 thread, then torch's
 default), one run measures:
 
-1. The gated demo round as `trainer.demo` runs it for MR-MTL (λ = 1): rotated & masked digits
+1. The gated demo round as `dpledger.demo` runs it for MR-MTL (λ = 1): rotated & masked digits
    (p = 0.1), MixGauss1 budgets, each silo's σ calibrated through the service to its budget rounded
    down to 2 significant digits (so silos share calibrations, ~1 s each; σ only grows) for
    1 + `--rounds` rounds, so no silo is refused; then `trainer.loop.run_gated`: per round each silo's
@@ -58,14 +58,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from dpledger.trainer.client import LedgerClient  # noqa: E402
+from dpledger.trainer.data.budgets import draw_budgets  # noqa: E402
+from dpledger.trainer.data.digits import make_rotated_masked_digits  # noqa: E402
+from dpledger.trainer.federated import MRMTL, DPSGDConfig, LocalTraining  # noqa: E402
+from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated  # noqa: E402
 
-from service.server import running_server  # noqa: E402
-from trainer.client import LedgerClient  # noqa: E402
-from trainer.data.budgets import draw_budgets  # noqa: E402
-from trainer.data.digits import make_rotated_masked_digits  # noqa: E402
-from trainer.demo import DemoConfig  # noqa: E402
-from trainer.federated import MRMTL, DPSGDConfig, LocalTraining  # noqa: E402
-from trainer.loop import GatedSilo, RoundRecord, run_gated  # noqa: E402
+from dpledger.demo import DemoConfig  # noqa: E402
+from dpledger.harness import running_server  # noqa: E402
 
 _T0 = time.perf_counter()
 CALIBRATION_DIGITS = 2
@@ -326,7 +326,7 @@ def round_down(value: float, digits: int = CALIBRATION_DIGITS) -> float:
 
 def calibrated_noise(admin: LedgerClient, dataset: Any, budgets: list[float], *, dpsgd: DPSGDConfig, rounds: int,
                      delta: float) -> list[float]:
-    """σ_k so that `rounds` rounds cost at most silo k's budget, as trainer.demo calibrates them, except
+    """σ_k so that `rounds` rounds cost at most silo k's budget, as dpledger.demo calibrates them, except
     that ε_k is first rounded down to CALIBRATION_DIGITS significant digits so that silos share
     calibrations (one costs the service ~1 s; K = 200 exact budgets would take minutes). Rounding
     down only raises σ_k, so no silo is refused; the timed rounds are unaffected either way (after the

@@ -46,12 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
-
-from service.server import running_server
-from trainer.client import LedgerClient
-from trainer.data import FederatedDataset
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.federated import (
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data import FederatedDataset
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import (
     IFCA,
     MRMTL,
     ClusteredMRMTL,
@@ -64,7 +62,9 @@ from trainer.federated import (
     LocalTraining,
     clustering_rounds,
 )
-from trainer.loop import GatedSilo, run_gated
+from dpledger.trainer.loop import GatedSilo, run_gated
+
+from dpledger.harness import running_server
 
 DELTA = 1e-5
 CLUSTERS = 4  # the four rotation groups

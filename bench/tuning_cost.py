@@ -29,10 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.accounting import rdp  # noqa: E402
-from service.accounting.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect  # noqa: E402
-from service.accounting.trial_counts import Shape  # noqa: E402
-from trainer.mean_estimation_theory import MeanEstimationSetting  # noqa: E402
+from dpledger.service.accounting import rdp  # noqa: E402
+from dpledger.service.accounting.trial_counts import Shape  # noqa: E402
+from dpledger.trainer.mean_estimation_theory import MeanEstimationSetting  # noqa: E402
+
+from dpledger.wire.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect  # noqa: E402
 
 MEAN_TRIALS = 10.0
 LAWS: list[tuple[str, Shape]] = [("poisson", "infinity"), ("geometric", 1.0), ("logarithmic", 0.0), ("tnb η=0.5", 0.5)]

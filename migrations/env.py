@@ -1,9 +1,8 @@
-"""Alembic environment: the URL comes from the Config that service.ledger.db builds."""
+"""Alembic environment: the URL comes from the Config that dpledger.service.ledger.db builds."""
 
 from alembic import context
+from dpledger.service.ledger.models import Base
 from sqlalchemy import create_engine, pool
-
-from service.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
-APP = "service.api.app:create_app"
+APP = "dpledger.service.api.app:create_app"
 
 
 class _NoDelayConfig(uvicorn.Config):
@@ -40,9 +40,9 @@ def serve(*, host: str, port: int, workers: int, **options: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m service.serving`: what `service.server.ServerProcess` starts (no migration, no
+    """`python -m dpledger.service.serving`: what `dpledger.harness.ServerProcess` starts (no migration, no
     JSON logging; `dpledger serve` does both)."""
-    parser = argparse.ArgumentParser(prog="python -m service.serving")
+    parser = argparse.ArgumentParser(prog="python -m dpledger.service.serving")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1)

@@ -8,12 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from dpledger.service.api.app import create_app
+from dpledger.service.ledger.db import migrate
+from dpledger.service.settings import Settings
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, make_url, text
-
-from service.api.app import create_app
-from service.ledger.db import migrate
-from service.settings import Settings
 
 ADMIN_KEY = "test-admin-key-0123456789abcdef"
 POSTGRES_URL = os.environ.get("DPLEDGER_TEST_POSTGRES_URL")

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
-
-from trainer.client import LedgerClient
-from trainer.federated.pfa import GroupAggregated
-from trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.federated.pfa import GroupAggregated
+from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 
 GroupSource = Literal["norms", "explicit"]
 

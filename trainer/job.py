@@ -10,13 +10,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from trainer.client import LedgerClient
-from trainer.data import FederatedDataset
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.data.npz import load_npz_folder
-from trainer.federated import (
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data import FederatedDataset
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.data.npz import load_npz_folder
+from dpledger.trainer.federated import (
     IFCA,
     MRMTL,
     PPSGD,
@@ -30,7 +28,8 @@ from trainer.federated import (
     LocalTraining,
     clustering_rounds,
 )
-from trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):

@@ -13,9 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from trainer.client import Denied, LedgerClient, Unreachable
-from trainer.federated import FederatedAlgorithm
+from dpledger.trainer.client import Denied, LedgerClient, Unreachable
+from dpledger.trainer.federated import FederatedAlgorithm
 
 
 @dataclass(frozen=True)

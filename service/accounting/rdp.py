@@ -18,18 +18,17 @@ from importlib.metadata import version
 import numpy as np
 from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from dpledger.service.accounting.events import MechanismError, to_dp_event
 
-from service.accounting.mechanisms import (
+from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,
     DpSgd,
     Gaussian,
-    MechanismError,
     PoissonSampled,
     SampledWithoutReplacement,
     SelfComposed,
     children,
-    to_dp_event,
 )
 
 # dp-accounting logs a warning and returns ∞ (a safe bound) at orders where its series does not
@@ -74,7 +73,7 @@ def rdp_curve(mechanism: AnyMechanism) -> np.ndarray:
 def _leaf_curve_cached(mechanism_json: str) -> tuple[float, ...]:
     from pydantic import TypeAdapter
 
-    from service.accounting.mechanisms import Mechanism
+    from dpledger.wire.mechanisms import Mechanism
 
     mechanism = TypeAdapter(Mechanism).validate_json(mechanism_json)
     accountant = rdp_lib.RdpAccountant(list(ORDERS), neighboring_relation=_relation(mechanism))

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from dpledger.service.api import errors, metrics
+from dpledger.service.api.routes import (
+    audit,
+    charges,
+    dashboard,
+    jobs,
+    keys,
+    quote,
+    searches,
+    silos,
+)
+from dpledger.service.ledger import keys as ledger_keys
+from dpledger.service.ledger.db import make_engine, make_session_factory
+from dpledger.service.settings import Settings, get_settings
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-
-from service.api import errors, metrics
-from service.api.routes import audit, charges, dashboard, jobs, keys, quote, searches, silos
-from service.ledger import keys as ledger_keys
-from service.ledger.db import make_engine, make_session_factory
-from service.settings import Settings, get_settings
 
 
 def _operation_id(route: APIRoute) -> str:

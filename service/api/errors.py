@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from dpledger.service.ledger.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OverBudget,
+    SettledAlready,
+)
 from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service.api.schemas import OverBudgetResponse, finite_or_none
-from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget, SettledAlready
+from dpledger.wire.schemas import OverBudgetResponse, finite_or_none
 
 
 def _field_error(loc: list[str | int], msg: str, kind: str) -> dict[str, object]:

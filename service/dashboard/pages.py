@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from service.dashboard import svg
-from service.dashboard.numbers import exact, shown
+from dpledger.service.dashboard import svg
+from dpledger.service.dashboard.numbers import exact, shown
 
 STYLESHEET = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #222; background: #fafafa; }

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from service.accounting import rdp
-from service.accounting.running_sum import RunningSum, curve_from_json
-from service.dashboard.svg import Point
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
+from dpledger.service.dashboard.svg import Point
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from service.dashboard.numbers import exact, shown
+from dpledger.service.dashboard.numbers import exact, shown
 
 SPENT_COLOUR = "#c0392b"
 COMMITTED_COLOUR = "#1f618d"

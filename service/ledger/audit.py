@@ -7,13 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
+from dpledger.service.ledger import chain
+from dpledger.service.ledger.models import (
+    Charge,
+    ChargeStatus,
+    EntryEvent,
+    LedgerEntry,
+    Silo,
+)
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-
-from service.accounting import rdp
-from service.accounting.running_sum import RunningSum, curve_from_json
-from service.ledger import chain
-from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, Silo
 
 _STATUS_AFTER = {
     EntryEvent.reserve: ChargeStatus.reserved,

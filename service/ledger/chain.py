@@ -11,7 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from service.ledger.models import Charge, LedgerEntry, Silo
+from dpledger.service.ledger.models import Charge, LedgerEntry, Silo
 
 GENESIS = "0" * 64
 

@@ -13,16 +13,33 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.events import MechanismError, resolve
+from dpledger.service.accounting.running_sum import (
+    RunningSum,
+    curve_from_json,
+    curve_to_json,
+)
+from dpledger.service.ledger import silos
+from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OverBudget,
+    SettledAlready,
+)
+from dpledger.service.ledger.models import (
+    Charge,
+    ChargeStatus,
+    EntryEvent,
+    LedgerEntry,
+    Search,
+)
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.accounting import rdp
-from service.accounting.mechanisms import AnyMechanism, MechanismError, resolve
-from service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
-from service.ledger import silos
-from service.ledger.db import write_transaction
-from service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget, SettledAlready
-from service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, Search
+from dpledger.wire.mechanisms import AnyMechanism
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import IO
 
+import dpledger.migrations
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
 _IMMEDIATE = "dpledger_immediate"
 # One writer at a time per SQLite database, queued on locks that wake the next writer at once:
 # SQLite's own busy handler makes a waiting writer sleep in growing steps (up to 100 ms), so writers

@@ -7,13 +7,12 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 
+from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger.errors import InvalidRequest, NotFound
+from dpledger.service.ledger.models import ApiKey, Role, Silo
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
-
-from service.ledger.db import write_transaction
-from service.ledger.errors import InvalidRequest, NotFound
-from service.ledger.models import ApiKey, Role, Silo
 
 KEY_PREFIX = "dpl_"
 

@@ -2,35 +2,26 @@
 
 from __future__ import annotations
 
-import enum
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from dpledger.wire.enums import ChargeStatus, EntryEvent, Role, SearchStatus
 
 
 class Base(DeclarativeBase):
     pass
-
-
-class Role(str, enum.Enum):
-    admin = "admin"
-    silo = "silo"
-    auditor = "auditor"
-    coordinator = "coordinator"
-
-
-class ChargeStatus(str, enum.Enum):
-    reserved = "reserved"
-    committed = "committed"
-    released = "released"
-
-
-class EntryEvent(str, enum.Enum):
-    create = "create"  # the silo's budget itself, so an edited budget breaks the chain
-    reserve = "reserve"
-    commit = "commit"
-    release = "release"
 
 
 class Silo(Base):
@@ -139,11 +130,6 @@ class NormReport(Base):
     silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"))
     l2_norm: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-class SearchStatus(str, enum.Enum):
-    running = "running"  # fewer than K trials reported
-    done = "done"  # K trials reported; the search's charge is committed
 
 
 class Search(Base):

@@ -5,17 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.running_sum import RunningSum
+from dpledger.service.ledger import chain
+from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger.errors import Conflict, NotFound
+from dpledger.service.ledger.keys import create_key
+from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Role, Silo
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
-
-from service.accounting import rdp
-from service.accounting.running_sum import RunningSum
-from service.ledger import chain
-from service.ledger.db import write_transaction
-from service.ledger.errors import Conflict, NotFound
-from service.ledger.keys import create_key
-from service.ledger.models import EntryEvent, LedgerEntry, Role, Silo
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.server import running_server
+from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
 
 CHROMIUM = Path("/usr/bin/chromium")

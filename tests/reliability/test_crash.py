@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from service.server import ServerProcess
+from dpledger.harness import ServerProcess
 from tests.conftest import ADMIN_KEY
 from tests.reliability.loadgen import (
     Oracle,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.server import ServerProcess
+from dpledger.harness import ServerProcess
 from tests.conftest import ADMIN_KEY
 from tests.reliability.loadgen import (
     Oracle,

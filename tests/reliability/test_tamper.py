@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Connection, create_engine, text
 
-from service.server import ServerProcess
+from dpledger.harness import ServerProcess
 from tests.conftest import ADMIN_KEY
 from tests.reliability.loadgen import ADMIN, verify_chain
 

@@ -11,7 +11,7 @@ import pytest
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from service.server import running_server
+from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
 
 STEP = {"type": "dpsgd", "batch_size": 20, "noise_multiplier": 1.0, "steps": 1}  # dataset 1000 → q = 0.02

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from service.server import free_port
+from dpledger.harness import free_port
 
 KEY = "serve-test-admin-key-0123456789"
 
@@ -20,7 +20,7 @@ def test_serve_migrates_the_default_sqlite_file_and_answers(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "DPLEDGER_DATABASE_URL")}
     env["DPLEDGER_ADMIN_KEY"] = KEY
     process = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)], cwd=tmp_path, env=env,
+        [sys.executable, "-m", "dpledger.cli", "serve", "--port", str(port)], cwd=tmp_path, env=env,
     )
     try:
         deadline = time.monotonic() + 60
@@ -43,16 +43,15 @@ def test_serve_migrates_the_default_sqlite_file_and_answers(tmp_path) -> None:
 
 
 def test_keys_create_bootstraps_an_admin_without_any_env_key(tmp_path) -> None:
+    from dpledger.service.api.app import create_app
+    from dpledger.service.settings import Settings
     from fastapi.testclient import TestClient
-
-    from service.api.app import create_app
-    from service.settings import Settings
 
     url = f"sqlite:///{tmp_path}/keys.db"
     env = {**os.environ, "DATABASE_URL": url}
     env.pop("DPLEDGER_ADMIN_KEY", None)
     out = subprocess.run(
-        [sys.executable, "-m", "service.cli", "keys", "create", "--role", "admin"], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "dpledger.cli", "keys", "create", "--role", "admin"], env=env, capture_output=True, text=True, check=True
     )
     key = json.loads(out.stdout)["api_key"]
 
@@ -75,7 +74,7 @@ def test_serve_with_two_workers_sums_metrics_across_processes_and_logs_json(tmp_
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", "2"],
+            [sys.executable, "-m", "dpledger.cli", "serve", "--port", str(port), "--workers", "2"],
             cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
         try:
@@ -119,9 +118,9 @@ def test_every_worker_connection_has_nagle_off() -> None:
     import asyncio
     import socket
 
-    from service.serving import _NoDelayConfig
+    from dpledger.service.serving import _NoDelayConfig
 
-    config = _NoDelayConfig("service.api.app:create_app", factory=True, host="127.0.0.1", port=0, workers=2)
+    config = _NoDelayConfig("dpledger.service.api.app:create_app", factory=True, host="127.0.0.1", port=0, workers=2)
     listener = config.bind_socket()
     assert listener.proto == socket.IPPROTO_TCP
     seen: list[int] = []

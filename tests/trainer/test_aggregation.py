@@ -7,10 +7,7 @@ import math
 
 import pytest
 import torch
-from pydantic import TypeAdapter
-
-from service.accounting.mechanisms import Mechanism
-from trainer.aggregation import (
+from dpledger.trainer.aggregation import (
     budget_blind_ratio,
     clip_updates,
     estimate_noise_variance_from_norms,
@@ -27,6 +24,9 @@ from trainer.aggregation import (
     sample_tasks,
     top_k_subspace,
 )
+from pydantic import TypeAdapter
+
+from dpledger.wire.mechanisms import Mechanism
 
 WIRE = TypeAdapter(Mechanism)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from dpledger.trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
 
-from service.server import free_port, running_server
+from dpledger.harness import free_port, running_server
 from tests.conftest import ADMIN_KEY
-from trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 

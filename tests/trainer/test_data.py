@@ -9,9 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sklearn.datasets import load_digits
-
-from trainer.data import (
+from dpledger.trainer.data import (
     MIXGAUSS_TABLE,
     FederatedDataset,
     SiloData,
@@ -22,6 +20,7 @@ from trainer.data import (
     make_mean_estimation,
     make_rotated_masked_digits,
 )
+from sklearn.datasets import load_digits
 
 # Two-sided 5 standard errors: a correct generator fails one such check ~6e-7 of the time.
 Z = 5.0

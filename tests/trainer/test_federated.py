@@ -9,22 +9,26 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
-from trainer.dpsgd.sampler import PoissonSampler
-from trainer.federated import (
+from dpledger.trainer.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.federated import (
     MRMTL,
     PPSGD,
-    DPSGDConfig,
     Ditto,
+    DPSGDConfig,
     FedAvg,
     FederatedAlgorithm,
     FlatModel,
     LocalTraining,
     build_model,
 )
-from trainer.federated.batched import noisy_clipped_gradient, pad_batches
-from trainer.federated.config import STREAM_NOISE, STREAM_SAMPLER, derive_seed, make_generator
+from dpledger.trainer.federated.batched import noisy_clipped_gradient, pad_batches
+from dpledger.trainer.federated.config import (
+    STREAM_NOISE,
+    STREAM_SAMPLER,
+    derive_seed,
+    make_generator,
+)
+from torch import nn
 
 CPU = torch.device("cpu")
 NUM_CLASSES = 4

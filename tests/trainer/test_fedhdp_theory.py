@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from trainer.fedhdp_theory import (
+from dpledger.trainer.fedhdp_theory import (
     PointEstimationSetup,
     draw_updates,
     simulate_server_mse,

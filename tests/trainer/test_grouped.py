@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dpledger.trainer.client import LedgerClient, Rejected
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import (
+    PFA,
+    AdaptiveClip,
+    DPSGDConfig,
+    FedHDP,
+    GroupAggregated,
+)
+from dpledger.trainer.grouped import GroupedRun, issue_coordinator_key, run_grouped
+from dpledger.trainer.loop import GatedSilo, RoundRecord
 
-from service.server import running_server
+from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
-from trainer.client import LedgerClient, Rejected
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.federated import PFA, AdaptiveClip, DPSGDConfig, FedHDP, GroupAggregated
-from trainer.grouped import GroupedRun, issue_coordinator_key, run_grouped
-from trainer.loop import GatedSilo, RoundRecord
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, seed=5)
 # Three silos with little noise, five with a lot: two privacy groups, as MixGauss1's two components.

@@ -9,14 +9,14 @@ import pytest
 import torch
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import MRMTL, DPSGDConfig
+from dpledger.trainer.loop import GatedSilo, run_gated
 
-from service.server import running_server
+from dpledger.demo import DemoConfig, run_demo
+from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
-from trainer.client import LedgerClient
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.demo import DemoConfig, run_demo
-from trainer.federated import MRMTL, DPSGDConfig
-from trainer.loop import GatedSilo, run_gated
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, noise_multiplier=1.5, seed=3)
 
@@ -99,7 +99,7 @@ def test_the_demo_writes_its_report(tmp_path) -> None:
 
 
 def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str, tmp_path, monkeypatch) -> None:
-    from trainer.cli import main
+    from dpledger.worker_cli import main
 
     with LedgerClient(ledger, ADMIN_KEY) as admin:
         sizes = [s.n_train for s in make_rotated_masked_digits(n_silos=2, seed=0, mask_probability=0.1).silos]

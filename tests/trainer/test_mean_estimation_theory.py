@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 import pytest
-
-from trainer.data import make_mean_estimation
-from trainer.mean_estimation_theory import (
+from dpledger.trainer.data import make_mean_estimation
+from dpledger.trainer.mean_estimation_theory import (
     MeanEstimationSetting,
     gaussian_mechanism_noise_std,
     mr_mtl_estimates,

@@ -10,12 +10,9 @@ import pytest
 import torch
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-
-from service.server import running_server
-from tests.conftest import ADMIN_KEY
-from trainer.client import LedgerClient
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.federated import (
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import (
     IFCA,
     ClusteredMRMTL,
     ClusterSelection,
@@ -26,7 +23,10 @@ from trainer.federated import (
     Finetuning,
     clustering_rounds,
 )
-from trainer.loop import GatedSilo, RoundRecord, run_gated
+from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
+
+from dpledger.harness import running_server
+from tests.conftest import ADMIN_KEY
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=3, noise_multiplier=1.2, seed=2)
 DELTA = 1e-5
@@ -297,7 +297,7 @@ def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> N
 
 
 def test_train_runs_warm_started_mrmtl_and_charges_selection_only_while_clustering(ledger: str, tmp_path, monkeypatch) -> None:
-    from trainer.cli import main
+    from dpledger.worker_cli import main
 
     with LedgerClient(ledger, ADMIN_KEY) as admin:
         sizes = [s.n_train for s in make_rotated_masked_digits(n_silos=2, seed=0, mask_probability=0.1).silos]

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from trainer.cli import main
-from trainer.tune import TuneConfig, run_tune
+from dpledger.tune import TuneConfig, run_tune
+from dpledger.worker_cli import main
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -11,17 +11,29 @@ Aggregating already-private updates is post-processing (DESIGN.md, "The privacy 
 quantile query and PMTL's server noise are mechanisms, and each returns what it must be charged as.
 """
 
-from trainer.aggregation.clipping import QuantileClipUpdate, clip_updates, noisy_quantile_clip_update
-from trainer.aggregation.fedhdp import (
+from dpledger.trainer.aggregation.clipping import (
+    QuantileClipUpdate,
+    clip_updates,
+    noisy_quantile_clip_update,
+)
+from dpledger.trainer.aggregation.fedhdp import (
     budget_blind_ratio,
     estimate_noise_variance_from_norms,
     fedhdp_aggregate,
     group_means,
     optimal_ratio,
 )
-from trainer.aggregation.mechanisms import GaussianMechanism, PoissonSampledGaussian
-from trainer.aggregation.pfa import pfa_aggregate, project_onto, public_mask, top_k_subspace
-from trainer.aggregation.pmtl import (
+from dpledger.trainer.aggregation.mechanisms import (
+    GaussianMechanism,
+    PoissonSampledGaussian,
+)
+from dpledger.trainer.aggregation.pfa import (
+    pfa_aggregate,
+    project_onto,
+    public_mask,
+    top_k_subspace,
+)
+from dpledger.trainer.aggregation.pmtl import (
     pmtl_record_level_mechanism,
     pmtl_round_mechanism,
     pmtl_server_step,

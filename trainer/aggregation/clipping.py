@@ -8,9 +8,8 @@ import math
 from typing import NamedTuple
 
 import torch
-
-from trainer.aggregation._checks import check_positive, check_updates
-from trainer.aggregation.mechanisms import GaussianMechanism
+from dpledger.trainer.aggregation._checks import check_positive, check_updates
+from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 
 
 def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:

@@ -16,8 +16,11 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-from trainer.aggregation._checks import check_groups, check_non_negative, check_updates
+from dpledger.trainer.aggregation._checks import (
+    check_groups,
+    check_non_negative,
+    check_updates,
+)
 
 
 def _n_groups(groups: torch.Tensor, n_groups: int | None) -> int:

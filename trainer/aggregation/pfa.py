@@ -9,8 +9,7 @@ already-private updates, so it is post-processing and costs no budget (paper 001
 from __future__ import annotations
 
 import torch
-
-from trainer.aggregation._checks import check_mask, check_updates
+from dpledger.trainer.aggregation._checks import check_mask, check_updates
 
 
 def public_mask(groups: torch.Tensor, *, n_public_groups: int = 1) -> torch.Tensor:

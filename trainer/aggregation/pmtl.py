@@ -12,10 +12,18 @@ with noise multiplier z (paper 004 Thm 1 and eq. (17)–(19): σ on the mean = z
 from __future__ import annotations
 
 import torch
-
-from trainer.aggregation._checks import check_mask, check_non_negative, check_positive, check_probability, check_updates
-from trainer.aggregation.clipping import clip_updates
-from trainer.aggregation.mechanisms import GaussianMechanism, PoissonSampledGaussian
+from dpledger.trainer.aggregation._checks import (
+    check_mask,
+    check_non_negative,
+    check_positive,
+    check_probability,
+    check_updates,
+)
+from dpledger.trainer.aggregation.clipping import clip_updates
+from dpledger.trainer.aggregation.mechanisms import (
+    GaussianMechanism,
+    PoissonSampledGaussian,
+)
 
 
 def sample_tasks(n_tasks: int, *, sampling_rate: float, generator: torch.Generator) -> torch.Tensor:

@@ -139,15 +139,23 @@ class FederatedDataset:
 
 
 # Imported after the containers because every source module builds them (import cycle otherwise).
-from trainer.data.additive import AdditiveRegressionData, make_additive_regression  # noqa: E402
-from trainer.data.budgets import MIXGAUSS_TABLE, BudgetDraw, MixtureComponent, draw_budgets  # noqa: E402
-from trainer.data.digits import make_rotated_masked_digits  # noqa: E402
-from trainer.data.mean_estimation import (  # noqa: E402
+from dpledger.trainer.data.additive import (  # noqa: E402
+    AdditiveRegressionData,
+    make_additive_regression,
+)
+from dpledger.trainer.data.budgets import (  # noqa: E402
+    MIXGAUSS_TABLE,
+    BudgetDraw,
+    MixtureComponent,
+    draw_budgets,
+)
+from dpledger.trainer.data.digits import make_rotated_masked_digits  # noqa: E402
+from dpledger.trainer.data.mean_estimation import (  # noqa: E402
     MeanEstimationData,
     draw_centers_and_points,
     make_mean_estimation,
 )
-from trainer.data.npz import SiloFileError, load_npz_folder  # noqa: E402
+from dpledger.trainer.data.npz import SiloFileError, load_npz_folder  # noqa: E402
 
 __all__ = [
     "MIXGAUSS_TABLE",

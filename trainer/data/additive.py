@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from trainer.data import FederatedDataset, SiloData
+from dpledger.trainer.data import FederatedDataset, SiloData
 
 PAPER_N_USERS = 1000
 PAPER_DIM = 100

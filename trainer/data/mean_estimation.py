@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from trainer.data import FederatedDataset, SiloData
+from dpledger.trainer.data import FederatedDataset, SiloData
 
 
 def _check_count(name: str, value: int, *, minimum: int) -> None:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from trainer.data import FederatedDataset, SiloData, Task
+from dpledger.trainer.data import FederatedDataset, SiloData, Task
 
 REQUIRED_KEYS = ("x", "y")
 OPTIONAL_KEYS = ("x_test", "y_test", "group")

@@ -22,10 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from dpledger.trainer.dpsgd.capture import LossFn, trainable_parameters
+from dpledger.trainer.dpsgd.norms import layer_grads, norms_from_layers
 from torch import Tensor, nn
-
-from trainer.dpsgd.capture import LossFn, trainable_parameters
-from trainer.dpsgd.norms import layer_grads, norms_from_layers
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,28 @@ The `DPSGDConfig` defaults (small tanh MLP, lr 0.5, C 1, σ 1, B 16, E 10) take 
 digits (features scaled to [0, 1]) to well above chance within 20 rounds, in seconds on CPU.
 """
 
-from trainer.federated.base import FederatedAlgorithm
-from trainer.federated.config import DPSGDConfig, RoundResult, Task, Weighting
-from trainer.federated.ditto import Ditto
-from trainer.federated.fedavg import FedAvg
-from trainer.federated.fedhdp import AdaptiveClip, FedHDP
-from trainer.federated.finetune import Finetuning
-from trainer.federated.ifca import IFCA, ClusteredMRMTL, ClusterSelection, clustering_rounds
-from trainer.federated.local import LocalTraining
-from trainer.federated.models import Architecture, FlatModel, ModelFactory, build_model
-from trainer.federated.mrmtl import MRMTL
-from trainer.federated.pfa import PFA, GroupAggregated
-from trainer.federated.ppsgd import PPSGD
+from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.config import DPSGDConfig, RoundResult, Task, Weighting
+from dpledger.trainer.federated.ditto import Ditto
+from dpledger.trainer.federated.fedavg import FedAvg
+from dpledger.trainer.federated.fedhdp import AdaptiveClip, FedHDP
+from dpledger.trainer.federated.finetune import Finetuning
+from dpledger.trainer.federated.ifca import (
+    IFCA,
+    ClusteredMRMTL,
+    ClusterSelection,
+    clustering_rounds,
+)
+from dpledger.trainer.federated.local import LocalTraining
+from dpledger.trainer.federated.models import (
+    Architecture,
+    FlatModel,
+    ModelFactory,
+    build_model,
+)
+from dpledger.trainer.federated.mrmtl import MRMTL
+from dpledger.trainer.federated.pfa import PFA, GroupAggregated
+from dpledger.trainer.federated.ppsgd import PPSGD
 
 __all__ = [
     "IFCA",

@@ -15,11 +15,13 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TypedDict
 
 import torch
-from torch.func import vmap
-
-from trainer.dpsgd.sampler import PoissonSampler
-from trainer.federated.batched import PaddedSilos, noisy_clipped_gradient, pad_batches
-from trainer.federated.config import (
+from dpledger.trainer.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.federated.batched import (
+    PaddedSilos,
+    noisy_clipped_gradient,
+    pad_batches,
+)
+from dpledger.trainer.federated.config import (
     STREAM_INIT,
     STREAM_NOISE,
     STREAM_SAMPLER,
@@ -30,7 +32,8 @@ from trainer.federated.config import (
     derive_seed,
     make_generator,
 )
-from trainer.federated.models import Architecture, ModelFactory, make_template
+from dpledger.trainer.federated.models import Architecture, ModelFactory, make_template
+from torch.func import vmap
 
 
 class _RequiredArgs(TypedDict):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Unpack
 
-import math
-
 import torch
-
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
-from trainer.federated.config import Weighting, check_weighting
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.config import Weighting, check_weighting
 
 
 class Ditto(FederatedAlgorithm):

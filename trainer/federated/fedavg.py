@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Unpack
 
-
 import torch
-
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
-from trainer.federated.config import Weighting, check_weighting
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.config import Weighting, check_weighting
 
 
 class FedAvg(FederatedAlgorithm):

@@ -26,17 +26,16 @@ from dataclasses import dataclass
 from typing import Any, Literal, Unpack
 
 import torch
-
-from trainer.aggregation import (
+from dpledger.trainer.aggregation import (
     budget_blind_ratio,
     clip_updates,
     fedhdp_aggregate,
     noisy_quantile_clip_update,
 )
-from trainer.aggregation.mechanisms import GaussianMechanism
-from trainer.federated.base import AlgorithmArgs
-from trainer.federated.config import derive_seed, make_generator
-from trainer.federated.pfa import GroupAggregated
+from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
+from dpledger.trainer.federated.base import AlgorithmArgs
+from dpledger.trainer.federated.config import derive_seed, make_generator
+from dpledger.trainer.federated.pfa import GroupAggregated
 
 # A random stream of its own for the quantile query's noise, distinct from STREAM_INIT/SAMPLER/
 # NOISE/CLIENTS (0–3 in trainer.federated.config), so enabling the query never shifts DP-SGD's draws.

@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Unpack
 
 import torch
-
-from trainer.federated.base import AlgorithmArgs
-from trainer.federated.fedavg import FedAvg
-from trainer.federated.config import Weighting
+from dpledger.trainer.federated.base import AlgorithmArgs
+from dpledger.trainer.federated.config import Weighting
+from dpledger.trainer.federated.fedavg import FedAvg
 
 
 class Finetuning(FedAvg):

@@ -35,13 +35,17 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 import torch
+from dpledger.trainer.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
+from dpledger.trainer.federated.config import (
+    STREAM_INIT,
+    RoundResult,
+    derive_seed,
+    make_generator,
+)
+from dpledger.trainer.federated.models import make_template
 from torch.func import vmap
-
-from trainer.dpsgd.sampler import PoissonSampler
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
-from trainer.federated.batched import gaussian_noise, pad_batches
-from trainer.federated.config import STREAM_INIT, RoundResult, derive_seed, make_generator
-from trainer.federated.models import make_template
 
 # Random streams of their own (0–4 are taken in trainer.federated.config and .fedhdp), so that
 # enabling selection never shifts DP-SGD's draws.

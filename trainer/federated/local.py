@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import Unpack
 
-
 import torch
-
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 
 class LocalTraining(FederatedAlgorithm):

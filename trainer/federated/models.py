@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Literal, cast
 
 import torch
+from dpledger.trainer.federated.config import Task
 from torch import nn
 from torch.func import functional_call
-
-from trainer.federated.config import Task
 
 Architecture = Literal["linear", "mlp"]
 ModelFactory = Callable[[], nn.Module]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Unpack
 
-import math
-
 import torch
-
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 
 class MRMTL(FederatedAlgorithm):

@@ -21,10 +21,9 @@ from collections.abc import Sequence
 from typing import ClassVar, Unpack
 
 import torch
-
-from trainer.aggregation import pfa_aggregate, public_mask
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
-from trainer.federated.config import RoundResult
+from dpledger.trainer.aggregation import pfa_aggregate, public_mask
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.config import RoundResult
 
 
 def compact_groups(groups: torch.Tensor) -> torch.Tensor:

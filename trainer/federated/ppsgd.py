@@ -29,14 +29,16 @@ sampling is claimed, because the silo and the server both know whether it took p
 
 from __future__ import annotations
 
+import math
 from typing import Unpack
 
-import math
-
 import torch
-
-from trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
-from trainer.federated.config import STREAM_CLIENTS, derive_seed, make_generator
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.config import (
+    STREAM_CLIENTS,
+    derive_seed,
+    make_generator,
+)
 
 
 class PPSGD(FederatedAlgorithm):

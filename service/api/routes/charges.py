@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.metrics import Decision, note_decision
+from dpledger.service.ledger import charges
+from dpledger.service.ledger.errors import OverBudget
 from fastapi import APIRouter, Request, Response, status
 
-from service.api.deps import FactoryDep, IdPath, PrincipalDep
-from service.api.metrics import Decision, note_decision
-from service.api.schemas import ChargeRequest, ChargeReserved, ChargeSettled, OverBudgetResponse, finite_or_none
-from service.ledger import charges
-from service.ledger.errors import OverBudget
+from dpledger.wire.schemas import (
+    ChargeRequest,
+    ChargeReserved,
+    ChargeSettled,
+    OverBudgetResponse,
+    finite_or_none,
+)
 
 router = APIRouter(tags=["charges"])
 

@@ -7,15 +7,15 @@ import json
 from typing import Annotated
 from urllib.parse import parse_qs
 
+from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
+from dpledger.service.dashboard import pages, series
+from dpledger.service.ledger import audit, charges, keys, silos
+from dpledger.service.ledger.errors import NotFound
+from dpledger.service.ledger.models import Role, Silo
 from fastapi import APIRouter, Cookie, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from service.api.deps import READERS, FactoryDep, IdPath, Principal
-from service.api.schemas import finite_or_none
-from service.dashboard import pages, series
-from service.ledger import audit, charges, keys, silos
-from service.ledger.errors import NotFound
-from service.ledger.models import Role, Silo
+from dpledger.wire.schemas import finite_or_none
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)
 

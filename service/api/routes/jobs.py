@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from dpledger.service.accounting.clustering import cluster_norms
+from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
+from dpledger.service.ledger import jobs
+from dpledger.service.ledger.models import Role
 from fastapi import APIRouter, Path, status
 
-from service.accounting.clustering import cluster_norms
-from service.api.deps import FactoryDep, IdPath, PrincipalDep
-from service.api.schemas import (
+from dpledger.wire.schemas import (
     GroupComponent,
     GroupsResponse,
     JobCreated,
@@ -18,8 +20,6 @@ from service.api.schemas import (
     NormReported,
     NormReportRequest,
 )
-from service.ledger import jobs
-from service.ledger.models import Role
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Round = Annotated[int, Path(ge=0, le=10**9)]

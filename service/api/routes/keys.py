@@ -1,11 +1,11 @@
 from __future__ import annotations
 
+from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
+from dpledger.service.ledger import keys
+from dpledger.service.ledger.models import Role
 from fastapi import APIRouter, Response, status
 
-from service.api.deps import FactoryDep, IdPath, PrincipalDep
-from service.api.schemas import KeyCreated, KeyCreateRequest
-from service.ledger import keys
-from service.ledger.models import Role
+from dpledger.wire.schemas import KeyCreated, KeyCreateRequest
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

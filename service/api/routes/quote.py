@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from dpledger.service.accounting import rdp, reports
+from dpledger.service.accounting.events import MechanismError, resolve
+from dpledger.service.accounting.running_sum import RunningSum
+from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
+from dpledger.service.ledger import silos
+from dpledger.service.ledger.errors import InvalidRequest
 from fastapi import APIRouter
 
-from service.accounting import rdp, reports
-from service.accounting.mechanisms import MechanismError, resolve
-from service.accounting.running_sum import RunningSum
-from service.api.deps import READERS, FactoryDep, PrincipalDep
-from service.api.schemas import CalibrateRequest, CalibrateResponse, QuoteRequest, QuoteResponse, finite_or_none
-from service.ledger import silos
-from service.ledger.errors import InvalidRequest
+from dpledger.wire.schemas import (
+    CalibrateRequest,
+    CalibrateResponse,
+    QuoteRequest,
+    QuoteResponse,
+    finite_or_none,
+)
 
 router = APIRouter(prefix="/v1", tags=["quotes"])
 

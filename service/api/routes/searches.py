@@ -9,17 +9,23 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.events import MechanismError, resolve
+from dpledger.service.accounting.trial_counts import (
+    MAX_MEAN_TRIALS,
+    DistributionKind,
+    TrialDistribution,
+    distribution,
+)
+from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.ledger import searches
+from dpledger.service.ledger.errors import InvalidRequest
+from dpledger.service.ledger.models import Search, SearchStatus
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.accounting import rdp
-from service.accounting.mechanisms import Mechanism, MechanismError, SelfComposed, check_nesting, resolve
-from service.accounting.trial_counts import MAX_MEAN_TRIALS, DistributionKind, TrialDistribution, distribution
-from service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
-from service.api.schemas import Delta, OverBudgetResponse, Text, finite_or_none
-from service.ledger import searches
-from service.ledger.errors import InvalidRequest
-from service.ledger.models import Search, SearchStatus
+from dpledger.wire.mechanisms import Mechanism, SelfComposed, check_nesting
+from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
 
 router = APIRouter(tags=["searches"])
 

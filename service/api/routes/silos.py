@@ -7,13 +7,20 @@ import io
 import json
 from typing import Annotated, Literal
 
+from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.ledger import charges, jobs, silos
+from dpledger.service.ledger.models import Role, Silo
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
-from service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
-from service.api.schemas import HistoryEntry, SiloCreated, SiloCreateRequest, SiloDetail, SiloSummary, finite_or_none
-from service.ledger import charges, jobs, silos
-from service.ledger.models import Role, Silo
+from dpledger.wire.schemas import (
+    HistoryEntry,
+    SiloCreated,
+    SiloCreateRequest,
+    SiloDetail,
+    SiloSummary,
+    finite_or_none,
+)
 
 router = APIRouter(prefix="/v1/silos", tags=["silos"])
 

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 from dp_accounting import dp_event as de
+from dpledger.wire import mechanisms as mech
+from dpledger.service.accounting.events import MechanismError, resolve, to_dp_event
 from pydantic import TypeAdapter, ValidationError
 
-from service.accounting import mechanisms as mech
-from service.accounting.mechanisms import (
+from dpledger.wire.mechanisms import (
     MAX_COMPOSED,
     MAX_COUNT,
     MAX_NESTING,
@@ -22,7 +23,6 @@ from service.accounting.mechanisms import (
     DpSgd,
     Gaussian,
     Laplace,
-    MechanismError,
     PoissonSampled,
     RepeatAndSelect,
     SampledWithoutReplacement,
@@ -30,8 +30,6 @@ from service.accounting.mechanisms import (
     ZCdp,
     check_nesting,
     nesting_depth,
-    resolve,
-    to_dp_event,
 )
 
 ADAPTER: TypeAdapter[Any] = TypeAdapter(mech.Mechanism)

@@ -20,26 +20,28 @@ import pytest
 from dp_accounting import dp_event as de
 from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.events import MechanismError, resolve, to_dp_event
+from dpledger.service.accounting.running_sum import (
+    RunningSum,
+    curve_from_json,
+    curve_to_json,
+)
 from pydantic import TypeAdapter, ValidationError
 
-from service.accounting import rdp
-from service.accounting.mechanisms import (
+from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,
     DpSgd,
     Gaussian,
     Laplace,
     Mechanism,
-    MechanismError,
     PoissonSampled,
     RepeatAndSelect,
     SampledWithoutReplacement,
     SelfComposed,
     ZCdp,
-    resolve,
-    to_dp_event,
 )
-from service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 
 ORDERS = np.array(rdp_lib.DEFAULT_RDP_ORDERS, dtype=float)
 DELTAS = (1e-3, 1e-5, 1e-9, 1e-14)

@@ -8,9 +8,10 @@ import random
 
 import numpy as np
 import pytest
+from dpledger.service.accounting import rdp, reports
+from dpledger.service.accounting.events import resolve
 
-from service.accounting import rdp, reports
-from service.accounting.mechanisms import (
+from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,
     DpSgd,
@@ -20,7 +21,6 @@ from service.accounting.mechanisms import (
     RepeatAndSelect,
     SelfComposed,
     ZCdp,
-    resolve,
 )
 
 ORDERS = np.array(rdp.ORDERS)

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from dpledger.service.accounting import rdp, trial_counts
+from dpledger.service.accounting.trial_counts import distribution, draw_trials
 from scipy import stats
 
-from service.accounting import rdp, trial_counts
-from service.accounting.mechanisms import Laplace, RepeatAndSelect
-from service.accounting.trial_counts import distribution, draw_trials
+from dpledger.wire.mechanisms import Laplace, RepeatAndSelect
 from tests.conftest import ADMIN
 
 Q, SIGMA, STEPS = 0.01, 1.1, 10

@@ -1,4 +1,4 @@
-"""Wire models (pydantic v2) of the HTTP API; separate from the tables in service/ledger/models.py."""
+"""Wire models (pydantic v2) of the HTTP API; separate from the service's tables (`dpledger.service.ledger.models`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,17 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
-from service.accounting.mechanisms import Mechanism, check_nesting
-from service.ledger.models import ChargeStatus, EntryEvent, Role
+from dpledger.wire.enums import ChargeStatus, EntryEvent, Role
+from dpledger.wire.mechanisms import Mechanism, check_nesting
 
 Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
 Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]

@@ -1,4 +1,4 @@
-"""The `dpledger` command. Service commands live here; the worker's (demo, train) are in trainer.cli
+"""The `dpledger` command. Service commands live here; the worker's (demo, train) are in dpledger.worker_cli
 and are imported only when asked for, so the service never loads torch."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging.config
 import sys
 from pathlib import Path
 
-from service import people_cli
-from service.logging_setup import FORMATS, logging_config
+from dpledger.service import people_cli
+from dpledger.service.logging_setup import FORMATS, logging_config
 
 WORKER_COMMANDS = ("demo", "train", "tune")
 
@@ -19,7 +19,7 @@ WORKER_COMMANDS = ("demo", "train", "tune")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in WORKER_COMMANDS:
-        worker = importlib.import_module("trainer.cli")
+        worker = importlib.import_module("dpledger.worker_cli")
         return int(worker.main(argv) or 0)
     args = _parser().parse_args(argv)
     return int(args.run(args) or 0)
@@ -58,9 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from service.ledger.db import migrate
-    from service.serving import serve
-    from service.settings import get_settings
+    from dpledger.service.ledger.db import migrate
+    from dpledger.service.serving import serve
+    from dpledger.service.settings import get_settings
 
     log_config = logging_config(args.log_format)
     logging.config.dictConfig(log_config)  # the migration's lines too, before uvicorn starts
@@ -70,17 +70,17 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _migrate(_: argparse.Namespace) -> None:
-    from service.ledger.db import migrate
-    from service.settings import get_settings
+    from dpledger.service.ledger.db import migrate
+    from dpledger.service.settings import get_settings
 
     migrate(get_settings().database_url)
 
 
 def _create_key(args: argparse.Namespace) -> None:
-    from service.ledger.db import make_engine, make_session_factory, migrate
-    from service.ledger.keys import create_key
-    from service.ledger.models import Role
-    from service.settings import get_settings
+    from dpledger.service.ledger.db import make_engine, make_session_factory, migrate
+    from dpledger.service.ledger.keys import create_key
+    from dpledger.service.ledger.models import Role
+    from dpledger.service.settings import get_settings
 
     url = get_settings().database_url
     migrate(url)
@@ -91,8 +91,8 @@ def _create_key(args: argparse.Namespace) -> None:
 
 
 def openapi_document() -> str:
-    from service.api.app import create_app
-    from service.settings import Settings
+    from dpledger.service.api.app import create_app
+    from dpledger.service.settings import Settings
 
     # The document depends only on the routes; an in-memory database keeps generation side-effect free.
     app = create_app(Settings(database_url="sqlite://", admin_key=None))

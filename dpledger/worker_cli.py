@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from trainer.demo import DemoConfig, run_demo
+from dpledger.demo import DemoConfig, run_demo
 
 
 def main(argv: list[str]) -> int:
@@ -73,7 +73,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from trainer.job import JobConfig, run_job
+    from dpledger.trainer.job import JobConfig, run_job
 
     settings: dict[str, Any] = tomllib.loads(args.config.read_text()) if args.config else {}
     for flag in ("url", "algorithm", "rounds", "job_id"):
@@ -90,7 +90,7 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _tune(args: argparse.Namespace) -> None:
-    from trainer.tune import TuneConfig, format_outcomes, run_tune
+    from dpledger.tune import TuneConfig, format_outcomes, run_tune
 
     config = TuneConfig(
         grid=tuple(float(v) for v in args.grid.split(",") if v.strip()), silos=args.silos, rounds=args.rounds,

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from trainer.client import Denied, LedgerClient
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.federated import MRMTL, DPSGDConfig
+from dpledger.trainer.client import Denied, LedgerClient
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import MRMTL, DPSGDConfig
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def _ledger(config: TuneConfig) -> Iterator[tuple[str, str]]:
             raise ValueError("--url needs an admin key in DPLEDGER_ADMIN_KEY to register the silos")
         yield config.url, admin_key
         return
-    from service.server import running_server
+    from dpledger.harness import running_server
 
     admin_key = secrets.token_urlsafe(32)
     with tempfile.TemporaryDirectory(prefix="dpledger-tune-") as tmp, running_server(

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from service.ledger.db import migrate
+from dpledger.service.ledger.db import migrate
 
 
 def free_port() -> int:
@@ -54,7 +54,7 @@ class ServerProcess:
             self._migrated = True
         env = {**os.environ, "DATABASE_URL": self.database_url, "DPLEDGER_ADMIN_KEY": self.admin_key}
         command = [
-            sys.executable, "-m", "service.serving", "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "-m", "dpledger.service.serving", "--host", "127.0.0.1", "--port", str(self.port),
             "--workers", str(self.workers), "--log-level", "warning",
         ]
         # A session of its own, so that kill() reaches the master and every worker it spawned, and

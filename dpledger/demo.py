@@ -16,13 +16,25 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from service.server import running_server
-from trainer.client import LedgerClient
-from trainer.data.budgets import MixtureName, draw_budgets
-from trainer.data.digits import make_rotated_masked_digits
-from trainer.federated import MRMTL, DPSGDConfig, FedAvg, FederatedAlgorithm, LocalTraining
-from trainer.loop import GatedSilo, JobRun, run_gated
-from trainer.report import SiloRow, format_table, plot_accuracy, plot_epsilon, write_metrics
+from dpledger.harness import running_server
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data.budgets import MixtureName, draw_budgets
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import (
+    MRMTL,
+    DPSGDConfig,
+    FedAvg,
+    FederatedAlgorithm,
+    LocalTraining,
+)
+from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.report import (
+    SiloRow,
+    format_table,
+    plot_accuracy,
+    plot_epsilon,
+    write_metrics,
+)
 
 ALGORITHMS = ("local", "fedavg", "mrmtl")
 

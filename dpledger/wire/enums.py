@@ -1,0 +1,30 @@
+"""The ledger's vocabularies, shared by its tables and its wire models."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Role(str, enum.Enum):
+    admin = "admin"
+    silo = "silo"
+    auditor = "auditor"
+    coordinator = "coordinator"
+
+
+class ChargeStatus(str, enum.Enum):
+    reserved = "reserved"
+    committed = "committed"
+    released = "released"
+
+
+class EntryEvent(str, enum.Enum):
+    create = "create"  # the silo's budget itself, so an edited budget breaks the chain
+    reserve = "reserve"
+    commit = "commit"
+    release = "release"
+
+
+class SearchStatus(str, enum.Enum):
+    running = "running"  # fewer than K trials reported
+    done = "done"  # K trials reported; the search's charge is committed

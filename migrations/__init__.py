@@ -1,0 +1,1 @@
+"""Alembic revisions of the ledger schema, shipped inside the package so that a plain install can migrate."""
