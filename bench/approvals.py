@@ -47,6 +47,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+from sqlalchemy import create_engine, func, select, text  # noqa: E402
+
+from dpledger.harness import running_server  # noqa: E402
 from dpledger.service.accounting import rdp  # noqa: E402
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json  # noqa: E402
 from dpledger.service.ledger import audit, charges, silos  # noqa: E402
@@ -63,9 +66,6 @@ from dpledger.service.ledger.models import (  # noqa: E402
     LedgerEntry,
     Silo,
 )
-from sqlalchemy import create_engine, func, select, text  # noqa: E402
-
-from dpledger.harness import running_server  # noqa: E402
 from dpledger.wire.mechanisms import DpSgd  # noqa: E402
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"

@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
+
+from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.budgets import MIXGAUSS_TABLE, BudgetDraw, draw_budgets
@@ -59,8 +61,6 @@ from dpledger.trainer.federated import (
 )
 from dpledger.trainer.grouped import issue_coordinator_key, run_grouped
 from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
-
-from dpledger.harness import running_server
 
 MIXTURE = "MixGauss1"
 DELTA = 1e-5

@@ -58,14 +58,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from dpledger.demo import DemoConfig  # noqa: E402
+from dpledger.harness import running_server  # noqa: E402
 from dpledger.trainer.client import LedgerClient  # noqa: E402
 from dpledger.trainer.data.budgets import draw_budgets  # noqa: E402
 from dpledger.trainer.data.digits import make_rotated_masked_digits  # noqa: E402
 from dpledger.trainer.federated import MRMTL, DPSGDConfig, LocalTraining  # noqa: E402
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated  # noqa: E402
-
-from dpledger.demo import DemoConfig  # noqa: E402
-from dpledger.harness import running_server  # noqa: E402
 
 _T0 = time.perf_counter()
 CALIBRATION_DIGITS = 2

@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
+
+from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
@@ -63,8 +65,6 @@ from dpledger.trainer.federated import (
     clustering_rounds,
 )
 from dpledger.trainer.loop import GatedSilo, run_gated
-
-from dpledger.harness import running_server
 
 DELTA = 1e-5
 CLUSTERS = 4  # the four rotation groups

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dpledger.service.accounting import rdp  # noqa: E402
 from dpledger.service.accounting.trial_counts import Shape  # noqa: E402
 from dpledger.trainer.mean_estimation_theory import MeanEstimationSetting  # noqa: E402
-
 from dpledger.wire.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect  # noqa: E402
 
 MEAN_TRIALS = 10.0

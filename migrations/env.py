@@ -1,8 +1,9 @@
 """Alembic environment: the URL comes from the Config that dpledger.service.ledger.db builds."""
 
 from alembic import context
-from dpledger.service.ledger.models import Base
 from sqlalchemy import create_engine, pool
+
+from dpledger.service.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata

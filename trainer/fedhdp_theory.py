@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from dpledger.trainer.aggregation.fedhdp import optimal_ratio
 
 # Trials simulated per chunk: bounds memory (N float64 numbers per trial) whatever n_trials is.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
+
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.federated.pfa import GroupAggregated
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated

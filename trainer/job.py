@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
@@ -29,7 +31,6 @@ from dpledger.trainer.federated import (
     clustering_rounds,
 )
 from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):

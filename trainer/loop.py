@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from dpledger.trainer.client import Denied, LedgerClient, Unreachable
 from dpledger.trainer.federated import FederatedAlgorithm
 

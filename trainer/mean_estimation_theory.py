@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from dpledger.trainer.data.mean_estimation import draw_centers_and_points
 
 # Points generated per simulation chunk: bounds memory (8 bytes each) whatever trials × K × n is.

@@ -12,6 +12,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: the demo runs in CI and on servers
 import matplotlib.pyplot as plt  # noqa: E402
+
 from dpledger.trainer.loop import JobRun  # noqa: E402
 
 

@@ -18,8 +18,8 @@ from importlib.metadata import version
 import numpy as np
 from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-from dpledger.service.accounting.events import MechanismError, to_dp_event
 
+from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,

@@ -8,9 +8,9 @@ from dp_accounting import dp_event as de
 from dp_accounting import mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.service.accounting.rdp import ORDERS
-
 from dpledger.wire.mechanisms import AnyMechanism
 
 # 1e-3 keeps a 10^4-step DP-SGD report well under a second; the PLD accountant's discretisation is

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+
 from dpledger.service.api import errors, metrics
 from dpledger.service.api.routes import (
     audit,
@@ -16,8 +19,6 @@ from dpledger.service.api.routes import (
 from dpledger.service.ledger import keys as ledger_keys
 from dpledger.service.ledger.db import make_engine, make_session_factory
 from dpledger.service.settings import Settings, get_settings
-from fastapi import FastAPI
-from fastapi.routing import APIRoute
 
 
 def _operation_id(route: APIRoute) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from dpledger.service.ledger import keys
-from dpledger.service.ledger.models import Role
 from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
+from dpledger.service.ledger import keys
+from dpledger.service.ledger.models import Role
 from dpledger.wire.schemas import MAX_ID
 
 _bearer = HTTPBearer(auto_error=False, description="an API key: admin, silo, auditor or coordinator")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from fastapi import FastAPI, Request, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
 from dpledger.service.ledger.errors import (
     Conflict,
     InvalidRequest,
@@ -9,10 +13,6 @@ from dpledger.service.ledger.errors import (
     OverBudget,
     SettledAlready,
 )
-from fastapi import FastAPI, Request, status
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-
 from dpledger.wire.schemas import OverBudgetResponse, finite_or_none
 
 

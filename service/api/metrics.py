@@ -20,9 +20,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
-from dpledger.service.api.deps import FactoryDep, Principal
-from dpledger.service.ledger import keys, silos
-from dpledger.service.ledger.models import Role
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -38,6 +35,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dpledger.service.api.deps import FactoryDep, Principal
+from dpledger.service.ledger import keys, silos
+from dpledger.service.ledger.models import Role
 
 RESERVE_ROUTE = "reserve_charge"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"

@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import chain
@@ -17,8 +20,6 @@ from dpledger.service.ledger.models import (
     LedgerEntry,
     Silo,
 )
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 _STATUS_AFTER = {
     EntryEvent.reserve: ChargeStatus.reserved,

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import (
@@ -36,9 +39,6 @@ from dpledger.service.ledger.models import (
     LedgerEntry,
     Search,
 )
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
-
 from dpledger.wire.mechanisms import AnyMechanism
 
 

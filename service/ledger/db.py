@@ -11,11 +11,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import IO
 
-import dpledger.migrations
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+
+import dpledger.migrations
 
 MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
 _IMMEDIATE = "dpledger_immediate"

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
-from dpledger.service.ledger.models import Job, JobSilo, NormReport, PrivacyLevel, Silo
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+
+from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
+from dpledger.service.ledger.models import Job, JobSilo, NormReport, PrivacyLevel, Silo
 
 
 def create_job(session: Session, *, name: str, silo_ids: list[int]) -> Job:

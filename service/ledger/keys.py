@@ -7,12 +7,13 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 
-from dpledger.service.ledger.db import write_transaction
-from dpledger.service.ledger.errors import InvalidRequest, NotFound
-from dpledger.service.ledger.models import ApiKey, Role, Silo
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
+
+from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger.errors import InvalidRequest, NotFound
+from dpledger.service.ledger.models import ApiKey, Role, Silo
 
 KEY_PREFIX = "dpl_"
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
 from dpledger.service.accounting.trial_counts import TrialDistribution, draw_trials
 from dpledger.service.ledger import charges, silos
 from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import Conflict, NotFound, SettledAlready
 from dpledger.service.ledger.models import Search, SearchStatus
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
-
 from dpledger.wire.mechanisms import AnyMechanism, RepeatAndSelect
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain
@@ -12,9 +16,6 @@ from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import Conflict, NotFound
 from dpledger.service.ledger.keys import create_key
 from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Role, Silo
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 
 
 @dataclass(frozen=True)

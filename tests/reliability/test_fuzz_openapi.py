@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
-from dpledger.service.settings import Settings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.python import asgi
 
+from dpledger.service.api.app import create_app
+from dpledger.service.ledger.db import migrate
+from dpledger.service.settings import Settings
 from tests.conftest import ADMIN_KEY
 from tests.reliability.loadgen import ADMIN
 

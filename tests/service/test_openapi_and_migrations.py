@@ -5,11 +5,11 @@ from pathlib import Path
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from dpledger.service.ledger.db import alembic_config
-from dpledger.service.ledger.models import Base
 from sqlalchemy import create_engine, inspect
 
 from dpledger.cli import openapi_document
+from dpledger.service.ledger.db import alembic_config
+from dpledger.service.ledger.models import Base
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from dpledger.service.people_cli import number
 from sqlalchemy import create_engine, text
 
 from dpledger.cli import main
 from dpledger.harness import running_server
+from dpledger.service.people_cli import number
 from tests.conftest import ADMIN, ADMIN_KEY
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}

@@ -43,9 +43,10 @@ def test_serve_migrates_the_default_sqlite_file_and_answers(tmp_path) -> None:
 
 
 def test_keys_create_bootstraps_an_admin_without_any_env_key(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
     from dpledger.service.api.app import create_app
     from dpledger.service.settings import Settings
-    from fastapi.testclient import TestClient
 
     url = f"sqlite:///{tmp_path}/keys.db"
     env = {**os.environ, "DATABASE_URL": url}

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from pydantic import TypeAdapter
+
 from dpledger.trainer.aggregation import (
     budget_blind_ratio,
     clip_updates,
@@ -24,8 +26,6 @@ from dpledger.trainer.aggregation import (
     sample_tasks,
     top_k_subspace,
 )
-from pydantic import TypeAdapter
-
 from dpledger.wire.mechanisms import Mechanism
 
 WIRE = TypeAdapter(Mechanism)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from dpledger.trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
 
 from dpledger.harness import free_port, running_server
+from dpledger.trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
 from tests.conftest import ADMIN_KEY
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}

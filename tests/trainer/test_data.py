@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from sklearn.datasets import load_digits
+
 from dpledger.trainer.data import (
     MIXGAUSS_TABLE,
     FederatedDataset,
@@ -20,7 +22,6 @@ from dpledger.trainer.data import (
     make_mean_estimation,
     make_rotated_masked_digits,
 )
-from sklearn.datasets import load_digits
 
 # Two-sided 5 standard errors: a correct generator fails one such check ~6e-7 of the time.
 Z = 5.0

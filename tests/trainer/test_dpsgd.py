@@ -7,6 +7,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from scipy import stats  # type: ignore[import-untyped]
+from torch import Tensor, nn
+
 from dpledger.trainer.dpsgd.norms import layer_grads, per_sample_grad_norms
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.dpsgd.step import (
@@ -15,8 +18,6 @@ from dpledger.trainer.dpsgd.step import (
     clipped_grad_sum,
     dp_sgd_step,
 )
-from scipy import stats  # type: ignore[import-untyped]
-from torch import Tensor, nn
 
 # Two-sided level of every statistical check: with fixed seeds the tests are deterministic, and
 # this level keeps them far from flaky if a seed or the RNG ever changes.

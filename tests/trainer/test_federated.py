@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated import (
     MRMTL,
@@ -28,7 +30,6 @@ from dpledger.trainer.federated.config import (
     derive_seed,
     make_generator,
 )
-from torch import nn
 
 CPU = torch.device("cpu")
 NUM_CLASSES = 4

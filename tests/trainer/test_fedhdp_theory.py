@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from dpledger.trainer.fedhdp_theory import (
     PointEstimationSetup,
     draw_updates,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient, Rejected
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
@@ -18,8 +20,6 @@ from dpledger.trainer.federated import (
 )
 from dpledger.trainer.grouped import GroupedRun, issue_coordinator_key, run_grouped
 from dpledger.trainer.loop import GatedSilo, RoundRecord
-
-from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, seed=5)

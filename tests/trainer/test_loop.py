@@ -9,13 +9,13 @@ import pytest
 import torch
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from dpledger.demo import DemoConfig, run_demo
+from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
 from dpledger.trainer.loop import GatedSilo, run_gated
-
-from dpledger.demo import DemoConfig, run_demo
-from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, noise_multiplier=1.5, seed=3)

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from dpledger.trainer.data import make_mean_estimation
 from dpledger.trainer.mean_estimation_theory import (
     MeanEstimationSetting,

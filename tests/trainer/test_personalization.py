@@ -10,6 +10,8 @@ import pytest
 import torch
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
@@ -24,8 +26,6 @@ from dpledger.trainer.federated import (
     clustering_rounds,
 )
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
-
-from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=3, noise_multiplier=1.2, seed=2)

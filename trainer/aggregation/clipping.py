@@ -8,6 +8,7 @@ import math
 from typing import NamedTuple
 
 import torch
+
 from dpledger.trainer.aggregation._checks import check_positive, check_updates
 from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+
 from dpledger.trainer.aggregation._checks import (
     check_groups,
     check_non_negative,

@@ -9,6 +9,7 @@ already-private updates, so it is post-processing and costs no budget (paper 001
 from __future__ import annotations
 
 import torch
+
 from dpledger.trainer.aggregation._checks import check_mask, check_updates
 
 

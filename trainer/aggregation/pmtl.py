@@ -12,6 +12,7 @@ with noise multiplier z (paper 004 Thm 1 and eq. (17)–(19): σ on the mean = z
 from __future__ import annotations
 
 import torch
+
 from dpledger.trainer.aggregation._checks import (
     check_mask,
     check_non_negative,

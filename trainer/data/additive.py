@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from dpledger.trainer.data import FederatedDataset, SiloData
 
 PAPER_N_USERS = 1000

@@ -19,8 +19,9 @@ from typing import Literal
 
 import numpy as np
 import torch
-from dpledger.trainer.data import FederatedDataset, SiloData
 from sklearn.datasets import load_digits
+
+from dpledger.trainer.data import FederatedDataset, SiloData
 
 N_ROTATION_GROUPS = 4
 IMAGE_SIDE = 8

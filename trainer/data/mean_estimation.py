@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from dpledger.trainer.data import FederatedDataset, SiloData
 
 

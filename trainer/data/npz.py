@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from dpledger.trainer.data import FederatedDataset, SiloData, Task
 
 REQUIRED_KEYS = ("x", "y")

@@ -36,10 +36,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from dpledger.trainer.dpsgd.capture import LayerTrace, LossFn, trace_layers
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.grad import conv2d_weight
+
+from dpledger.trainer.dpsgd.capture import LayerTrace, LossFn, trace_layers
 
 
 class LayerGrads(Protocol):

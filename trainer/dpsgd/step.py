@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor, nn
+
 from dpledger.trainer.dpsgd.capture import LossFn, trainable_parameters
 from dpledger.trainer.dpsgd.norms import layer_grads, norms_from_layers
-from torch import Tensor, nn
 
 
 @dataclass(frozen=True)

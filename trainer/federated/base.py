@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, TypedDict
 
 import torch
+from torch.func import vmap
+
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated.batched import (
     PaddedSilos,
@@ -33,7 +35,6 @@ from dpledger.trainer.federated.config import (
     make_generator,
 )
 from dpledger.trainer.federated.models import Architecture, ModelFactory, make_template
-from torch.func import vmap
 
 
 class _RequiredArgs(TypedDict):

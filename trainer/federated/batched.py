@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.func import grad, vmap
+
 from dpledger.trainer.federated.config import Task
 from dpledger.trainer.federated.models import FlatModel
-from torch.func import grad, vmap
 
 # Cap on the elements of one per-sample gradient tensor (2**25 float32 = 128 MiB).
 MAX_PER_SAMPLE_ELEMENTS = 2**25

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Unpack
 
 import torch
+
 from dpledger.trainer.aggregation import (
     budget_blind_ratio,
     clip_updates,

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 import torch
+from torch.func import vmap
+
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
@@ -45,7 +47,6 @@ from dpledger.trainer.federated.config import (
     make_generator,
 )
 from dpledger.trainer.federated.models import make_template
-from torch.func import vmap
 
 # Random streams of their own (0–4 are taken in trainer.federated.config and .fedhdp), so that
 # enabling selection never shifts DP-SGD's draws.

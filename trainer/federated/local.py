@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Unpack
 
 import torch
+
 from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 

@@ -11,9 +11,10 @@ from collections.abc import Callable
 from typing import Literal, cast
 
 import torch
-from dpledger.trainer.federated.config import Task
 from torch import nn
 from torch.func import functional_call
+
+from dpledger.trainer.federated.config import Task
 
 Architecture = Literal["linear", "mlp"]
 ModelFactory = Callable[[], nn.Module]

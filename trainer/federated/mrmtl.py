@@ -6,6 +6,7 @@ import math
 from typing import Unpack
 
 import torch
+
 from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import ClassVar, Unpack
 
 import torch
+
 from dpledger.trainer.aggregation import pfa_aggregate, public_mask
 from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 from dpledger.trainer.federated.config import RoundResult

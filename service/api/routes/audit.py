@@ -1,9 +1,9 @@
 from __future__ import annotations
 
-from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
-from dpledger.service.ledger import audit
 from fastapi import APIRouter
 
+from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
+from dpledger.service.ledger import audit
 from dpledger.wire.schemas import VerifyResponse
 
 router = APIRouter(prefix="/v1/audit", tags=["audit"])

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Request, Response, status
+
 from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import OverBudget
-from fastapi import APIRouter, Request, Response, status
-
 from dpledger.wire.schemas import (
     ChargeRequest,
     ChargeReserved,

@@ -7,14 +7,14 @@ import json
 from typing import Annotated
 from urllib.parse import parse_qs
 
+from fastapi import APIRouter, Cookie, Depends, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
 from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
 from dpledger.service.dashboard import pages, series
 from dpledger.service.ledger import audit, charges, keys, silos
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
-from fastapi import APIRouter, Cookie, Depends, Request, status
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
-
 from dpledger.wire.schemas import finite_or_none
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from fastapi import APIRouter, Path, status
+
 from dpledger.service.accounting.clustering import cluster_norms
 from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
 from dpledger.service.ledger import jobs
 from dpledger.service.ledger.models import Role
-from fastapi import APIRouter, Path, status
-
 from dpledger.wire.schemas import (
     GroupComponent,
     GroupsResponse,

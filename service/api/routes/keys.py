@@ -1,10 +1,10 @@
 from __future__ import annotations
 
+from fastapi import APIRouter, Response, status
+
 from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
 from dpledger.service.ledger import keys
 from dpledger.service.ledger.models import Role
-from fastapi import APIRouter, Response, status
-
 from dpledger.wire.schemas import KeyCreated, KeyCreateRequest
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])

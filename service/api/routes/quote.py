@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter
+
 from dpledger.service.accounting import rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
 from dpledger.service.ledger import silos
 from dpledger.service.ledger.errors import InvalidRequest
-from fastapi import APIRouter
-
 from dpledger.wire.schemas import (
     CalibrateRequest,
     CalibrateResponse,

@@ -9,6 +9,9 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
+from fastapi import APIRouter, Response, status
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.trial_counts import (
@@ -21,9 +24,6 @@ from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
 from dpledger.service.ledger import searches
 from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import Search, SearchStatus
-from fastapi import APIRouter, Response, status
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from dpledger.wire.mechanisms import Mechanism, SelfComposed, check_nesting
 from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
 

@@ -7,12 +7,12 @@ import io
 import json
 from typing import Annotated, Literal
 
-from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
-from dpledger.service.ledger import charges, jobs, silos
-from dpledger.service.ledger.models import Role, Silo
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
+from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.ledger import charges, jobs, silos
+from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import (
     HistoryEntry,
     SiloCreated,

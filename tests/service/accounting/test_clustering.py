@@ -9,11 +9,12 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+from torch.func import grad, vmap
+
 from dpledger.service.accounting.clustering import Grouping, cluster_norms
 from dpledger.service.accounting.reports import calibrate_dpsgd_noise, dpsgd_epsilon
 from dpledger.trainer.data.budgets import MIXGAUSS_TABLE, MixtureName, draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
-from torch.func import grad, vmap
 
 
 def partition(grouping: Grouping, silo_ids: list[int]) -> list[int]:

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from dp_accounting import dp_event as de
-from dpledger.wire import mechanisms as mech
-from dpledger.service.accounting.events import MechanismError, resolve, to_dp_event
 from pydantic import TypeAdapter, ValidationError
 
+from dpledger.service.accounting.events import MechanismError, resolve, to_dp_event
+from dpledger.wire import mechanisms as mech
 from dpledger.wire.mechanisms import (
     MAX_COMPOSED,
     MAX_COUNT,

@@ -20,6 +20,8 @@ import pytest
 from dp_accounting import dp_event as de
 from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from pydantic import TypeAdapter, ValidationError
+
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError, resolve, to_dp_event
 from dpledger.service.accounting.running_sum import (
@@ -27,8 +29,6 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from pydantic import TypeAdapter, ValidationError
-
 from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,

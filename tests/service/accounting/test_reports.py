@@ -8,9 +8,9 @@ import random
 
 import numpy as np
 import pytest
+
 from dpledger.service.accounting import rdp, reports
 from dpledger.service.accounting.events import resolve
-
 from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,

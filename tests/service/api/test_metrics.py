@@ -7,9 +7,9 @@ import logging
 import re
 
 import pytest
-from dpledger.service.logging_setup import JsonFormatter
 from prometheus_client.parser import text_string_to_metric_families
 
+from dpledger.service.logging_setup import JsonFormatter
 from tests.conftest import ADMIN, ADMIN_KEY
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-from dpledger.service.accounting import rdp, trial_counts
-from dpledger.service.accounting.trial_counts import distribution, draw_trials
 from scipy import stats
 
+from dpledger.service.accounting import rdp, trial_counts
+from dpledger.service.accounting.trial_counts import distribution, draw_trials
 from dpledger.wire.mechanisms import Laplace, RepeatAndSelect
 from tests.conftest import ADMIN
 
