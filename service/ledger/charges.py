@@ -1,8 +1,9 @@
 """Reserve, commit, release: the safety invariant lives here.
 
 For every silo, in every state any interleaving of requests, retries and crashes can produce:
-ε_RDP(committed + reserved; δ_k) ≤ ε_k. So the check and the write share one transaction with the
-silo row locked (DESIGN.md), and it is shaped like dp-accounting's compose(): check, then append.
+ε_gate(committed + reserved) ≤ ε_k (the silo's proven gate, ledger/gate.py). So the check and the
+write share one transaction with the silo row locked (DESIGN.md), and it is shaped like
+dp-accounting's compose(): check, then append.
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import silos
+from dpledger.service.ledger import gate, silos
 from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import (
     Conflict,
     InvalidRequest,
     NotFound,
-    OverBudget,
     SettledAlready,
 )
 from dpledger.service.ledger.models import (
@@ -68,7 +68,7 @@ def prepare(session: Session, silo_id: int, mechanism: AnyMechanism) -> tuple[An
     silo = silos.get(session, silo_id)
     try:
         resolved = resolve(mechanism, dataset_size=silo.dataset_size)
-        return resolved, rdp.rdp_curve(resolved)
+        return resolved, rdp.certified_curve(resolved)
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error
 
@@ -100,16 +100,14 @@ def reserve(
 
         spent = RunningSum.from_json(silo.rdp_spent)
         candidate = spent.add(curve)
-        eps_candidate, _ = rdp.epsilon(candidate.curve(), delta=silo.delta)
-        if not rdp.within_budget(eps_candidate, budget=silo.epsilon):
-            eps_now, _ = rdp.epsilon(spent.curve(), delta=silo.delta)
-            raise OverBudget(budget=silo.epsilon, epsilon_spent=eps_now, epsilon_if_approved=eps_candidate)
+        # The silo's filter (or plan), fixed before its first charge: O(orders), see ledger/gate.py.
+        eps_candidate = gate.admit(silo, spent=spent, candidate=candidate, mechanism=resolved)
 
         now = datetime.now(UTC)
         charge = Charge(
             silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
             mechanism=mechanism_json, rdp=curve_json, order_grid=rdp.ORDER_GRID_ID,
-            conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
+            conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
             epsilon_spent_after=eps_candidate, created_at=now,
         )
         session.add(charge)

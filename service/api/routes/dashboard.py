@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
 from dpledger.service.dashboard import pages, series
-from dpledger.service.ledger import audit, charges, keys, silos
+from dpledger.service.ledger import audit, charges, gate, keys, silos
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
@@ -135,7 +135,8 @@ def silo_page(silo_id: IdPath, reader: ReaderDep, factory: FactoryDep) -> Respon
     verification = pages.Verification(
         ok=report.ok, entries=report.entries, bad_charge_ids=report.bad_charge_ids, problems=report.problems
     )
-    return _html(pages.silo(row, series.points(steps, delta=silo.delta), charge_rows, verification))
+    points = series.points(steps, delta=silo.delta, convert=lambda running: gate.reading(silo, running).epsilon)
+    return _html(pages.silo(row, points, charge_rows, verification))
 
 
 def _charge_rows(history: list[charges.HistoryRow], *, delta: float) -> list[pages.ChargeRow]:
