@@ -192,3 +192,15 @@ def test_a_filter_is_refused_unless_its_shares_are_a_union_bound(orders: Sequenc
 def test_the_legacy_filter_splits_delta_over_every_order_without_exceeding_it() -> None:
     spec = rdp_filter.legacy_spec()
     assert spec.orders == rdp.ORDERS and math.fsum(spec.weights) <= 1.0
+
+
+def test_the_vectorised_conversion_is_dp_accountings_order_by_order() -> None:
+    rng = np.random.default_rng(3)
+    orders = np.array(rdp.ORDERS)
+    for scale in (1e-12, 1e-4, 0.1, 3.0, 300.0):
+        values = rng.uniform(0, scale, len(orders))
+        values[::17] = np.inf
+        deltas = rng.uniform(1e-9, 1e-3, len(orders))
+        ours = rdp_filter.order_epsilons(orders, values, deltas)
+        theirs = [rdp_filter.order_epsilon(order=a, rdp_value=r, delta=d) for a, r, d in zip(orders, values, deltas, strict=True)]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-14, atol=0)
