@@ -82,7 +82,7 @@ class OpacusPoissonSampler:
                 "Opacus' Poisson DPDataLoader: Opacus would account it as Poisson anyway (Opacus #80), the ledger "
                 "charges only what it can prove; call make_private(..., poisson_sampling=True)"
             )
-        self.dataset_size = len(data_loader.dataset)  # type: ignore[arg-type]  # map-style datasets define __len__
+        self.dataset_size = len(data_loader.dataset)
         self.loader_sampling_rate = float(data_loader.sample_rate)
         # The smallest B with B/n >= q: the ledger's q = B/n then covers the loader's.
         self.batch_size = max(1, math.ceil(self.loader_sampling_rate * self.dataset_size))
