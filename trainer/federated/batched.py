@@ -61,7 +61,7 @@ class PaddedSilos:
         if len(xs) == 0 or len(xs) != len(ys):
             raise ValueError(f"Need one x and one y tensor per silo (at least one). Found {len(xs)} x, {len(ys)} y.")
         features = int(xs[0].shape[-1])
-        for k, (x, y) in enumerate(zip(xs, ys)):
+        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
             if x.dim() != 2 or x.shape[1] != features:
                 raise ValueError(f"Silo {k}: x must be [n, {features}]-shaped. Found {tuple(x.shape)}.")
             if y.dim() != 1 or y.shape[0] != x.shape[0]:
@@ -73,7 +73,7 @@ class PaddedSilos:
         x_pad = torch.zeros(len(xs), n_max, features, dtype=torch.float32, device=device)
         y_dtype = torch.int64 if task == "classification" else torch.float32
         y_pad = torch.zeros(len(xs), n_max, dtype=y_dtype, device=device)
-        for k, (x, y) in enumerate(zip(xs, ys)):
+        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
             x_pad[k, : sizes[k]] = x.to(device=device, dtype=torch.float32)
             y_pad[k, : sizes[k]] = y.to(device=device, dtype=y_dtype)
         return cls(x=x_pad, y=y_pad, sizes=sizes)
@@ -100,7 +100,8 @@ def pad_batches(indices: Sequence[torch.Tensor], *, device: torch.device) -> tup
 def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[A, b, P] gradients of each example's loss at its own silo's parameters (params: [A, P])."""
     per_example = vmap(grad(model.example_loss), in_dims=(None, 0, 0))
-    return vmap(per_example, in_dims=(0, 0, 0))(params, x, y)
+    gradients: torch.Tensor = vmap(per_example, in_dims=(0, 0, 0))(params, x, y)
+    return gradients
 
 
 def clip_and_sum(grads: torch.Tensor, mask: torch.Tensor, *, clip_norm: float) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 from torch.func import vmap
 
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
 from dpledger.trainer.federated.config import (
     STREAM_INIT,
@@ -198,7 +198,7 @@ class IFCA(FederatedAlgorithm):
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
         for cluster in torch.unique(chosen).tolist():
             self.cluster_models[cluster] = trained[chosen == cluster].mean(0)
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
         return self._train_clusters(round_index, silos)
@@ -255,7 +255,7 @@ class ClusteredMRMTL(IFCA):
         anchor = self._cluster_means()[silos]
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps, anchor=anchor, lam=self.lam)
         self.personal[silos] = trained
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return super().deployed_parameters() if self.personal is None else self.personal
