@@ -118,4 +118,7 @@ def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str,
     with LedgerClient(ledger, created[0].api_key) as silo:
         history = silo.history(created[0].id)
     reserves = [e for e in history if e.event == "reserve"]
-    assert [(e.job_id, e.round, e.mechanism["steps"] if e.mechanism else None) for e in reserves] == [("toml-job", 0, 2 + 5), ("toml-job", 1, 2 + 5)]
+    assert [(e.job_id, e.round, e.mechanism["steps"] if e.mechanism else None) for e in reserves] == [
+        ("toml-job", 0, 2 + 5),
+        ("toml-job", 1, 2 + 5),
+    ]
