@@ -34,9 +34,6 @@ class FedAvg(FederatedAlgorithm):
         # The model each silo last trained locally (what it uploaded); refused silos keep theirs.
         self.local = self.initial.expand(self.num_silos, -1).clone()
 
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps] * self.num_silos
-
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
         start = self.global_model.expand(len(silos), -1)
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
