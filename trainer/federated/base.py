@@ -68,7 +68,14 @@ def update_norms(updates: torch.Tensor) -> torch.Tensor:
 class FederatedAlgorithm(ABC):
     """K silos trained in one batched computation; state lives in [K, P] / [P] tensors."""
 
+    # A concrete algorithm names itself (its key in trainer.federated.registry and in job files) and
+    # says in words what one round charges each silo, and which model each silo deploys (the docs).
     name: ClassVar[str]
+    cost: ClassVar[str]
+    deploys: ClassVar[str]
+    # True for an algorithm that needs a coordinator between rounds (the privacy groups of
+    # trainer.grouped), so that a plain round loop cannot run it alone.
+    coordinated: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -151,6 +158,8 @@ class FederatedAlgorithm(ABC):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name")
         if name is not None:
+            if not ("cost" in cls.__dict__ and "deploys" in cls.__dict__):
+                raise TypeError(f"algorithm {name!r} must say its per-round cost and what it deploys")
             if name in REGISTERED and REGISTERED[name] is not cls:
                 raise TypeError(f"two algorithms named {name!r}: {REGISTERED[name].__qualname__} and {cls.__qualname__}")
             REGISTERED[name] = cls

@@ -22,6 +22,8 @@ class Ditto(FederatedAlgorithm):
     """
 
     name = "ditto"
+    cost = "dpsgd(B_k/n_k, σ, E + E_p)"
+    deploys = "personalized model"
 
     def __init__(
         self,

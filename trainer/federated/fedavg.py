@@ -21,6 +21,8 @@ class FedAvg(FederatedAlgorithm):
     """
 
     name = "fedavg"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "global model"
 
     def __init__(
         self,

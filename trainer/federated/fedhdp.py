@@ -77,6 +77,8 @@ class FedHDP(GroupAggregated):
     """
 
     name = "fedhdp"
+    cost = "dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive)"
+    deploys = "global model"
 
     def __init__(
         self,

@@ -21,6 +21,8 @@ class Finetuning(PersonalAfterWarmStart, FedAvg):
     """
 
     name = "finetune"
+    cost = "dpsgd(B_k/n_k, σ, E), finetuning rounds too"
+    deploys = "global, then own model"
 
     def __init__(
         self,

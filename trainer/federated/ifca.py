@@ -95,6 +95,8 @@ class IFCA(FederatedAlgorithm):
     """
 
     name = "ifca"
+    cost = "dpsgd(B_k/n_k, σ, E) + dpsgd(B_s/n_k, σ_s, 1) in selecting rounds"
+    deploys = "its cluster's model"
 
     def __init__(
         self,
@@ -207,6 +209,8 @@ class ClusteredMRMTL(PersonalAfterWarmStart, IFCA):
     """
 
     name = "ifca_mrmtl"
+    cost = "IFCA's, then dpsgd(B_k/n_k, σ, E)"
+    deploys = "cluster's, then own model"
 
     def __init__(
         self,

@@ -18,6 +18,8 @@ class LocalTraining(FederatedAlgorithm):
     """
 
     name = "local"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "own model"
 
     def __init__(self, **common: Unpack[AlgorithmArgs]) -> None:
         super().__init__(**common)

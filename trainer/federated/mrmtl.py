@@ -20,6 +20,8 @@ class MRMTL(FederatedAlgorithm):
     """
 
     name = "mrmtl"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "own model, pulled to the mean"
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ class GroupAggregated(FederatedAlgorithm):
 
     # Paper 001 Alg. 1: the warm-start round precedes the rounds t = 2..T of line 5.
     WARM_START_ROUND: ClassVar[int] = 0
+    coordinated = True  # set_groups() after the warm-start round
 
     def __init__(self, **common: Unpack[AlgorithmArgs]) -> None:
         super().__init__(**common)
@@ -112,6 +113,8 @@ class PFA(GroupAggregated):
     """
 
     name = "pfa"
+    cost = "dpsgd(B_k/n_k, σ, E), the warm-start round too"
+    deploys = "global model, grouped by norm"
 
     def __init__(self, *, k: int | None = None, n_public_groups: int = 1, **common: Unpack[AlgorithmArgs]) -> None:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
