@@ -233,7 +233,7 @@ def make_setup(admin: LedgerClient, seed: int, *, silos: int, rounds: int, confi
     budgets = [round_down_2sig(float(e)) for e in draw.epsilons]
     cache: dict[tuple[float, float], float] = {}
     noise = []
-    for budget, silo in zip(budgets, dataset.silos):
+    for budget, silo in zip(budgets, dataset.silos, strict=True):
         key = (budget, min(config.batch_size, silo.n_train) / silo.n_train)
         if key not in cache:
             cache[key] = admin.calibrate(epsilon=budget, delta=DELTA, sampling_rate=key[1], steps=rounds * config.local_steps)

@@ -16,7 +16,7 @@ from dpledger.service.ledger import chain
 from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Role, Silo
+from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,9 @@ def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta
     return silo, raw
 
 
-def append_entry(session: Session, silo: Silo, *, event: EntryEvent, charge, epsilon_spent: float, now: datetime) -> LedgerEntry:  # type: ignore[no-untyped-def]
+def append_entry(
+    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
+) -> LedgerEntry:
     """Appends one entry to the silo's chain; the caller holds the silo's lock."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,

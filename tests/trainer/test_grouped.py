@@ -143,7 +143,9 @@ def test_pfa_projects_the_noisy_group_onto_the_public_updates(ledger: str, coord
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.0])
-def test_fedhdp_ratio_one_is_the_plain_mean_and_zero_the_public_mean(ledger: str, coordinator: LedgerClient, ratio: float) -> None:
+def test_fedhdp_ratio_one_is_the_plain_mean_and_zero_the_public_mean(
+    ledger: str, coordinator: LedgerClient, ratio: float
+) -> None:
     algorithm = FedHDP(ratio=ratio, **common())
     initial = algorithm.global_model.clone()
     run(ledger, coordinator, algorithm, f"hdp-{ratio}")

@@ -46,13 +46,15 @@ def register(url: str, algorithm: MRMTL, budgets: list[float], prefix: str) -> l
 
 def epsilon_after(rounds: int, *, q: float) -> float:
     accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), 2 * rounds))
+    accountant.compose(
+        de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), 2 * rounds)
+    )
     return accountant.get_epsilon(1e-5)
 
 
 def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> None:
     algorithm = digits_mrmtl(3)
-    q = [b / n for b, n in zip(algorithm.batch_sizes, algorithm.train.sizes)]
+    q = [b / n for b, n in zip(algorithm.batch_sizes, algorithm.train.sizes, strict=True)]
     k_rounds = 2
     budgets = [epsilon_after(k_rounds, q=q[0]), 1000.0, 1000.0]  # silo 0 admits exactly 2 rounds
     silos = register(ledger, algorithm, budgets, "freeze")
@@ -116,4 +118,7 @@ def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str,
     with LedgerClient(ledger, created[0].api_key) as silo:
         history = silo.history(created[0].id)
     reserves = [e for e in history if e.event == "reserve"]
-    assert [(e.job_id, e.round, e.mechanism["steps"] if e.mechanism else None) for e in reserves] == [("toml-job", 0, 2 + 5), ("toml-job", 1, 2 + 5)]
+    assert [(e.job_id, e.round, e.mechanism["steps"] if e.mechanism else None) for e in reserves] == [
+        ("toml-job", 0, 2 + 5),
+        ("toml-job", 1, 2 + 5),
+    ]

@@ -55,7 +55,9 @@ def noisy_quantile_clip_update(
     could not be charged.
     """
     if not isinstance(update_norms, torch.Tensor) or update_norms.dim() != 1 or update_norms.numel() < 1:
-        raise ValueError(f"update_norms must be a non-empty 1-D tensor. Found {getattr(update_norms, 'shape', type(update_norms))}.")
+        raise ValueError(
+            f"update_norms must be a non-empty 1-D tensor. Found {getattr(update_norms, 'shape', type(update_norms))}."
+        )
     if not bool(torch.isfinite(update_norms).all()) or bool((update_norms < 0).any()):
         raise ValueError("update_norms must be finite and >= 0 (L2 norms).")
     s = check_positive(clip_norm, name="clip_norm")

@@ -103,7 +103,8 @@ def pad_batches(indices: Sequence[torch.Tensor], *, device: torch.device) -> tup
 def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[A, b, P] gradients of each example's loss at its own silo's parameters (params: [A, P])."""
     per_example = vmap(grad(model.example_loss), in_dims=(None, 0, 0))
-    return vmap(per_example, in_dims=(0, 0, 0))(params, x, y)
+    gradients: torch.Tensor = vmap(per_example, in_dims=(0, 0, 0))(params, x, y)
+    return gradients
 
 
 def clip_and_sum(grads: torch.Tensor, mask: torch.Tensor, *, clip_norm: float) -> torch.Tensor:

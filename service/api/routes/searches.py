@@ -95,7 +95,7 @@ def _detail(search: Search) -> SearchDetail:
     shape: float | Literal["infinity"] = "infinity" if search.shape == "infinity" else float(search.shape)
     return SearchDetail(
         search_id=search.id, silo_id=search.silo_id, charge_id=search.charge_id,
-        trial=json.loads(search.trial_mechanism), distribution=search.distribution,  # type: ignore[arg-type]
+        trial=json.loads(search.trial_mechanism), distribution=search.distribution,
         shape=shape, mean_trials=search.mean_trials, trials=search.trials, trials_reported=search.trials_reported,
         best_score=search.best_score, status=SearchStatus(search.status),
     )
