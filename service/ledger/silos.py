@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dpledger.service.accounting import filter as rdp_filter
-from dpledger.service.accounting import plans, rdp
+from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain, gate
@@ -69,7 +69,9 @@ def register(
     return silo, raw
 
 
-def append_entry(session: Session, silo: Silo, *, event: EntryEvent, charge, epsilon_spent: float, now: datetime) -> LedgerEntry:  # type: ignore[no-untyped-def]
+def append_entry(
+    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
+) -> LedgerEntry:
     """Appends one entry to the silo's chain; the caller holds the silo's lock."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
@@ -150,3 +152,30 @@ def declare_plan(factory: sessionmaker[Session], *, silo_id: int, mechanism: Any
         silo.plan_used = 0
         append_entry(session, silo, event=EntryEvent.plan, charge=None, epsilon_spent=0.0, now=datetime.now(UTC))
     return declared
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    noise_multiplier: float
+    sampling_rate: float
+    epsilon_after: float
+
+
+def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
+    """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
+    what the silo has left (reserved charges count as spent). Reserves nothing."""
+    if batch_size > silo.dataset_size:
+        raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
+    sampling_rate = batch_size / silo.dataset_size
+    if silo.plan is not None:
+        raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
+    spec = gate.spec(silo)
+    try:
+        found = reports.calibrate_remaining(
+            RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon, delta=silo.delta,
+            sampling_rate=sampling_rate, steps=steps,
+            epsilon_of=lambda curve: rdp_filter.read(spec, curve, delta=silo.delta).epsilon,  # the gate's conversion
+        )
+    except MechanismError as error:
+        raise InvalidRequest(error.field, error.message) from error
+    return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=found.epsilon_after)

@@ -19,6 +19,8 @@ from dpledger.wire.schemas import (
     OverBudgetResponse,
     PlanRequest,
     PlanView,
+    SiloCalibrateRequest,
+    SiloCalibration,
     SiloCreated,
     SiloCreateRequest,
     SiloDetail,
@@ -124,6 +126,26 @@ def _subject(event: str, silo: Silo) -> dict[str, object] | None:
     except ValueError:  # an edited row: shown as missing here, and named by /v1/audit/verify
         return None
     return None
+
+
+
+
+@router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
+def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, factory: FactoryDep) -> SiloCalibration:
+    """The noise multiplier that lets `rounds` more rounds of DP-SGD fit what this silo has LEFT.
+
+    Only the silo's own key and admins: the answer is a function of the silo's budget, which the
+    coordinator (and auditors' dashboards aside) must not learn. q is batch_size over the registered
+    dataset_size, as the charge will be; nothing is reserved."""
+    caller.require_silo(silo_id, also=(Role.admin,))
+    with factory() as session:
+        silo = silos.get(session, silo_id)
+    plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round)
+    return SiloCalibration(
+        noise_multiplier=plan.noise_multiplier, sampling_rate=plan.sampling_rate, rounds=body.rounds,
+        steps_per_round=body.steps_per_round, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
+        epsilon_after=plan.epsilon_after, epsilon=silo.epsilon,
+    )
 
 
 CSV_COLUMNS = ["seq", "charge_id", "event", "mechanism", "job_id", "round", "epsilon_spent", "created_at", "prev_hash", "hash"]
