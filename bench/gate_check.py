@@ -61,42 +61,47 @@ def per_call(fn: Callable[[], object], *, repeats: int) -> float:
     return statistics.median(rounds)
 
 
+def measure(n: int) -> dict[str, float]:
+    step = DpSgd(noise_multiplier=1.0, steps=1, sampling_rate=0.01)
+    step_curve = rdp.certified_curve(step)
+    curves = [rdp.certified_curve(m) for m in history(n)]
+    running = RunningSum.empty(len(rdp.ORDERS))
+    for c in curves:
+        running = running.add(c)
+    budget = rdp.epsilon(running.curve(), delta=DELTA)[0] * 2  # approvals succeed: the whole check runs
+    default_spec = rdp_filter.default_spec(epsilon=budget, delta=DELTA, dataset_size=60_000)
+    default = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=default_spec.to_json())
+    legacy_spec = rdp_filter.legacy_spec()
+    legacy = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=legacy_spec.to_json())
+
+    def before() -> object:
+        candidate = running.add(step_curve)
+        eps, _ = rdp.epsilon(candidate.curve(), delta=DELTA)
+        return rdp.within_budget(eps, budget=budget)
+
+    def after(silo: Silo) -> Callable[[], object]:
+        return lambda: gate.admit(silo, spent=running, candidate=running.add(step_curve), mechanism=step)
+
+    out: dict[str, float] = {}
+    for _ in range(2):  # interleaved twice; the second pass is kept
+        out["before"] = per_call(before, repeats=300)
+        out["after (default filter)"] = per_call(after(default), repeats=300)
+        out["after (legacy filter)"] = per_call(after(legacy), repeats=300)
+    subset = curves[: min(n, 1_000)]
+    out["replay"] = per_call(lambda: rdp.epsilon(np.sum(subset, axis=0), delta=DELTA), repeats=20) * n / len(subset)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     sizes = [10, 1_000] if args.quick else [10, 1_000, 100_000]
 
-    step = DpSgd(noise_multiplier=1.0, steps=1, sampling_rate=0.01)
-    step_curve = rdp.certified_curve(step)
     results: dict[str, dict[int, float]] = {"before": {}, "after (default filter)": {}, "after (legacy filter)": {}, "replay": {}}
     for n in sizes:
-        charges = history(n)
-        curves = [rdp.certified_curve(m) for m in charges]
-        running = RunningSum.empty(len(rdp.ORDERS))
-        for c in curves:
-            running = running.add(c)
-        budget = rdp.epsilon(running.curve(), delta=DELTA)[0] * 2  # approvals succeed: the whole check runs
-        default = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1,
-                       filter_spec=rdp_filter.default_spec(epsilon=budget, delta=DELTA, dataset_size=60_000).to_json())
-        legacy = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=rdp_filter.legacy_spec().to_json())
-
-        def before() -> object:
-            candidate = running.add(step_curve)
-            eps, _ = rdp.epsilon(candidate.curve(), delta=DELTA)
-            return rdp.within_budget(eps, budget=budget)
-
-        def after(silo: Silo) -> Callable[[], object]:
-            return lambda: gate.admit(silo, spent=running, candidate=running.add(step_curve), mechanism=step)
-
-        repeats = 300
-        for _ in range(2):  # interleaved twice; the second pass is kept
-            results["before"][n] = per_call(before, repeats=repeats)
-            results["after (default filter)"][n] = per_call(after(default), repeats=repeats)
-            results["after (legacy filter)"][n] = per_call(after(legacy), repeats=repeats)
-        replay_n = min(n, 1_000)
-        subset = curves[:replay_n]
-        results["replay"][n] = per_call(lambda: rdp.epsilon(np.sum(subset, axis=0), delta=DELTA), repeats=20) * n / replay_n
+        for name, value in measure(n).items():
+            results[name][n] = value
 
     print(f"{'check':<26}" + "".join(f"{f'N={n:,}':>14}" for n in sizes) + f"{'N=' + format(sizes[-1], ',') + ' / N=10':>18}")
     for name, row in results.items():

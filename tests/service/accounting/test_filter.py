@@ -28,7 +28,9 @@ from tests.service.accounting import anchors
 
 EPSILON, DELTA = 2.0, 1e-5
 # (loss e, log η) of M1, A and B; the policy maps M1's output (+, −, ⊥) to the second step.
-M1, A, B = (0.2645326035902631, -6.5919329280533825), (2.1294417483480865, -9.298400897571733), (1.7555016914132793, -0.27520950953110557)
+M1 = (0.2645326035902631, -6.5919329280533825)
+A = (2.1294417483480865, -9.298400897571733)
+B = (1.7555016914132793, -0.27520950953110557)
 POLICY = ("A", "B", "A")
 
 Pair = tuple[list[mp.mpf], list[mp.mpf]]
@@ -184,7 +186,9 @@ def test_h1000_drops_by_at_least_9_percent() -> None:
     [((8.0,), (0.5, 0.5), "one weight per order"), ((8.05,), (1.0,), "grid"), ((8.0, 9.0), (0.6, 0.5), "sum to at most 1"),
      ((8.0,), (0.0,), "positive")],
 )
-def test_a_filter_is_refused_unless_its_shares_are_a_union_bound(orders: Sequence[float], weights: Sequence[float], message: str) -> None:
+def test_a_filter_is_refused_unless_its_shares_are_a_union_bound(
+    orders: Sequence[float], weights: Sequence[float], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         rdp_filter.FilterSpec(tuple(orders), tuple(weights), "horizon")
 

@@ -29,7 +29,8 @@ def pld_oracle(steps: int) -> float:
 
 
 def charge(client, silo, key: str, mechanism):  # type: ignore[no-untyped-def]
-    return client.post(f"/v1/silos/{silo.id}/charges", json={"mechanism": mechanism, "idempotency_key": key}, headers=silo.headers)
+    body = {"mechanism": mechanism, "idempotency_key": key}
+    return client.post(f"/v1/silos/{silo.id}/charges", json=body, headers=silo.headers)
 
 
 def test_r1_as_a_plan_is_priced_2_3817_approved_in_order_and_a_deviation_is_refused(client, make_silo) -> None:
