@@ -9,6 +9,7 @@ values are checked against a 40-digit integration in tests/service/accounting/te
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -25,12 +26,17 @@ def filter_of(detail: Mapping[str, Any]) -> list[tuple[float, float]]:
 
 
 def sampled_gaussian_curve(q: float, sigma: float) -> np.ndarray:
+    return np.array(_sampled_gaussian_curve(q, sigma))
+
+
+@functools.cache
+def _sampled_gaussian_curve(q: float, sigma: float) -> tuple[float, ...]:
     curve = np.array(rdp_lib._compute_rdp_poisson_subsampled_gaussian(q, sigma, ORDERS), dtype=float)
     if 0 < q < 1:
         for i, alpha in enumerate(ORDERS):
             if not alpha.is_integer():
                 curve[i] = min(curve[i], fractional.rdp_upper(q=q, sigma=sigma, alpha=alpha))
-    return curve
+    return tuple(curve.tolist())
 
 
 def dpsgd_curve(runs: Iterable[tuple[float, float, int]]) -> np.ndarray:
