@@ -17,6 +17,7 @@ from pydantic import (
 
 from dpledger.wire.enums import ChargeStatus, EntryEvent, Role
 from dpledger.wire.mechanisms import Mechanism, check_nesting
+from dpledger.wire.receipts import Receipt
 
 Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
 Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]
@@ -106,11 +107,15 @@ class ChargeRequest(_WithMechanism):
     round: Annotated[int, Field(ge=0, le=10**9)] | None = None
 
 
+RECEIPT_NOTE = "the entry's place in the signed transparency log: keep it to prove later what the ledger said"
+
+
 class ChargeReserved(BaseModel):
     charge_id: int
     status: Literal["reserved"] = "reserved"
     epsilon_spent: float
     epsilon_remaining: float
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
 class OverBudgetResponse(BaseModel):
@@ -124,6 +129,7 @@ class ChargeSettled(BaseModel):
     charge_id: int
     status: ChargeStatus
     epsilon_spent: float | None
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
 class HistoryEntry(BaseModel):

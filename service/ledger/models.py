@@ -150,3 +150,37 @@ class Search(Base):
     best_score: Mapped[float | None] = mapped_column(Float)
     status: Mapped[SearchStatus] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LogLeaf(Base):
+    """The transparency log's leaves (RFC 9162), one per ledger entry of any silo, in append order.
+    The salt keeps a leaf hash from being inverted by guessing: a silo sees other silos' leaf hashes."""
+
+    __tablename__ = "log_leaves"
+
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    entry_id: Mapped[int] = mapped_column(ForeignKey("ledger_entries.id"), unique=True)
+    salt: Mapped[str] = mapped_column(String(32))
+    leaf_hash: Mapped[str] = mapped_column(String(64))
+
+
+class LogNode(Base):
+    """Every perfect, aligned subtree of width 2**level ≥ 2 that the log has completed: a root or a
+    proof then reads O(log n) rows, never the leaves."""
+
+    __tablename__ = "log_nodes"
+
+    level: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)  # start // 2**level
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class LogState(Base):
+    """One row: the log's size and frontier (the roots of the perfect subtrees it decomposes into,
+    left to right, hex JSON). Locked by every append: the one place where all silos' writes meet."""
+
+    __tablename__ = "log_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    size: Mapped[int] = mapped_column(BigInteger)
+    frontier: Mapped[str] = mapped_column(Text)

@@ -21,11 +21,13 @@ from dpledger.service.accounting.trial_counts import (
     distribution,
 )
 from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.ledger import searches
 from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import Search, SearchStatus
 from dpledger.wire.mechanisms import Mechanism, SelfComposed, check_nesting
-from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
+from dpledger.wire.receipts import Receipt
+from dpledger.wire.schemas import RECEIPT_NOTE, Delta, OverBudgetResponse, Text, finite_or_none
 
 router = APIRouter(tags=["searches"])
 
@@ -71,6 +73,7 @@ class SearchStarted(BaseModel):
     trials: int = Field(description="K, drawn by the service: run exactly this many trials")
     charge_id: int
     epsilon_spent: float = Field(description="the silo's ε right after the search was approved")
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE + " (the search charge's reserve entry)")
 
 
 class SearchDetail(BaseModel):
@@ -134,7 +137,8 @@ def _detail(search: Search) -> SearchDetail:
     responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"}},
 )
 def start_search(
-    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, response: Response
+    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep,
+    response: Response,
 ) -> SearchStarted:
     caller.require_silo(silo_id)
     started = searches.start(
@@ -144,7 +148,7 @@ def start_search(
         response.headers["Idempotent-Replayed"] = "true"
     return SearchStarted(
         search_id=started.search.id, trials=started.search.trials, charge_id=started.search.charge_id,
-        epsilon_spent=started.epsilon_spent,
+        epsilon_spent=started.epsilon_spent, receipt=receipt(signer, started.position),
     )
 
 
