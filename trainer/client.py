@@ -8,11 +8,22 @@ service's machine-readable `charge_status` on a second settlement.
 
 from __future__ import annotations
 
+import json as jsonlib
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+RECEIPTS_FILE = "receipts.jsonl"
+
+
+def default_receipts_dir() -> Path:
+    """Where receipts are kept unless told otherwise: $DPLEDGER_RECEIPTS, else ~/.local/share/dpledger/receipts
+    (`dpledger verify --receipts DIR` reads every *.jsonl there)."""
+    return Path(os.environ.get("DPLEDGER_RECEIPTS") or Path.home() / ".local/share/dpledger/receipts").expanduser()
 
 
 class LedgerError(Exception):
@@ -58,11 +69,25 @@ class Retry:
 
 class LedgerClient:
     def __init__(self, base_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None,
-                 retry: Retry = Retry(), timeout: float = 30.0) -> None:
+                 retry: Retry = Retry(), timeout: float = 30.0, receipts: Path | bool = True) -> None:
+        """`receipts`: a directory to keep the ledger's receipts in (one JSON line each), True for
+        `default_receipts_dir()`, False to keep none."""
         self._http = httpx.Client(
             base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, transport=transport, timeout=timeout
         )
         self._retry = retry
+        self.receipts_file = None if receipts is False else (
+            (default_receipts_dir() if receipts is True else Path(receipts)) / RECEIPTS_FILE
+        )
+
+    def _keep_receipt(self, body: Any) -> None:
+        # Appended before the answer is used: a receipt is the silo's evidence against the ledger.
+        receipt = body.get("receipt") if isinstance(body, dict) else None
+        if receipt is None or self.receipts_file is None:
+            return
+        self.receipts_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.receipts_file.open("a") as out:
+            out.write(jsonlib.dumps(receipt, sort_keys=True) + "\n")
 
     def close(self) -> None:
         self._http.close()
@@ -116,6 +141,7 @@ class LedgerClient:
             raise Denied(epsilon=data["epsilon"], epsilon_spent=data["epsilon_spent"],
                          epsilon_if_approved=data["epsilon_if_approved"], detail=data["detail"])
         data = self._json(response, 201)
+        self._keep_receipt(data)
         return Reservation(data["charge_id"], data["epsilon_spent"], data["epsilon_remaining"])
 
     def commit(self, charge_id: int) -> float | None:
@@ -128,7 +154,9 @@ class LedgerClient:
         response = self._send("POST", f"/v1/charges/{charge_id}/{action}")
         if response.status_code == 409 and response.json().get("charge_status") == done:
             return None  # an earlier attempt landed and only its answer was lost
-        return self._json(response, 200)["epsilon_spent"]  # type: ignore[no-any-return]
+        data = self._json(response, 200)
+        self._keep_receipt(data)
+        return data["epsilon_spent"]  # type: ignore[no-any-return]
 
     # --- jobs, norms and groups (the coordinator's side) -------------------------------------------
     def create_job(self, *, name: str, silo_ids: list[int]) -> int:

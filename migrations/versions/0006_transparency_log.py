@@ -1,4 +1,4 @@
-"""transparency log: leaves, completed subtrees and the log's state; existing entries backfilled
+"""transparency log: leaves, completed subtrees, the log's state, heads auditors verified; entries backfilled
 
 Revision ID: 0006
 Revises: 0003
@@ -50,6 +50,18 @@ def upgrade() -> None:
     sa.Column('frontier', sa.Text(), nullable=False),
     sa.PrimaryKeyConstraint('id')
     )
+    op.create_table('verified_heads',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('tree_size', sa.BigInteger(), nullable=False),
+    sa.Column('root_hash', sa.String(length=64), nullable=False),
+    sa.Column('signed_at', sa.BigInteger(), nullable=False),
+    sa.Column('key_id', sa.String(length=64), nullable=False),
+    sa.Column('signature', sa.String(length=200), nullable=False),
+    sa.Column('api_key_id', sa.Integer(), nullable=False),
+    sa.Column('verified_at', sa.DateTime(timezone=True), nullable=False),
+    sa.ForeignKeyConstraint(['api_key_id'], ['api_keys.id'], ),
+    sa.PrimaryKeyConstraint('id')
+    )
     # A ledger that already has entries gets them as leaves in entry-id order (their append order),
     # read with plain SQL so that later changes to the ORM models cannot break this revision.
     bind = op.get_bind()
@@ -73,6 +85,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_table('verified_heads')
     op.drop_table('log_state')
     op.drop_table('log_nodes')
     op.drop_table('log_leaves')

@@ -118,7 +118,9 @@ def reserve(
         session.add(charge)
         session.flush()
         silo.rdp_spent = candidate.to_json()
-        position = silos.append_entry(session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps_candidate, now=now)
+        position = silos.append_entry(
+            session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps_candidate, now=now
+        )
         return Reservation(charge.id, eps_candidate, max(0.0, silo.epsilon - eps_candidate), False, position)
 
 

@@ -184,3 +184,19 @@ class LogState(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     size: Mapped[int] = mapped_column(BigInteger)
     frontier: Mapped[str] = mapped_column(Text)
+
+
+class VerifiedHead(Base):
+    """A signed head that an auditor's `dpledger audit` verified, for the dashboard. Evidence lives
+    with the auditor (its head file); this row only says when someone last looked."""
+
+    __tablename__ = "verified_heads"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tree_size: Mapped[int] = mapped_column(BigInteger)
+    root_hash: Mapped[str] = mapped_column(String(64))
+    signed_at: Mapped[int] = mapped_column(BigInteger)  # the head's own timestamp, ms since the epoch
+    key_id: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[str] = mapped_column(String(200))
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id"))
+    verified_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -60,7 +60,9 @@ def load_signer(settings: Settings) -> TreeHeadSigner:
         try:
             material = settings.signing_key_file.read_bytes()
         except OSError as error:
-            raise SigningKeyError(f"cannot read DPLEDGER_SIGNING_KEY_FILE {settings.signing_key_file}: {error.strerror}") from error
+            raise SigningKeyError(
+                f"cannot read DPLEDGER_SIGNING_KEY_FILE {settings.signing_key_file}: {error.strerror}"
+            ) from error
         return TreeHeadSigner(parse_private_key(material))
     if settings.signing_key is not None:
         return TreeHeadSigner(parse_private_key(settings.signing_key.get_secret_value().encode()))

@@ -46,7 +46,9 @@ def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta
     return silo, raw
 
 
-def append_entry(session: Session, silo: Silo, *, event: EntryEvent, charge, epsilon_spent: float, now: datetime) -> transparency.Position:  # type: ignore[no-untyped-def]
+def append_entry(  # type: ignore[no-untyped-def]
+    session: Session, silo: Silo, *, event: EntryEvent, charge, epsilon_spent: float, now: datetime
+) -> transparency.Position:
     """Appends one entry to the silo's chain and, in the same transaction, to the transparency log
     over all silos; the caller holds the silo's lock. Returns the entry's place in the log."""
     entry = LedgerEntry(

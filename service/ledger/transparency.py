@@ -20,15 +20,17 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
-from dpledger.service.ledger.errors import InvalidRequest, NotFound
-from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo
+from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
+from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo, VerifiedHead
 from dpledger.wire import merkle
+from dpledger.wire.receipts import SignedTreeHead
 
 STATE_ID = 1
 
@@ -191,3 +193,35 @@ def record_of(session: Session, row: LogLeaf) -> tuple[LedgerEntry | None, str |
 
 def leaves(session: Session, *, start: int, limit: int) -> Iterable[LogLeaf]:
     return session.scalars(select(LogLeaf).where(LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit))
+
+
+def record_verified(session: Session, head: SignedTreeHead, *, api_key_id: int) -> VerifiedHead:
+    """Notes that an auditor verified `head` (its signature checked by the caller). A head whose
+    root is not this log's at its size is refused: it is evidence, and belongs with the auditor."""
+    current, _ = size_and_root(session)
+    if head.tree_size > current or root_at(session, head.tree_size)[1] != head.root_hash:
+        raise Conflict(f"the head of size {head.tree_size} is not this log's: keep it, it is evidence of a fork")
+    row = VerifiedHead(tree_size=head.tree_size, root_hash=head.root_hash, signed_at=head.timestamp, key_id=head.key_id,
+                       signature=head.signature, api_key_id=api_key_id, verified_at=datetime.now(UTC))
+    session.add(row)
+    return row
+
+
+@dataclass(frozen=True)
+class LogSummary:
+    size: int
+    root_hash: str
+    last_verified: VerifiedHead | None
+    still_extends: bool | None  # whether today's log still starts with the last verified head
+
+
+def summary(session: Session) -> LogSummary:
+    size, root = size_and_root(session)
+    last = session.scalars(select(VerifiedHead).order_by(VerifiedHead.id.desc()).limit(1)).one_or_none()
+    extends = None
+    if last is not None:
+        try:
+            extends = last.tree_size <= size and root_at(session, last.tree_size)[1] == last.root_hash
+        except NotFound:  # a stored subtree is gone: the log was cut
+            extends = False
+    return LogSummary(size, root, last, extends)

@@ -15,13 +15,16 @@ from fastapi import APIRouter, HTTPException, Query, status
 from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
 from dpledger.service.api.receipts import SignerDep
 from dpledger.service.ledger import transparency
+from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.models import Role
 from dpledger.wire.receipts import (
     ConsistencyProof,
+    HeadError,
     InclusionProof,
     LogLeaf,
     PublicKey,
     SignedTreeHead,
+    verify_head,
 )
 
 router = APIRouter(prefix="/v1/log", tags=["transparency"])
@@ -90,3 +93,16 @@ def leaves(caller: PrincipalDep, factory: FactoryDep, start: Index = 0,
             visible = caller.role in READERS or (entry is not None and entry.silo_id == caller.silo_id)
             out.append(LogLeaf(log_index=row.idx, leaf_hash=row.leaf_hash, record=record if visible else None))
     return out
+
+
+@router.post("/verified", status_code=status.HTTP_201_CREATED, response_model=SignedTreeHead, name="log_record_verified_head")
+def record_verified_head(head: SignedTreeHead, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep) -> SignedTreeHead:
+    """An auditor's `dpledger audit` reports the head it verified, for the dashboard to show."""
+    caller.require(Role.auditor, Role.admin)
+    try:
+        verify_head(head, signer.public_key)
+    except HeadError as error:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"not a head this ledger signed: {error}") from error
+    with write_transaction(factory) as session:
+        transparency.record_verified(session, head, api_key_id=caller.key_id)
+    return head

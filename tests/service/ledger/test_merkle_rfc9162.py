@@ -65,14 +65,14 @@ def path(m: int, d: list[bytes]) -> list[bytes]:
     if len(d) == 1:
         return []
     k = merkle.split(len(d))
-    return path(m, d[:k]) + [mth(d[k:])] if m < k else path(m - k, d[k:]) + [mth(d[:k])]
+    return [*path(m, d[:k]), mth(d[k:])] if m < k else [*path(m - k, d[k:]), mth(d[:k])]
 
 
 def subproof(m: int, d: list[bytes], b: bool) -> list[bytes]:
     if m == len(d):
         return [] if b else [mth(d)]
     k = merkle.split(len(d))
-    return subproof(m, d[:k], b) + [mth(d[k:])] if m <= k else subproof(m - k, d[k:], False) + [mth(d[:k])]
+    return [*subproof(m, d[:k], b), mth(d[k:])] if m <= k else [*subproof(m - k, d[k:], False), mth(d[:k])]
 
 
 def over(leaves: list[bytes]) -> merkle.Subtree:
