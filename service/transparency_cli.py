@@ -108,14 +108,13 @@ def check_extends(get: Get, held: SignedTreeHead, current: SignedTreeHead, publi
 def _pinned_key(get: Get, pinned_id: str, explicit: str | None, out: Outcome) -> bytes | None:
     """The public key to check with: given, or the served one if it is the key the party pinned."""
     served = PublicKey(**get("/v1/log/public-key", None))
-    key = bytes.fromhex(explicit) if explicit else bytes.fromhex(served.public_key)
-    if key_id(key) != pinned_id:
+    if served.key_id != pinned_id:
         out.problems.append(
             f"the ledger's signing key changed: what this party holds was signed by key {pinned_id[:16]}…, "
             f"the ledger now signs with {served.key_id[:16]}… (a rewritten log can be signed anew only with a new key)"
         )
         return None
-    return key
+    return bytes.fromhex(explicit) if explicit else bytes.fromhex(served.public_key)
 
 
 def current_head(get: Get, public_key: bytes, out: Outcome) -> SignedTreeHead | None:
