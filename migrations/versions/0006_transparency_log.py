@@ -5,6 +5,7 @@ Revises: 0003
 Create Date: 2026-11-24 08:00:00.000000
 """
 import json
+from typing import Any, cast
 
 import sqlalchemy as sa
 from alembic import op
@@ -65,8 +66,9 @@ def upgrade() -> None:
     # A ledger that already has entries gets them as leaves in entry-id order (their append order),
     # read with plain SQL so that later changes to the ORM models cannot break this revision.
     bind = op.get_bind()
-    silos = {row.id: chain.silo_fields(row) for row in bind.execute(_typed(_SILO))}
-    charges = {row.id: chain.charge_fields(row) for row in bind.execute(_typed(_CHARGE))}
+    # The rows carry every attribute the chain's field functions read (they take the ORM classes).
+    silos = {row.id: chain.silo_fields(cast(Any, row)) for row in bind.execute(_typed(_SILO))}
+    charges = {row.id: chain.charge_fields(cast(Any, row)) for row in bind.execute(_typed(_CHARGE))}
     frontier: list[bytes] = []
     leaf_rows, node_rows = [], []
     for index, entry in enumerate(bind.execute(_typed(_ENTRY))):

@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, or_, select
@@ -33,6 +33,7 @@ from dpledger.wire import merkle
 from dpledger.wire.receipts import SignedTreeHead
 
 STATE_ID = 1
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Position:
     tree_size: int
     root_hash: str
     path: list[str]
+    timestamp: int  # ms since the epoch: when the entry was appended, and so when the tree had tree_size leaves
 
 
 def leaf_record(entry: Any, *, subject: dict[str, Any], salt: str) -> str:
@@ -91,7 +93,13 @@ def append(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> 
     state.size = index + 1
     state.frontier = json.dumps([h.hex() for h in frontier])
     return Position(entry.silo_id, entry.seq, index, leaf.hex(), index + 1, merkle.frontier_root(frontier).hex(),
-                    [p.hex() for p in path])
+                    [p.hex() for p in path], milliseconds(entry.created_at))
+
+
+def milliseconds(moment: datetime) -> int:
+    # SQLite hands datetimes back naive (they are UTC); integer arithmetic, so a re-read row gives the same.
+    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return (aware - _EPOCH) // timedelta(milliseconds=1)
 
 
 def size_and_root(session: Session) -> tuple[int, str]:
@@ -168,13 +176,14 @@ def consistency(session: Session, first: int, second: int | None = None) -> tupl
 
 
 def position_of(session: Session, entry: LedgerEntry) -> Position:
-    """An earlier entry's place in the log, proven into the current tree (a replayed answer's receipt)."""
+    """An earlier entry's place in the log, in the tree just after it: the same receipt as the first
+    answer's (Ed25519 signatures are deterministic), so a replayed request answers the first answer."""
     row = session.scalars(select(LogLeaf).where(LogLeaf.entry_id == entry.id)).one_or_none()
     if row is None:
         raise NotFound(f"entry {entry.seq} of silo {entry.silo_id} is not in the transparency log")
-    size, root = size_and_root(session)
+    size, root = root_at(session, row.idx + 1)
     _, path = inclusion(session, row.idx, size)
-    return Position(entry.silo_id, entry.seq, row.idx, row.leaf_hash, size, root, path)
+    return Position(entry.silo_id, entry.seq, row.idx, row.leaf_hash, size, root, path, milliseconds(entry.created_at))
 
 
 def record_of(session: Session, row: LogLeaf) -> tuple[LedgerEntry | None, str | None]:

@@ -16,7 +16,7 @@ from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
 from dpledger.service.api.receipts import SignerDep
 from dpledger.service.ledger import transparency
 from dpledger.service.ledger.db import write_transaction
-from dpledger.service.ledger.models import Role
+from dpledger.wire.enums import Role
 from dpledger.wire.receipts import (
     ConsistencyProof,
     HeadError,
