@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -446,3 +447,43 @@ def test_the_migration_backfills_a_ledger_that_had_entries_before_the_log(url: s
     out = audit(Party(app_over(), ledger.auditor.headers).get(), None)
     assert out.ok, problems(out)
     assert out.head is not None and out.head.tree_size == 12  # 2 creates + 10 budget entries, every hash recomputed
+
+
+def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that_audits(database_url: str) -> None:
+    """Silos append concurrently (on PostgreSQL, each under its own row lock); the log's own lock
+    makes one order of them. No signing key is configured: `serve` hands its workers one
+    development key, so every receipt names the same key."""
+    workers = 4 if database_url.startswith("postgresql") else 2
+    with running_server(database_url=database_url, admin_key=ADMIN_KEY, workers=workers) as server, \
+            httpx.Client(base_url=server, timeout=60) as http:
+        silos = [http.post("/v1/silos", headers=ADMIN, json={"name": f"s{i}", "epsilon": 100.0, "delta": 1e-5,
+                                                               "dataset_size": 1000}).json() for i in range(4)]
+        auditor = bearer(http.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"])
+
+        def approve(i: int) -> dict[str, Any]:
+            silo = silos[i % len(silos)]
+            response = http.post(f"/v1/silos/{silo['id']}/charges", headers=bearer(silo["api_key"]),
+                                 json={"mechanism": STEP, "idempotency_key": f"k{i}"})
+            assert response.status_code == 201, response.text
+            return dict(response.json()["receipt"])
+
+        with ThreadPoolExecutor(16) as pool:
+            receipts = [Receipt(**r) for r in pool.map(approve, range(80))]
+
+        def get(path: str, params: dict[str, Any] | None) -> Any:
+            response = http.get(path, params=params, headers=auditor)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        out = audit(get, None)
+        assert out.ok, problems(out)
+        assert out.head is not None and out.head.tree_size == 4 + 80
+        key = bytes.fromhex(get("/v1/log/public-key", None)["public_key"])
+        assert sorted(r.log_index for r in receipts) == list(range(4, 84))
+        for r in receipts:
+            check_receipt(r, key)
+            merkle.verify_inclusion(
+                index=r.log_index, size=out.head.tree_size, leaf=bytes.fromhex(r.leaf_hash),
+                path=[bytes.fromhex(p) for p in get("/v1/log/proofs/inclusion", {"index": r.log_index})["path"]],
+                root_hash=bytes.fromhex(out.head.root_hash),
+            )
