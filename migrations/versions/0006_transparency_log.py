@@ -35,7 +35,6 @@ def upgrade() -> None:
     sa.Column('entry_id', sa.Integer(), nullable=False),
     sa.Column('salt', sa.String(length=32), nullable=False),
     sa.Column('leaf_hash', sa.String(length=64), nullable=False),
-    sa.ForeignKeyConstraint(['entry_id'], ['ledger_entries.id'], ),
     sa.PrimaryKeyConstraint('idx'),
     sa.UniqueConstraint('entry_id')
     )

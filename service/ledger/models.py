@@ -154,12 +154,14 @@ class Search(Base):
 
 class LogLeaf(Base):
     """The transparency log's leaves (RFC 9162), one per ledger entry of any silo, in append order.
-    The salt keeps a leaf hash from being inverted by guessing: a silo sees other silos' leaf hashes."""
+    The salt keeps a leaf hash from being inverted by guessing: a silo sees other silos' leaf hashes.
+    `entry_id` is no foreign key on purpose: a leaf is evidence and outlives a deleted entry, which
+    then shows as a leaf with nothing behind it."""
 
     __tablename__ = "log_leaves"
 
     idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    entry_id: Mapped[int] = mapped_column(ForeignKey("ledger_entries.id"), unique=True)
+    entry_id: Mapped[int] = mapped_column(Integer, unique=True)
     salt: Mapped[str] = mapped_column(String(32))
     leaf_hash: Mapped[str] = mapped_column(String(64))
 

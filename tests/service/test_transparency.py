@@ -437,6 +437,13 @@ def test_an_ordinary_edit_is_still_named_by_the_chain_check_and_by_the_log(ledge
     assert "reads differently" in problems(out) and "FORK" not in problems(out)  # the log itself is intact
     fresh = audit(ledger.auditor.get(), None)
     assert any("the entry no longer matches its leaf (edited after it was logged)" in p for p in fresh.problems)
+    # A deleted entry leaves its leaf behind (no foreign key holds it): named by both checks too.
+    operator.sql("DELETE FROM ledger_entries WHERE silo_id = :b AND seq = 7", b=ledger.ids["b"])
+    report = ledger.client.get("/v1/audit/verify", headers=ADMIN).json()
+    assert report["ok"] is False and ledger.ids["b2"] in report["bad_charge_ids"]
+    last = ledger.b.receipts[-1]
+    assert f"log index {last.log_index}: no entry behind the leaf (it was deleted)" in problems(audit(ledger.auditor.get(), None))
+    assert "the leaf at that index is no longer this silo's entry" in problems(verify_receipts(ledger.b.get(), ledger.b.receipts))
 
 
 def test_the_migration_backfills_a_ledger_that_had_entries_before_the_log(url: str, operator: Operator, app_over: Any) -> None:
