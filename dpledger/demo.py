@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import secrets
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from tqdm import tqdm
 
 from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.budgets import MixtureName, draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
@@ -27,7 +30,8 @@ from dpledger.trainer.federated import (
     FederatedAlgorithm,
     LocalTraining,
 )
-from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.job import algorithm_args
+from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 from dpledger.trainer.report import (
     SiloRow,
     format_table,
@@ -53,11 +57,10 @@ class DemoConfig:
     progress: bool = True
 
 
-def build_algorithm(name: str, *, dataset, config: DPSGDConfig, noise_multipliers: list[float], lam: float, device: str) -> FederatedAlgorithm:  # type: ignore[no-untyped-def]
-    common = dict(
-        **dataset.tensors(),
-        num_classes=dataset.n_classes, config=config, noise_multipliers=noise_multipliers, device=device,
-    )
+def build_algorithm(
+    name: str, *, dataset: FederatedDataset, config: DPSGDConfig, noise_multipliers: list[float], lam: float, device: str
+) -> FederatedAlgorithm:
+    common = algorithm_args(dataset, config=config, noise_multipliers=noise_multipliers, device=device)
     if name == "local":
         return LocalTraining(**common)
     if name == "fedavg":
@@ -80,16 +83,18 @@ def run_demo(config: DemoConfig) -> str:
         noise = _calibrated_noise(admin, dataset, budgets, dpsgd=dpsgd, rounds=config.rounds, delta=config.delta)
         runs: dict[str, JobRun] = {}
         for name in ALGORITHMS:
-            algorithm = build_algorithm(name, dataset=dataset, config=dpsgd, noise_multipliers=noise, lam=config.lam, device=config.device)
+            algorithm = build_algorithm(
+                name, dataset=dataset, config=dpsgd, noise_multipliers=noise, lam=config.lam, device=config.device
+            )
             silos = [
                 admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train)
                 for k, s in enumerate(dataset.silos)
             ]
-            gated = [GatedSilo(s["id"], LedgerClient(url, s["api_key"])) for s in silos]
+            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key)) for s in silos]
             bar = tqdm(total=config.rounds, desc=f"{name:>7}", unit="round", disable=not config.progress)
             try:
                 runs[name] = run_gated(
-                    algorithm, gated, rounds=config.rounds, job_id=f"demo-{name}", on_round=lambda _: bar.update()
+                    algorithm, gated, rounds=config.rounds, job_id=f"demo-{name}", on_round=_ticks(bar)
                 )
             finally:
                 bar.close()
@@ -114,12 +119,23 @@ def run_demo(config: DemoConfig) -> str:
     return table
 
 
-def _calibrated_noise(admin: LedgerClient, dataset, budgets: list[float], *, dpsgd: DPSGDConfig, rounds: int, delta: float) -> list[float]:  # type: ignore[no-untyped-def]
+def _ticks(bar: tqdm[NoReturn]) -> Callable[[RoundRecord], None]:
+    """A round loop's callback that advances `bar` once per finished round."""
+
+    def tick(_record: RoundRecord) -> None:
+        bar.update()
+
+    return tick
+
+
+def _calibrated_noise(
+    admin: LedgerClient, dataset: FederatedDataset, budgets: list[float], *, dpsgd: DPSGDConfig, rounds: int, delta: float
+) -> list[float]:
     """σ_k so that silo k's whole run costs exactly its budget (the service's calibration never
     overshoots); silos with equal (ε, q) share one calibration."""
     cache: dict[tuple[float, float], float] = {}
     noise = []
-    for budget, silo in zip(budgets, dataset.silos):
+    for budget, silo in zip(budgets, dataset.silos, strict=True):
         batch = min(dpsgd.batch_size, silo.n_train)
         key = (budget, batch / silo.n_train)
         if key not in cache:

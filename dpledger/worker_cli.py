@@ -82,7 +82,7 @@ def _train(args: argparse.Namespace) -> None:
     settings["device"] = default_device(args.device or settings.get("device"))
     job = JobConfig.model_validate(settings)
     run = run_job(job, environ=os.environ)
-    for k, (approved, refused) in enumerate(zip(run.approved_rounds(), run.refused_rounds())):
+    for k, (approved, refused) in enumerate(zip(run.approved_rounds(), run.refused_rounds(), strict=True)):
         metric = run.rounds[-1].metric[k] if run.rounds else float("nan")
         print(f"silo {k}: rounds approved {approved}, refused {refused}, final metric {metric:.4f}")
     if run.stop_reason:

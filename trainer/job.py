@@ -6,7 +6,7 @@ environment variable holding it), in the order of the data's silos.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,6 +20,7 @@ from dpledger.trainer.federated import (
     IFCA,
     MRMTL,
     PPSGD,
+    AlgorithmArgs,
     ClusteredMRMTL,
     ClusterSelection,
     Ditto,
@@ -100,12 +101,21 @@ def load_data(config: DataConfig) -> FederatedDataset:
     return make_rotated_masked_digits(n_silos=config.silos, seed=config.seed, mask_probability=config.mask_probability)
 
 
+def algorithm_args(
+    dataset: FederatedDataset, *, config: DPSGDConfig, device: str, noise_multipliers: Sequence[float] | None = None
+) -> AlgorithmArgs:
+    """The constructor arguments every algorithm shares, for `dataset` (its tensors, task and classes)."""
+    tensors = dataset.tensors()
+    # Spelled out rather than `**tensors`: strict mypy cannot rule out extra keys in a spread TypedDict.
+    return {
+        "x_train": tensors["x_train"], "y_train": tensors["y_train"], "x_test": tensors["x_test"], "y_test": tensors["y_test"],
+        "task": "classification" if dataset.task == "classification" else "regression",
+        "num_classes": dataset.n_classes, "config": config, "noise_multipliers": noise_multipliers, "device": device,
+    }
+
+
 def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
-    common = dict(
-        **dataset.tensors(),
-        task="classification" if dataset.task == "classification" else "regression",
-        num_classes=dataset.n_classes, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device,
-    )
+    common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device)
     match job.algorithm:
         case "local":
             return LocalTraining(**common)
@@ -140,9 +150,9 @@ def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
         if not key:
             raise ValueError(f"silo {silo.id}: environment variable {silo.key_env} is not set")
         keys.append(key)
-    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys)]
+    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys, strict=True)]
     try:
         return run_gated(build(job, dataset), gated, rounds=job.rounds, job_id=job.job_id)
     finally:
-        for silo in gated:
-            silo.client.close()
+        for member in gated:
+            member.client.close()

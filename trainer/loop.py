@@ -74,7 +74,7 @@ def run_gated(
         charges: dict[int, int] = {}
         refused = [False] * len(silos)
         try:
-            for k, (silo, mechanism) in enumerate(zip(silos, mechanisms)):
+            for k, (silo, mechanism) in enumerate(zip(silos, mechanisms, strict=True)):
                 if mechanism is None or run.stopped[k]:
                     continue
                 try:

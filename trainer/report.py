@@ -11,9 +11,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # headless: the demo runs in CI and on servers
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from dpledger.trainer.loop import JobRun  # noqa: E402
+from dpledger.trainer.loop import JobRun
 
 
 @dataclass(frozen=True)

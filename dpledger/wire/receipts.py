@@ -28,6 +28,9 @@ _HEAD_PREFIX = b"dpledger tree head v1\x00"
 _HEAD_LAYOUT = struct.Struct(">QQ32s32s")
 
 
+RECEIPT_NOTE = "the entry's place in the signed transparency log: keep it to prove later what the ledger said"
+
+
 class SignedTreeHead(BaseModel):
     tree_size: int = Field(ge=0, description="leaves in the log, every ledger entry of every silo")
     root_hash: Hex32 = Field(description="RFC 9162 Merkle tree hash of those leaves")

@@ -17,7 +17,7 @@ from pydantic import (
 
 from dpledger.wire.enums import ChargeStatus, EntryEvent, Role
 from dpledger.wire.mechanisms import Mechanism, check_nesting
-from dpledger.wire.receipts import Receipt
+from dpledger.wire.receipts import RECEIPT_NOTE, Receipt
 
 Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
 Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]
@@ -107,9 +107,6 @@ class ChargeRequest(_WithMechanism):
     round: Annotated[int, Field(ge=0, le=10**9)] | None = None
 
 
-RECEIPT_NOTE = "the entry's place in the signed transparency log: keep it to prove later what the ledger said"
-
-
 class ChargeReserved(BaseModel):
     charge_id: int
     status: Literal["reserved"] = "reserved"
@@ -182,6 +179,28 @@ class CalibrateRequest(_Request):
 class CalibrateResponse(BaseModel):
     noise_multiplier: float
     epsilon: float
+
+
+class SiloCalibrateRequest(_Request):
+    """Plan `rounds` more rounds of `steps_per_round` DP-SGD steps at this silo's batch size: the
+    service computes q from the registered dataset_size, as for a charge."""
+
+    batch_size: Annotated[int, Field(ge=1, le=10**12)]
+    steps_per_round: Annotated[int, Field(ge=1, le=10_000_000)]
+    rounds: Annotated[int, Field(ge=1, le=10_000_000)]
+
+
+class SiloCalibration(BaseModel):
+    """The smallest σ (rounded up) whose planned rounds, added to what the silo has spent, stay
+    within its ε at its δ. Seen only by the silo itself and admins: it is a function of the budget."""
+
+    noise_multiplier: float
+    sampling_rate: float
+    rounds: int
+    steps_per_round: int
+    epsilon_spent: float | None = Field(description="the silo's ε before the planned rounds")
+    epsilon_after: float = Field(description="the silo's ε once every planned round is spent at this σ")
+    epsilon: float = Field(description="the silo's budget")
 
 
 class KeyCreateRequest(_Request):

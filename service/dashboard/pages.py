@@ -165,12 +165,17 @@ def silo(row: SiloRow, points: Sequence[svg.Point], charges: Sequence[ChargeRow]
         f" · remaining {shown(row.epsilon_remaining)}</p>"
     )
     chart = f'<h2>ε after each ledger entry</h2><figure id="epsilon-chart">{svg.line_chart(points, budget=row.epsilon)}</figure>'
-    return _document(f"silo {row.name}", summary + _verification(verification) + chart + _charges(charges, verification), signed_in=True)
+    return _document(
+        f"silo {row.name}", summary + _verification(verification) + chart + _charges(charges, verification), signed_in=True
+    )
 
 
 def _verification(v: Verification) -> str:
     if v.ok:
-        return f'<h2>Chain verification</h2><p id="verification" class="ok" data-ok="true">verified: {v.entries} entries, every hash recomputed</p>'
+        return (
+            '<h2>Chain verification</h2><p id="verification" class="ok" data-ok="true">'
+            f"verified: {v.entries} entries, every hash recomputed</p>"
+        )
     named = ", ".join(f"charge {c}" for c in v.bad_charge_ids) or "no single charge"
     problems = "".join(f"<li>{escape(p)}</li>" for p in v.problems)
     return (

@@ -98,8 +98,10 @@ def reserve(
         if earlier is not None:
             if earlier.request_hash != digest:
                 raise InvalidRequest("idempotency_key", "was already used for a different request to this silo")
-            return Reservation(earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after),
-                               True, _reserve_position(session, earlier.id))
+            return Reservation(
+                earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after), True,
+                _reserve_position(session, earlier.id),
+            )
 
         spent = RunningSum.from_json(silo.rdp_spent)
         candidate = spent.add(curve)

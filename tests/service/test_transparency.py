@@ -362,8 +362,8 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
         with LedgerClient(server, ADMIN_KEY, receipts=False) as admin:
             silo = admin.create_silo(name="clinic", epsilon=10.0, delta=1e-5, dataset_size=1000)
         auditor = httpx.post(f"{server}/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
-        with LedgerClient(server, silo["api_key"], receipts=receipts) as client:
-            charge_ids = [client.reserve(silo["id"], mechanism=STEP, idempotency_key=f"r{i}").charge_id for i in range(3)]
+        with LedgerClient(server, silo.api_key, receipts=receipts) as client:
+            charge_ids = [client.reserve(silo.id, mechanism=STEP, idempotency_key=f"r{i}").charge_id for i in range(3)]
             for charge_id in charge_ids:
                 client.commit(charge_id)
         assert len((receipts / "receipts.jsonl").read_text().splitlines()) == 6
@@ -371,7 +371,7 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
         monkeypatch.setenv("DPLEDGER_KEY", auditor)
         assert main(["audit", "--since", str(head_file)]) == 0
         assert "saved the head of size 7" in capsys.readouterr().out
-        monkeypatch.setenv("DPLEDGER_KEY", silo["api_key"])
+        monkeypatch.setenv("DPLEDGER_KEY", silo.api_key)
         assert main(["verify", "--receipts", str(receipts)]) == 0
         assert main(["pubkey"]) == 0
         public = capsys.readouterr().out
@@ -395,7 +395,7 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
         heads = [SignedTreeHead(**h) for h in evidence["heads"]]
         assert is_fork(heads[0], heads[1], bytes.fromhex(evidence["public_key"]))  # checkable by anyone with the key
         assert json.loads(head_file.read_text())["head"] == heads[0].model_dump()  # the evidence is kept, not replaced
-        monkeypatch.setenv("DPLEDGER_KEY", silo["api_key"])
+        monkeypatch.setenv("DPLEDGER_KEY", silo.api_key)
         assert main(["verify", "--receipts", str(receipts)]) == 1
         assert "the entry now reads differently from what the ledger signed" in capsys.readouterr().out
         overview = httpx.get(f"{server}/dashboard", cookies={"dpledger_dashboard_key": ADMIN_KEY}).text
@@ -469,7 +469,7 @@ def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that
 
         def approve(i: int) -> dict[str, Any]:
             silo = silos[i % len(silos)]
-            response = http.post(f"/v1/silos/{silo['id']}/charges", headers=bearer(silo["api_key"]),
+            response = http.post(f"/v1/silos/{silo['id']}/charges", headers=bearer(silo['api_key']),
                                  json={"mechanism": STEP, "idempotency_key": f"k{i}"})
             assert response.status_code == 201, response.text
             return dict(response.json()["receipt"])

@@ -22,7 +22,7 @@ The `DPSGDConfig` defaults (small tanh MLP, lr 0.5, C 1, σ 1, B 16, E 10) take 
 digits (features scaled to [0, 1]) to well above chance within 20 rounds, in seconds on CPU.
 """
 
-from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 from dpledger.trainer.federated.config import DPSGDConfig, RoundResult, Task, Weighting
 from dpledger.trainer.federated.ditto import Ditto
 from dpledger.trainer.federated.fedavg import FedAvg
@@ -47,20 +47,20 @@ from dpledger.trainer.federated.ppsgd import PPSGD
 
 __all__ = [
     "IFCA",
-    "ClusterSelection",
-    "ClusteredMRMTL",
-    "Finetuning",
-    "clustering_rounds",
     "MRMTL",
     "PFA",
     "PPSGD",
     "AdaptiveClip",
+    "AlgorithmArgs",
     "Architecture",
+    "ClusterSelection",
+    "ClusteredMRMTL",
     "DPSGDConfig",
     "Ditto",
     "FedAvg",
     "FedHDP",
     "FederatedAlgorithm",
+    "Finetuning",
     "FlatModel",
     "GroupAggregated",
     "LocalTraining",
@@ -69,4 +69,5 @@ __all__ = [
     "Task",
     "Weighting",
     "build_model",
+    "clustering_rounds",
 ]

@@ -55,6 +55,12 @@ class AlgorithmArgs(_RequiredArgs, total=False):
     device: torch.device | str
 
 
+def update_norms(updates: torch.Tensor) -> torch.Tensor:
+    """[A] L2 norm of each row of [A, P] updates (what a round reports to the coordinator)."""
+    norms: torch.Tensor = torch.linalg.vector_norm(updates, dim=1)  # torch.linalg is unannotated
+    return norms
+
+
 class FederatedAlgorithm(ABC):
     """K silos trained in one batched computation; state lives in [K, P] / [P] tensors."""
 
@@ -116,7 +122,7 @@ class FederatedAlgorithm(ABC):
                 batch_size=b,
                 generator=make_generator(derive_seed(config.seed, STREAM_SAMPLER, k), self.device),
             )
-            for k, (n, b) in enumerate(zip(self.train.sizes, self.batch_sizes))
+            for k, (n, b) in enumerate(zip(self.train.sizes, self.batch_sizes, strict=True))
         ]
         self.noise_generators = [
             make_generator(derive_seed(config.seed, STREAM_NOISE, k), self.device) for k in range(self.num_silos)
@@ -166,7 +172,7 @@ class FederatedAlgorithm(ABC):
         mechanism a worker declares is the sampler it runs), or None where it queries nothing."""
         return [
             sampler.mechanism(noise_multiplier=sigma, steps=steps) if steps > 0 else None
-            for sampler, sigma, steps in zip(self.samplers, self.noise_multipliers, self.declared_steps(round_index))
+            for sampler, sigma, steps in zip(self.samplers, self.noise_multipliers, self.declared_steps(round_index), strict=True)
         ]
 
     def run_round(self, round_index: int, approved: torch.Tensor) -> RoundResult:

@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.config import Weighting, check_weighting
 
 
@@ -56,7 +56,7 @@ class Ditto(FederatedAlgorithm):
         self.global_model = self._aggregate(trained, silos, weighting=self.weighting)
         # The norm reported is that of the update shared with the server (the global-model copy);
         # the personalized model never leaves the silo.
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.personal

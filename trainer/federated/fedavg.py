@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.config import Weighting, check_weighting
 
 
@@ -42,7 +42,7 @@ class FedAvg(FederatedAlgorithm):
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
         self.local[silos] = trained
         self.global_model = self._aggregate(trained, silos, weighting=self.weighting)
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.global_model.expand(self.num_silos, -1)

@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs
+from dpledger.trainer.federated.base import AlgorithmArgs, update_norms
 from dpledger.trainer.federated.config import Weighting
 from dpledger.trainer.federated.fedavg import FedAvg
 
@@ -44,7 +44,7 @@ class Finetuning(FedAvg):
         start = self.personal[silos]
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
         self.personal[silos] = trained
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return super().deployed_parameters() if self.personal is None else self.personal

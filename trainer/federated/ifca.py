@@ -37,8 +37,9 @@ from typing import Any, Unpack
 import torch
 from torch.func import vmap
 
+from dpledger.trainer.dpsgd.clip import clip_factors
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
 from dpledger.trainer.federated.config import (
     STREAM_INIT,
@@ -181,7 +182,7 @@ class IFCA(FederatedAlgorithm):
         with torch.no_grad():
             losses = vmap(per_cluster, in_dims=(None, 0, 0))(self.cluster_models, x, y).transpose(1, 2)  # [A, b, k]
             clip = self.selection.loss_clip
-            factors = torch.where(mask, clip / torch.linalg.vector_norm(losses, dim=-1).clamp(min=clip), 0.0)
+            factors = torch.where(mask, clip_factors(torch.linalg.vector_norm(losses, dim=-1), max_grad_norm=clip), 0.0)
             sums = torch.einsum("abk,ab->ak", losses, factors)
             noise = gaussian_noise(
                 [self.selection_generators[k] for k in silo_list], size=self.clusters, std=1.0, device=self.device
@@ -198,7 +199,7 @@ class IFCA(FederatedAlgorithm):
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
         for cluster in torch.unique(chosen).tolist():
             self.cluster_models[cluster] = trained[chosen == cluster].mean(0)
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
         return self._train_clusters(round_index, silos)
@@ -255,7 +256,7 @@ class ClusteredMRMTL(IFCA):
         anchor = self._cluster_means()[silos]
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps, anchor=anchor, lam=self.lam)
         self.personal[silos] = trained
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return super().deployed_parameters() if self.personal is None else self.personal

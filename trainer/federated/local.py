@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 
 
 class LocalTraining(FederatedAlgorithm):
@@ -30,7 +30,7 @@ class LocalTraining(FederatedAlgorithm):
         start = self.personal[silos]
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
         self.personal[silos] = trained
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.personal

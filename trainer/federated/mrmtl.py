@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 
 
 class MRMTL(FederatedAlgorithm):
@@ -44,7 +44,7 @@ class MRMTL(FederatedAlgorithm):
         # w̄ is the mean of *all* personalized models (paper 000 §5), a refused silo's frozen one
         # included: each is already private, so averaging them is post-processing (§3).
         self.mean = self.personal.mean(0)
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.personal

@@ -23,7 +23,7 @@ from typing import ClassVar, Unpack
 import torch
 
 from dpledger.trainer.aggregation import pfa_aggregate, public_mask
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.config import RoundResult
 
 
@@ -33,7 +33,8 @@ def compact_groups(groups: torch.Tensor) -> torch.Tensor:
     The ledger numbers groups by increasing mean norm (0 = least noisy), and the aggregation rules
     treat group 0 as the reference / public one. When every silo of a group was refused, the least
     noisy group that is still present must take that role, so gaps are closed here."""
-    return torch.unique(groups, sorted=True, return_inverse=True)[1].to(torch.int64)
+    inverse: torch.Tensor = torch.unique(groups, sorted=True, return_inverse=True)[1]
+    return inverse.to(torch.int64)
 
 
 class GroupAggregated(FederatedAlgorithm):
@@ -84,7 +85,7 @@ class GroupAggregated(FederatedAlgorithm):
             self.global_model = self.global_model + self._aggregate_updates(round_index, updates, groups)
         # Paper 001 §4.1: in the warm-start round the server only collects the noisy updates, whose
         # norms are what the coordinator clusters; the global model stays as it was.
-        return torch.linalg.vector_norm(updates, dim=1)
+        return update_norms(updates)
 
     @abstractmethod
     def _aggregate_updates(self, round_index: int, updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
