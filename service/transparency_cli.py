@@ -76,8 +76,9 @@ def _hex(values: list[str]) -> list[bytes]:
 def check_extends(get: Get, held: SignedTreeHead, current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
     """The current head extends `held` (both already verified under `public_key`), or the evidence why not."""
     if current.tree_size < held.tree_size:
-        out.fork(held, current, public_key,
-                 f"the log shrank from {held.tree_size} to {current.tree_size} leaves: entries were removed")
+        # Found, but not a proof for third parties: the ledger signs past sizes' heads on request too.
+        # Once the log regrows past the held size, the same rewrite is a fork, which is one.
+        out.problems.append(f"the log shrank from {held.tree_size} to {current.tree_size} leaves: entries were removed")
         return
     if current.tree_size == held.tree_size:
         if current.root_hash != held.root_hash:
@@ -260,6 +261,7 @@ def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
         silo_records.sort(key=lambda r: r["entry"]["seq"])
         delta: float | None = None
         live: dict[int, np.ndarray] = {}
+        total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
         prev_hash, seq = "0" * 64, 0
         for record in silo_records:
             entry, subject = record["entry"], record["subject"]
@@ -284,11 +286,9 @@ def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
                 if stored.shape != curve.shape or not np.allclose(stored, curve, rtol=1e-9, equal_nan=False):
                     out.problems.append(f"{name}: charge {charge_id}'s stored RDP curve is not its mechanism's")
                 live[charge_id] = curve
-            elif entry["event"] == "release":
-                live.pop(charge_id, None)
-            total = RunningSum.empty(len(rdp.ORDERS))
-            for curve in live.values():
                 total = total.add(curve)
+            elif entry["event"] == "release" and charge_id in live:
+                total = total.subtract(live.pop(charge_id))
             composed, _ = rdp.epsilon(total.curve(), delta=delta)
             stated = math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"]
             if not (math.isinf(composed) and math.isinf(stated)) and not math.isclose(composed, stated, rel_tol=EPSILON_RTOL):
@@ -308,6 +308,8 @@ def http_get(path: str, params: dict[str, Any] | None) -> Any:
 
 
 def load_receipts(path: Path) -> list[Receipt]:
+    if not path.exists():
+        raise people_cli.CliError(f"no receipts at {path}: the trainer's client keeps them in $DPLEDGER_RECEIPTS")
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files:
         raise people_cli.CliError(f"no receipts (*.jsonl) in {path}")
@@ -346,7 +348,13 @@ def verify_receipts_command(args: argparse.Namespace) -> int:
 
 @people_cli._reports_errors
 def audit_command(args: argparse.Namespace) -> int:
-    held = json.loads(args.since.read_text()) if args.since.exists() else None
+    try:
+        held = json.loads(args.since.read_text()) if args.since.exists() else None
+        if held is not None:
+            SignedTreeHead.model_validate(held["head"])
+            bytes.fromhex(held["public_key"])
+    except (ValueError, KeyError, TypeError) as error:  # json's and pydantic's errors are ValueErrors
+        raise people_cli.CliError(f"{args.since} is not a head file that `dpledger audit` wrote: {error}") from None
     out = audit(_guarded(http_get), held)
     code = report(out)
     if out.ok and out.head is not None:

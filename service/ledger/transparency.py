@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -188,20 +188,34 @@ def position_of(session: Session, entry: LedgerEntry) -> Position:
 
 def record_of(session: Session, row: LogLeaf) -> tuple[LedgerEntry | None, str | None]:
     """The leaf's entry and its record as the live rows say now (None if the entry is gone)."""
-    entry = session.get(LedgerEntry, row.entry_id)
-    if entry is None:
-        return None, None
-    if entry.charge_id is None:
-        silo = session.get(Silo, entry.silo_id)
-        subject = {} if silo is None else chain.silo_fields(silo)
-    else:
-        charge = session.get(Charge, entry.charge_id)
-        subject = {} if charge is None else chain.charge_fields(charge)
-    return entry, leaf_record(entry, subject=subject, salt=row.salt)
+    return records_of(session, [row])[0]
 
 
-def leaves(session: Session, *, start: int, limit: int) -> Iterable[LogLeaf]:
-    return session.scalars(select(LogLeaf).where(LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit))
+def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry | None, str | None]]:
+    """`record_of` for a page of leaves, in three queries whatever its length."""
+    entries = {e.id: e for e in session.scalars(select(LedgerEntry).where(LedgerEntry.id.in_([r.entry_id for r in rows])))}
+    charge_ids = {e.charge_id for e in entries.values() if e.charge_id is not None}
+    silo_ids = {e.silo_id for e in entries.values() if e.charge_id is None}
+    charges = {c.id: c for c in session.scalars(select(Charge).where(Charge.id.in_(charge_ids)))} if charge_ids else {}
+    silos = {s.id: s for s in session.scalars(select(Silo).where(Silo.id.in_(silo_ids)))} if silo_ids else {}
+    out: list[tuple[LedgerEntry | None, str | None]] = []
+    for row in rows:
+        entry = entries.get(row.entry_id)
+        if entry is None:
+            out.append((None, None))
+            continue
+        if entry.charge_id is None:
+            silo = silos.get(entry.silo_id)
+            subject = {} if silo is None else chain.silo_fields(silo)
+        else:
+            charge = charges.get(entry.charge_id)
+            subject = {} if charge is None else chain.charge_fields(charge)
+        out.append((entry, leaf_record(entry, subject=subject, salt=row.salt)))
+    return out
+
+
+def leaves(session: Session, *, start: int, limit: int) -> list[LogLeaf]:
+    return list(session.scalars(select(LogLeaf).where(LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit)))
 
 
 def record_verified(session: Session, head: SignedTreeHead, *, api_key_id: int) -> VerifiedHead:

@@ -494,3 +494,13 @@ def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that
                 path=[bytes.fromhex(p) for p in get("/v1/log/proofs/inclusion", {"index": r.log_index})["path"]],
                 root_hash=bytes.fromhex(out.head.root_hash),
             )
+
+
+def test_the_commands_name_a_missing_receipt_folder_or_a_foreign_head_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", "--receipts", str(tmp_path / "none")]) == 2
+    assert f"no receipts at {tmp_path / 'none'}" in capsys.readouterr().err
+    (tmp_path / "head.json").write_text('{"head": {"tree_size": -1}}')
+    assert main(["audit", "--since", str(tmp_path / "head.json")]) == 2
+    assert "is not a head file that `dpledger audit` wrote" in capsys.readouterr().err

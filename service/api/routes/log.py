@@ -88,8 +88,8 @@ def leaves(caller: PrincipalDep, factory: FactoryDep, start: Index = 0,
     _may_read_log(caller)
     out = []
     with factory() as session:
-        for row in transparency.leaves(session, start=start, limit=limit):
-            entry, record = transparency.record_of(session, row)
+        rows = transparency.leaves(session, start=start, limit=limit)
+        for row, (entry, record) in zip(rows, transparency.records_of(session, rows), strict=True):
             visible = caller.role in READERS or (entry is not None and entry.silo_id == caller.silo_id)
             out.append(LogLeaf(log_index=row.idx, leaf_hash=row.leaf_hash, record=record if visible else None))
     return out
