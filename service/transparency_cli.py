@@ -8,8 +8,8 @@ transparency log checked by a party that does not trust whoever runs the ledger.
   leaves the log serves make the signed root, and that every silo's entries state the ε that
   dp-accounting composes from their charges' mechanisms (never from the stored running sums).
 
-Two validly signed heads of one size with different roots (or a later head of a smaller size) are a
-proof of misbehaviour: it is printed as JSON that anyone holding the public key can check. Exit
+Two validly signed heads of one size with different roots are a proof of misbehaviour: it is
+printed as JSON that anyone holding the public key can check. Exit
 codes as `dpledger verify`: 0 all checks hold, 1 misbehaviour found, 2 could not ask.
 """
 
