@@ -24,11 +24,9 @@ from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.budgets import MixtureName, draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
-    MRMTL,
     DPSGDConfig,
-    FedAvg,
     FederatedAlgorithm,
-    LocalTraining,
+    registry,
 )
 from dpledger.trainer.job import algorithm_args
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
@@ -40,6 +38,7 @@ from dpledger.trainer.report import (
     write_metrics,
 )
 
+# The three points of the personalization spectrum the demo compares (names of the registry).
 ALGORITHMS = ("local", "fedavg", "mrmtl")
 
 
@@ -61,13 +60,7 @@ def build_algorithm(
     name: str, *, dataset: FederatedDataset, config: DPSGDConfig, noise_multipliers: list[float], lam: float, device: str
 ) -> FederatedAlgorithm:
     common = algorithm_args(dataset, config=config, noise_multipliers=noise_multipliers, device=device)
-    if name == "local":
-        return LocalTraining(**common)
-    if name == "fedavg":
-        return FedAvg(**common)
-    if name == "mrmtl":
-        return MRMTL(lam=lam, **common)
-    raise ValueError(f"algorithm must be one of {ALGORITHMS}. Found {name!r}.")
+    return registry.build(name, common, {"lam": lam})
 
 
 def run_demo(config: DemoConfig) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dpledger.demo import DemoConfig, run_demo
+from dpledger.trainer.federated import registry
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +31,8 @@ def main(argv: list[str]) -> int:
     train = commands.add_parser("train", help="run a configured job against any ledger URL")
     train.add_argument("config", type=Path, nargs="?", help="a TOML file (see README)")
     train.add_argument("--url", help="the ledger's base URL")
-    train.add_argument("--algorithm", choices=["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"])
+    train.add_argument("--algorithm", choices=list(registry.standalone()))
+    train.add_argument("--algorithms", action="store_true", help="print the table of algorithms and stop")
     train.add_argument("--rounds", type=int)
     train.add_argument("--job-id")
     train.add_argument("--device", default=None)
@@ -73,7 +75,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from dpledger.trainer.job import JobConfig, run_job
+    from dpledger.trainer.job import JobConfig, algorithms_markdown, run_job
+
+    if args.algorithms:
+        print(algorithms_markdown())
+        return
 
     settings: dict[str, Any] = tomllib.loads(args.config.read_text()) if args.config else {}
     for flag in ("url", "algorithm", "rounds", "job_id"):

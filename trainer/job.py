@@ -6,30 +6,24 @@ environment variable holding it), in the order of the data's silos.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.data.npz import load_npz_folder
 from dpledger.trainer.federated import (
-    IFCA,
-    MRMTL,
-    PPSGD,
     AlgorithmArgs,
-    ClusteredMRMTL,
     ClusterSelection,
-    Ditto,
     DPSGDConfig,
-    FedAvg,
     FederatedAlgorithm,
-    Finetuning,
-    LocalTraining,
     clustering_rounds,
+    registry,
 )
 from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
 
@@ -76,7 +70,7 @@ class SiloKey(_Strict):
 class JobConfig(_Strict):
     url: str
     job_id: str = "job"
-    algorithm: Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"] = "mrmtl"
+    algorithm: str = Field("mrmtl", description="the `name` of an algorithm of trainer.federated.registry.standalone()")
     rounds: Annotated[int, Field(ge=1)] = 20
     lam: Annotated[float, Field(ge=0)] = 1.0
     personal_steps: Annotated[int, Field(ge=1)] = 5
@@ -92,6 +86,31 @@ class JobConfig(_Strict):
     data: DataConfig = DataConfig()
     dpsgd: DpSgdSettings = DpSgdSettings()
     silos: list[SiloKey]
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        known = registry.standalone()
+        if value not in known:
+            raise ValueError(f"algorithm must be one of {', '.join(known)}; found {value!r}")
+        return value
+
+
+# The job file's settings, by the constructor argument each fills (see `options`); an algorithm takes
+# those its constructor names. Listed once here, they also make the README's table of algorithms.
+JOB_FIELDS = {
+    "lam": "lam",
+    "personal_steps": "personal_steps",
+    "alpha": "alpha",
+    "client_rate": "client_rate",
+    "federated_rounds": "federated_rounds",
+    "clusters": "clusters",
+    "selection": "selection_noise_multiplier",
+    "selection_rounds": "cluster_fraction",
+}
+# A warm start that must end (ClusteredMRMTL's required selection_rounds) selects in the first 10% of
+# rounds unless cluster_fraction says otherwise ("IFCA 5%"/"10%" of the personalization benchmark).
+WARM_START_FRACTION = 0.1
 
 
 def load_data(config: DataConfig) -> FederatedDataset:
@@ -116,28 +135,35 @@ def algorithm_args(
 
 def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
     common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device)
-    match job.algorithm:
-        case "local":
-            return LocalTraining(**common)
-        case "fedavg":
-            return FedAvg(**common)
-        case "mrmtl":
-            return MRMTL(lam=job.lam, **common)
-        case "ditto":
-            return Ditto(lam=job.lam, personal_steps=job.personal_steps, **common)
-        case "ppsgd":
-            return PPSGD(alpha=job.alpha, client_rate=job.client_rate, **common)
-        case "finetune":
-            return Finetuning(federated_rounds=job.federated_rounds, **common)
-        case "ifca" | "ifca_mrmtl":
-            selection = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
-            fraction = job.cluster_fraction if job.algorithm == "ifca" else job.cluster_fraction or 0.1
-            selecting = None if fraction is None else clustering_rounds(fraction, job.rounds)
-            if job.algorithm == "ifca":
-                return IFCA(clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
-            assert selecting is not None
-            return ClusteredMRMTL(lam=job.lam, clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
-    raise AssertionError(job.algorithm)
+    return registry.build(job.algorithm, common, settings(job))
+
+
+def settings(job: JobConfig) -> dict[str, Any]:
+    """The job's settings as constructor arguments (JOB_FIELDS), for the algorithm it names."""
+    values: dict[str, Any] = {argument: getattr(job, field) for argument, field in JOB_FIELDS.items()}
+    values["selection"] = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
+    selection_rounds = registry.options(registry.standalone()[job.algorithm]).get("selection_rounds")
+    fraction = job.cluster_fraction
+    if fraction is None and selection_rounds is not None and selection_rounds.default is inspect.Parameter.empty:
+        fraction = WARM_START_FRACTION
+    # None: select in every round (IFCA's default).
+    values["selection_rounds"] = None if fraction is None else clustering_rounds(fraction, job.rounds)
+    return values
+
+
+def algorithms_markdown() -> str:
+    """The table of algorithms in the README (and `dpledger train --algorithms`), from the registry."""
+    lines = [
+        "| `algorithm` | class | job settings | per-round mechanism of silo k | deploys |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, cls in registry.algorithms().items():
+        if cls.coordinated:
+            used = "not a job: run with the coordinator of `trainer/grouped.py`"
+        else:
+            used = ", ".join(f"`{JOB_FIELDS[a]}`" for a in registry.options(cls) if a in JOB_FIELDS) or "-"
+        lines.append(f"| `{name}` | `{cls.__name__}` | {used} | {cls.cost} | {cls.deploys} |")
+    return "\n".join(lines)
 
 
 def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
