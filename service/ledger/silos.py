@@ -59,9 +59,10 @@ def append_entry(
     subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
-    session.flush()  # the leaf row names the entry's id
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
+    # The leaf row names the entry's id; flushed after the silo's changes, so its row is written once.
+    session.flush()
     return transparency.append(session, entry, subject=subject)
 
 
