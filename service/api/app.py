@@ -12,12 +12,14 @@ from dpledger.service.api.routes import (
     dashboard,
     jobs,
     keys,
+    log,
     quote,
     searches,
     silos,
 )
 from dpledger.service.ledger import keys as ledger_keys
 from dpledger.service.ledger.db import make_engine, make_session_factory
+from dpledger.service.ledger.signer import load_signer
 from dpledger.service.settings import Settings, get_settings
 
 
@@ -34,6 +36,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Privacy budgets for cross-silo federated learning: RDP ledgers, spend approval, audit",
         generate_unique_id_function=_operation_id,
     )
+    # Before the database: a configured key that cannot be read stops the start (never a new key).
+    app.state.signer = load_signer(settings)
     engine = make_engine(settings.database_url)
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
@@ -42,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     errors.install(app)
     metrics.install(app)
-    for module in (silos, charges, jobs, audit, quote, keys, searches, dashboard):
+    for module in (silos, charges, jobs, audit, quote, keys, searches, log, dashboard):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"], name="healthz")

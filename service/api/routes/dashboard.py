@@ -4,6 +4,7 @@ calls as the JSON API. Left out of the OpenAPI document, which describes the JSO
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Annotated
 from urllib.parse import parse_qs
 
@@ -12,7 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
 from dpledger.service.dashboard import pages, series
-from dpledger.service.ledger import audit, charges, keys, silos
+from dpledger.service.ledger import audit, charges, keys, silos, transparency
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
@@ -114,7 +115,24 @@ def overview(reader: ReaderDep, factory: FactoryDep) -> Response:
         return _to_login()
     with factory() as session:
         rows = [_row(s) for s in silos.list_all(session)]
-    return _html(pages.overview(rows))
+        log = _log_view(transparency.summary(session))
+    return _html(pages.overview(rows, log))
+
+
+def _log_view(summary: transparency.LogSummary) -> pages.LogView:
+    last = summary.last_verified
+
+    def iso(value: datetime) -> str:
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC).isoformat(timespec="seconds")
+
+    return pages.LogView(
+        size=summary.size, root_hash=summary.root_hash,
+        verified_size=None if last is None else last.tree_size,
+        verified_root=None if last is None else last.root_hash,
+        verified_signed_at=None if last is None else iso(datetime.fromtimestamp(last.signed_at / 1000, UTC)),
+        verified_at=None if last is None else iso(last.verified_at),
+        still_extends=summary.still_extends,
+    )
 
 
 @router.get("/silos/{silo_id}", name="dashboard_silo")
