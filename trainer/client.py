@@ -143,6 +143,20 @@ class LedgerClient:
         return {int(silo): group for silo, group in body["groups"].items()}
 
     # --- anyone ------------------------------------------------------------------------------------
+    def who_am_i(self) -> dict[str, Any]:
+        """The key's id, role and silo (GET /v1/keys/me)."""
+        return self._json(self._send("GET", "/v1/keys/me"), 200)  # type: ignore[no-any-return]
+
+    def history_page(self, silo_id: int, *, after_seq: int, limit: int) -> list[dict[str, Any]]:
+        params = f"after_seq={after_seq}&limit={limit}"
+        return self._json(self._send("GET", f"/v1/silos/{silo_id}/history?{params}"), 200)  # type: ignore[no-any-return]
+
+    def quote(self, mechanism: dict[str, Any], *, silo_id: int | None = None, delta: float | None = None) -> dict[str, Any]:
+        """What `mechanism` costs alone, and (with silo_id) the silo's ε if it were added: the
+        service's own accounting, so a plan and an approval agree."""
+        body = {"mechanism": mechanism, "silo_id": silo_id, "delta": delta}
+        return self._json(self._send("POST", "/v1/quote", body), 200)  # type: ignore[no-any-return]
+
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
         return float(self._json(self._send("POST", "/v1/calibrate", body), 200)["noise_multiplier"])

@@ -111,10 +111,7 @@ class DpSgd(_Mechanism):
 
 
 Mechanism = Annotated[
-    Union[
-        Gaussian, Laplace, PoissonSampled, SampledWithoutReplacement, SelfComposed, Composed,
-        ZCdp, RepeatAndSelect, DpSgd,
-    ],
+    Gaussian | Laplace | PoissonSampled | SampledWithoutReplacement | SelfComposed | Composed | ZCdp | RepeatAndSelect | DpSgd,
     Field(discriminator="type"),
 ]
 

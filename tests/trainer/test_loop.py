@@ -112,7 +112,7 @@ def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str,
     )
     for k, c in enumerate(created):
         monkeypatch.setenv(f"KEY_{k}", c["api_key"])
-    assert main(["train", str(config)]) == 0
+    assert main(["train", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     with LedgerClient(ledger, created[0]["api_key"]) as silo:
         history = silo.history(created[0]["id"])
     reserves = [e for e in history if e["event"] == "reserve"]
