@@ -116,7 +116,8 @@ def test_keys_and_silo_ids_are_checked_before_round_0(ledger: str, tmp_path: Pat
     job_file(job, ledger, [a.id, b.id], job_id="keys")
     monkeypatch.setenv("KEY_1", "dpl_not-a-key")
     assert main(["train", str(job), "--no-progress"]) == 2
-    assert capsys.readouterr().err == f"dpledger train: silos[1] (id {b.id}): the key in $KEY_1 is unknown to this ledger or revoked\n"
+    unknown = f"dpledger train: silos[1] (id {b.id}): the key in $KEY_1 is unknown to this ledger or revoked\n"
+    assert capsys.readouterr().err == unknown
     monkeypatch.setenv("KEY_1", ADMIN_KEY)
     assert main(["train", str(job), "--no-progress"]) == 2
     admin = f"dpledger train: silos[1] (id {b.id}): $KEY_1 holds an admin key; each silo trains with its own silo key\n"
