@@ -18,8 +18,12 @@ def main(argv: list[str]) -> int:
     demo.add_argument("--rounds", type=int, default=20, help="rounds R (default 20)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", type=Path, default=Path("dpledger-report"), help="report folder")
-    demo.add_argument("--mixture", default="MixGauss1", choices=["MixGauss1", "MixGauss2", "MixGauss3"])
-    demo.add_argument("--lam", type=float, default=1.0, help="MR-MTL λ")
+    demo.add_argument("--budgets", default="ladder", choices=["ladder", "MixGauss1", "MixGauss2", "MixGauss3"],
+                      help="ladder: ε from 3 to 12 (default); MixGauss1-3: drawn from those mixtures")
+    demo.add_argument("--noise-multiplier", type=float, default=1.2, help="every silo's DP-SGD σ (default 1.2)")
+    demo.add_argument("--calibrate", action="store_true",
+                      help="instead: each silo's σ from the service, so that all rounds spend exactly its budget")
+    demo.add_argument("--lam", type=float, default=0.1, help="MR-MTL λ (default 0.1)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(run=_demo)
@@ -68,12 +72,13 @@ def _demo(args: argparse.Namespace) -> None:
     from dpledger.demo import DemoConfig, run_demo
 
     config = DemoConfig(
-        silos=args.silos, rounds=args.rounds, seed=args.seed, out=args.out, mixture=args.mixture, lam=args.lam,
+        silos=args.silos, rounds=args.rounds, seed=args.seed, out=args.out, budgets=args.budgets, lam=args.lam,
+        noise_multiplier=args.noise_multiplier, calibrate=args.calibrate,
         device=default_device(args.device), progress=not args.no_progress,
     )
     table = run_demo(config)
     print(table)
-    print(f"\nreport: {config.out}/ (metrics.jsonl, accuracy.png, epsilon.png, table.txt)")
+    print(f"\nreport: {config.out}/ (settings.json, metrics.jsonl, accuracy.png, epsilon.png, table.txt)")
 
 
 EXIT_NOTHING_TRAINED, EXIT_BAD_JOB, EXIT_LEDGER_FAILED = 1, 2, 3
