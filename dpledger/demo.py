@@ -105,7 +105,9 @@ def run_demo(config: DemoConfig) -> str:
             noise = [config.noise_multiplier] * config.silos
         runs: dict[str, JobRun] = {}
         for name in ALGORITHMS:
-            algorithm = build_algorithm(name, dataset=dataset, config=dpsgd, noise_multipliers=noise, lam=config.lam, device=config.device)
+            algorithm = build_algorithm(
+                name, dataset=dataset, config=dpsgd, noise_multipliers=noise, lam=config.lam, device=config.device
+            )
             silos = [
                 admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train)
                 for k, s in enumerate(dataset.silos)

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: the demo runs in CI and on servers
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from matplotlib.colors import Normalize  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.colors import Normalize
+from matplotlib.ticker import MaxNLocator
 
-from dpledger.trainer.loop import JobRun  # noqa: E402
+from dpledger.trainer.loop import JobRun
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(tmp
 
     low, high = f"{16 / max(sizes):.3g}", f"{16 / min(sizes):.3g}"
     q_range = low if low == high else f"{low}–{high}"
-    assert table.splitlines()[0] == f"4 silos, σ = {sigma}, q = B/n_k = {q_range} (10 steps/round), δ = 1e-05, budgets: ladder, seed 1"
+    caption = f"4 silos, σ = {sigma}, q = B/n_k = {q_range} (10 steps/round), δ = 1e-05, budgets: ladder, seed 1"
+    assert table.splitlines()[0] == caption
     assert table.splitlines()[1] == "chance accuracy: 0.100 (1/10)"
     header = table.splitlines()[3].split()
     assert header[:4] == ["silo", "budget", "ε", "σ"] and "mrmtl" in header and header.count("ε") == 4
