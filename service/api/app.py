@@ -21,7 +21,6 @@ from dpledger.service.ledger import keys as ledger_keys
 from dpledger.service.ledger.db import make_engine, make_session_factory
 from dpledger.service.settings import Settings, get_settings
 
-
 DOCS_ASSETS = "/docs-assets"
 
 

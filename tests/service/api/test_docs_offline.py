@@ -23,7 +23,7 @@ def client() -> TestClient:
     ("/docs", {"swagger-ui-bundle.js", "swagger-ui.css", "favicon.png"}),
     ("/redoc", {"redoc.standalone.js", "favicon.png"}),
 ])
-def test_docs_pages_reference_only_their_own_host_and_every_asset_is_served(client: TestClient, page: str, assets: set[str]) -> None:
+def test_docs_pages_name_no_other_host_and_every_asset_is_served(client: TestClient, page: str, assets: set[str]) -> None:
     html = client.get(page)
     assert html.status_code == 200
     references = REFERENCE.findall(html.text)
