@@ -7,6 +7,7 @@ from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
 
 from dpledger.service.api import errors, metrics
+from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.api.routes import (
     audit,
     charges,
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = make_engine(settings.database_url)
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.refusals = RefusalLog()
     if settings.admin_key:
         ledger_keys.ensure_admin_key(app.state.session_factory, settings.admin_key)
 
