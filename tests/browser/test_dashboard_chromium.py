@@ -124,9 +124,11 @@ def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server:
             reserves = [entry for entry in history if entry["event"] == "reserve"]
             for entry in reserves:  # time, σ, q (the service's B / n) and steps of every charge, as the API has them
                 row = page.locator(f'tr[data-charge-id="{entry["charge_id"]}"]')
-                assert row.locator("td[data-created-at]").get_attribute("data-created-at") == entry["created_at"].replace("Z", "+00:00")
+                created = row.locator("td[data-created-at]").get_attribute("data-created-at")
+                assert created == entry["created_at"].replace("Z", "+00:00")
                 assert row.locator("td[data-sigma]").inner_text() == "1"
-                assert json.loads(row.locator("td[data-q]").get_attribute("data-q") or "") == entry["mechanism"]["sampling_rate"] == 20 / 2000
+                q = json.loads(row.locator("td[data-q]").get_attribute("data-q") or "")
+                assert q == entry["mechanism"]["sampling_rate"] == 20 / 2000
                 assert row.locator("td[data-steps]").inner_text() == "10"
             assert page.locator("#verification").get_attribute("data-ok") == "true"
             assert page.locator("#verification").inner_text().startswith(f"verified: {len(history)} entries")

@@ -299,8 +299,8 @@ def test_the_overview_flags_a_broken_chain_and_counts_refusals_and_charges_show_
 @pytest.mark.parametrize(("stored", "expected"), [
     ('{"type": "dpsgd", "noise_multiplier": 1.1, "sampling_rate": 0.02, "steps": 10, "batch_size": 20}', (1.1, 0.02, 10)),
     ('{"type": "poisson_sampled", "sampling_rate": 0.5, "event": {"type": "gaussian", "noise_multiplier": 2.0}}', (2.0, 0.5, 1)),
-    ('{"type": "self_composed", "count": 3, "event": {"type": "dpsgd", "noise_multiplier": 1.0, "sampling_rate": 0.1, "steps": 4}}',
-     (1.0, 0.1, 12)),
+    ('{"type": "self_composed", "count": 3, "event": '
+     '{"type": "dpsgd", "noise_multiplier": 1.0, "sampling_rate": 0.1, "steps": 4}}', (1.0, 0.1, 12)),
     ('{"type": "gaussian", "noise_multiplier": 4.0}', (4.0, None, 1)),
     ('{"type": "composed", "events": [{"type": "gaussian", "noise_multiplier": 4.0}]}', (None, None, None)),
     ('{"type": "laplace", "noise_multiplier": 1.0}', (None, None, None)),
