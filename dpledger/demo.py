@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn
 
 import numpy as np
 from tqdm import tqdm
@@ -30,15 +30,15 @@ from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.budgets import draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
-    MRMTL,
     DPSGDConfig,
-    FedAvg,
     FederatedAlgorithm,
-    LocalTraining,
+    registry,
 )
+from dpledger.trainer.job import algorithm_args
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 from dpledger.trainer.report import DemoSettings, write_report
 
+# The three points of the personalization spectrum the demo compares (names of the registry).
 ALGORITHMS = ("local", "fedavg", "mrmtl")
 BudgetSource = Literal["ladder", "MixGauss1", "MixGauss2", "MixGauss3"]
 LADDER = (3.0, 12.0)  # the budgets' range: the cheapest silo buys ~1 round at σ = 1.2, the richest all 20
@@ -76,17 +76,8 @@ def demo_budgets(config: DemoConfig) -> list[float]:
 def build_algorithm(
     name: str, *, dataset: FederatedDataset, config: DPSGDConfig, noise_multipliers: list[float], lam: float, device: str
 ) -> FederatedAlgorithm:
-    common = dict(
-        **dataset.tensors(),
-        num_classes=dataset.n_classes, config=config, noise_multipliers=noise_multipliers, device=device,
-    )
-    if name == "local":
-        return LocalTraining(**common)  # type: ignore[arg-type]  # the dict's values are typed per key
-    if name == "fedavg":
-        return FedAvg(**common)  # type: ignore[arg-type]
-    if name == "mrmtl":
-        return MRMTL(lam=lam, **common)  # type: ignore[arg-type]
-    raise ValueError(f"algorithm must be one of {ALGORITHMS}. Found {name!r}.")
+    common = algorithm_args(dataset, config=config, noise_multipliers=noise_multipliers, device=device)
+    return registry.build(name, common, {"lam": lam})
 
 
 def run_demo(config: DemoConfig) -> str:
@@ -112,7 +103,7 @@ def run_demo(config: DemoConfig) -> str:
                 admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train)
                 for k, s in enumerate(dataset.silos)
             ]
-            gated = [GatedSilo(s["id"], LedgerClient(url, s["api_key"])) for s in silos]
+            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key)) for s in silos]
             bar = tqdm(total=config.rounds, desc=f"{name:>7}", unit="round", disable=not config.progress)
             try:
                 runs[name] = run_gated(algorithm, gated, rounds=config.rounds, job_id=f"demo-{name}", on_round=_advance(bar))
@@ -132,7 +123,9 @@ def run_demo(config: DemoConfig) -> str:
     return write_report(config.out, runs, settings)
 
 
-def _advance(bar: tqdm) -> Callable[[RoundRecord], None]:  # type: ignore[type-arg]  # tqdm is generic only in its stubs
+def _advance(bar: tqdm[NoReturn]) -> Callable[[RoundRecord], None]:
+    """A round loop's callback that advances `bar` once per finished round, showing who still trains."""
+
     def on_round(record: RoundRecord) -> None:
         bar.set_postfix_str(f"silos training {sum(record.approved)}")
         bar.update()

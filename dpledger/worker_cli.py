@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dpledger.trainer.job_config import ALGORITHMS  # pydantic only: the parser loads no torch
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dpledger")
@@ -31,7 +33,8 @@ def main(argv: list[str]) -> int:
     train = commands.add_parser("train", help="run a configured job against any ledger URL")
     train.add_argument("config", type=Path, nargs="?", help="a TOML file (see README)")
     train.add_argument("--url", help="the ledger's base URL")
-    train.add_argument("--algorithm", choices=["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"])
+    train.add_argument("--algorithm", choices=ALGORITHMS)
+    train.add_argument("--algorithms", action="store_true", help="print the table of algorithms and stop")
     train.add_argument("--rounds", type=int)
     train.add_argument("--job-id")
     train.add_argument("--device", default=None)
@@ -95,6 +98,12 @@ def _train(args: argparse.Namespace) -> int:
     request (whatever ran is written out)."""
     from dpledger.trainer.job_config import JobFileError, load_job
     from dpledger.trainer.preflight import PreflightError, check_silos
+
+    if args.algorithms:
+        from dpledger.trainer.job import algorithms_markdown
+
+        print(algorithms_markdown())
+        return 0
 
     overrides = {name: getattr(args, name) for name in ("url", "algorithm", "rounds", "job_id", "device")}
     try:

@@ -8,6 +8,7 @@ torch) is imported.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -21,22 +22,35 @@ from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.data.npz import load_npz_folder
 from dpledger.trainer.federated import (
-    IFCA,
-    MRMTL,
-    PPSGD,
-    ClusteredMRMTL,
+    AlgorithmArgs,
     ClusterSelection,
-    Ditto,
     DPSGDConfig,
-    FedAvg,
     FederatedAlgorithm,
-    Finetuning,
-    LocalTraining,
     clustering_rounds,
+    registry,
 )
-from dpledger.trainer.job_config import DataConfig, JobConfig, silo_key
+from dpledger.trainer.job_config import DataConfig, DpSgdSettings, JobConfig, SiloKey, silo_key
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 from dpledger.trainer.preflight import LedgerSilo
+
+__all__ = ["JOB_FIELDS", "DataConfig", "DpSgdSettings", "JobConfig", "SiloKey", "build", "load_data", "run_job"]
+
+
+# The job file's settings, by the constructor argument each fills (see `options`); an algorithm takes
+# those its constructor names. Listed once here, they also make the README's table of algorithms.
+JOB_FIELDS = {
+    "lam": "lam",
+    "personal_steps": "personal_steps",
+    "alpha": "alpha",
+    "client_rate": "client_rate",
+    "federated_rounds": "federated_rounds",
+    "clusters": "clusters",
+    "selection": "selection_noise_multiplier",
+    "selection_rounds": "cluster_fraction",
+}
+# A warm start that must end (ClusteredMRMTL's required selection_rounds) selects in the first 10% of
+# rounds unless cluster_fraction says otherwise ("IFCA 5%"/"10%" of the personalization benchmark).
+WARM_START_FRACTION = 0.1
 
 
 def load_data(config: DataConfig) -> FederatedDataset:
@@ -46,34 +60,50 @@ def load_data(config: DataConfig) -> FederatedDataset:
     return make_rotated_masked_digits(n_silos=config.silos, seed=config.seed, mask_probability=config.mask_probability)
 
 
-def build(job: JobConfig, dataset: FederatedDataset, *, device: str) -> FederatedAlgorithm:
-    common = dict(
-        **dataset.tensors(),
-        task="classification" if dataset.task == "classification" else "regression",
-        num_classes=dataset.n_classes, config=DPSGDConfig(**job.dpsgd.model_dump()), device=device,
-    )
-    match job.algorithm:
-        case "local":
-            return LocalTraining(**common)
-        case "fedavg":
-            return FedAvg(**common)
-        case "mrmtl":
-            return MRMTL(lam=job.lam, **common)
-        case "ditto":
-            return Ditto(lam=job.lam, personal_steps=job.personal_steps, **common)
-        case "ppsgd":
-            return PPSGD(alpha=job.alpha, client_rate=job.client_rate, **common)
-        case "finetune":
-            return Finetuning(federated_rounds=job.federated_rounds, **common)
-        case "ifca" | "ifca_mrmtl":
-            selection = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
-            fraction = job.cluster_fraction if job.algorithm == "ifca" else job.cluster_fraction or 0.1
-            selecting = None if fraction is None else clustering_rounds(fraction, job.rounds)
-            if job.algorithm == "ifca":
-                return IFCA(clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
-            assert selecting is not None
-            return ClusteredMRMTL(lam=job.lam, clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
-    raise AssertionError(job.algorithm)
+def algorithm_args(
+    dataset: FederatedDataset, *, config: DPSGDConfig, device: str, noise_multipliers: Sequence[float] | None = None
+) -> AlgorithmArgs:
+    """The constructor arguments every algorithm shares, for `dataset` (its tensors, task and classes)."""
+    tensors = dataset.tensors()
+    # Spelled out rather than `**tensors`: strict mypy cannot rule out extra keys in a spread TypedDict.
+    return {
+        "x_train": tensors["x_train"], "y_train": tensors["y_train"], "x_test": tensors["x_test"], "y_test": tensors["y_test"],
+        "task": "classification" if dataset.task == "classification" else "regression",
+        "num_classes": dataset.n_classes, "config": config, "noise_multipliers": noise_multipliers, "device": device,
+    }
+
+
+def build(job: JobConfig, dataset: FederatedDataset, *, device: str | None = None) -> FederatedAlgorithm:
+    common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=device or job.device or "cpu")
+    return registry.build(job.algorithm, common, settings(job))
+
+
+def settings(job: JobConfig) -> dict[str, Any]:
+    """The job's settings as constructor arguments (JOB_FIELDS), for the algorithm it names."""
+    values: dict[str, Any] = {argument: getattr(job, field) for argument, field in JOB_FIELDS.items()}
+    values["selection"] = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
+    selection_rounds = registry.options(registry.standalone()[job.algorithm]).get("selection_rounds")
+    fraction = job.cluster_fraction
+    if fraction is None and selection_rounds is not None and selection_rounds.default is inspect.Parameter.empty:
+        fraction = WARM_START_FRACTION
+    # None: select in every round (IFCA's default).
+    values["selection_rounds"] = None if fraction is None else clustering_rounds(fraction, job.rounds)
+    return values
+
+
+def algorithms_markdown() -> str:
+    """The table of algorithms in the README (and `dpledger train --algorithms`), from the registry."""
+    lines = [
+        "| `algorithm` | class | job settings | per-round mechanism of silo k | deploys |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, cls in registry.algorithms().items():
+        if cls.coordinated:
+            used = "not a job: run with the coordinator of `trainer/grouped.py`"
+        else:
+            used = ", ".join(f"`{JOB_FIELDS[a]}`" for a in registry.options(cls) if a in JOB_FIELDS) or "-"
+        lines.append(f"| `{name}` | `{cls.__name__}` | {used} | {cls.cost} | {cls.deploys} |")
+    return "\n".join(lines)
 
 
 def run_job(

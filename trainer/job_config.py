@@ -10,12 +10,13 @@ import difflib
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-Algorithm = Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"]
-ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
+# The names of trainer.federated.registry.standalone(), written out so that a job file is checked
+# without importing torch; tests/trainer/test_train.py keeps the two equal.
+ALGORITHMS: tuple[str, ...] = ("ditto", "fedavg", "finetune", "ifca", "ifca_mrmtl", "local", "mrmtl", "ppsgd")
 
 
 class JobFileError(Exception):
@@ -73,7 +74,7 @@ class SiloKey(_Strict):
 class JobConfig(_Strict):
     url: str
     job_id: Annotated[str, Field(min_length=1, max_length=150)] = "job"
-    algorithm: Algorithm = "mrmtl"
+    algorithm: str = Field("mrmtl", description="the `name` of an algorithm of trainer.federated.registry.standalone()")
     rounds: Annotated[int, Field(ge=1)] = 20
     lam: Annotated[float, Field(ge=0)] = 1.0
     personal_steps: Annotated[int, Field(ge=1)] = 5
@@ -89,6 +90,15 @@ class JobConfig(_Strict):
     data: DataConfig = DataConfig()
     dpsgd: DpSgdSettings = DpSgdSettings()
     silos: Annotated[list[SiloKey], Field(min_length=1)]
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        if value not in ALGORITHMS:
+            close = difflib.get_close_matches(value, ALGORITHMS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; found {value!r}{hint}")
+        return value
 
 
 def _fields(model: type[BaseModel], location: Sequence[int | str]) -> list[str]:
@@ -129,12 +139,10 @@ def describe(error: ValidationError) -> list[str]:
             problems.append(f"{_where(location)}: unknown key{hint}")
         elif kind == "missing" and location == ["silos"]:
             problems.append("silos: missing: add one [[silos]] table (id, key_env) per data silo, in the data's order")
-        elif kind == "literal_error" and location == ["algorithm"]:
-            close = difflib.get_close_matches(str(item.get("input")), ALGORITHMS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"algorithm: {item.get('input')!r} is not one of {', '.join(ALGORITHMS)}{hint}")
         else:
-            problems.append(f"{_where(location) or 'job'}: {message}")
+            named = str(location[-1]) if location else ""
+            # "algorithm: algorithm must be …" reads once as "algorithm: must be …"
+            problems.append(f"{_where(location) or 'job'}: {message.removeprefix(named + ' ') if named else message}")
     return problems
 
 

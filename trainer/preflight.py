@@ -14,6 +14,7 @@ from typing import Any
 
 from dpledger.trainer.client import LedgerClient, Rejected, Retry, Unreachable
 from dpledger.trainer.job_config import JobConfig, SiloKey, silo_key
+from dpledger.wire.schemas import SiloDetail
 
 PREFLIGHT_RETRY = Retry(attempts=3, first_delay=0.2)  # a ledger that is down is said in ~1 s, not ~6
 HISTORY_PAGE = 10_000
@@ -83,17 +84,17 @@ def _check_key(client: LedgerClient, entry: SiloKey) -> str | None:
         if error.status_code == 401:
             return f"the key in {entry.key_source} is unknown to this ledger or revoked"
         raise
-    if me["role"] != "silo":
-        return f"{entry.key_source} holds an {me['role']} key; each silo trains with its own silo key"
-    if me["silo_id"] != entry.id:
-        return f"{entry.key_source} holds silo {me['silo_id']}'s key, not silo {entry.id}'s: fix the id or the variable"
+    if me.role != "silo":
+        return f"{entry.key_source} holds an {me.role.value} key; each silo trains with its own silo key"
+    if me.silo_id != entry.id:
+        return f"{entry.key_source} holds silo {me.silo_id}'s key, not silo {entry.id}'s: fix the id or the variable"
     return None
 
 
-def ledger_silo(body: dict[str, Any]) -> LedgerSilo:
+def ledger_silo(body: SiloDetail) -> LedgerSilo:
     return LedgerSilo(
-        id=body["id"], name=body["name"], epsilon=body["epsilon"], delta=body["delta"], dataset_size=body["dataset_size"],
-        epsilon_spent=body["epsilon_spent"], epsilon_remaining=body["epsilon_remaining"],
+        id=body.id, name=body.name, epsilon=body.epsilon, delta=body.delta, dataset_size=body.dataset_size,
+        epsilon_spent=body.epsilon_spent, epsilon_remaining=body.epsilon_remaining,
     )
 
 
@@ -101,10 +102,10 @@ def _check_job_unused(client: LedgerClient, silo: LedgerSilo, job_id: str) -> st
     after, rounds = 0, set()
     while True:
         page = client.history_page(silo.id, after_seq=after, limit=HISTORY_PAGE)
-        rounds |= {e["round"] for e in page if e["job_id"] == job_id and e["event"] == "reserve"}
+        rounds |= {e.round for e in page if e.job_id == job_id and e.event == "reserve"}
         if len(page) < HISTORY_PAGE:
             break
-        after = page[-1]["seq"]
+        after = page[-1].seq
     if not rounds:
         return None
     known = sorted(r for r in rounds if r is not None)
@@ -157,11 +158,11 @@ def plan_silo(
         spent = [m for m in declared[:n] if m is not None]
         if not spent:
             return True
-        after = client.quote(_composition(spent), silo_id=silo.id)["epsilon_if_approved"]
+        after = client.quote(_composition(spent), silo_id=silo.id).epsilon_if_approved
         return after is not None and after <= silo.epsilon
 
     first = next((m for m in declared if m is not None), None)
-    round_epsilon = None if first is None else client.quote(first, silo_id=silo.id)["epsilon"]
+    round_epsilon = None if first is None else client.quote(first, silo_id=silo.id).epsilon
     low, high = 0, 1  # fits(low) holds; search the first n that does not fit
     while high <= horizon and fits(high):
         low, high = high, high * 2

@@ -17,7 +17,8 @@ _bearer = HTTPBearer(auto_error=False, description="an API key: admin, silo, aud
 
 
 def session_factory(request: Request) -> sessionmaker[Session]:
-    return request.app.state.session_factory  # type: ignore[no-any-return]
+    factory: sessionmaker[Session] = request.app.state.session_factory  # Starlette's state is untyped; app.py stores it
+    return factory
 
 
 FactoryDep = Annotated[sessionmaker[Session], Depends(session_factory)]

@@ -89,7 +89,8 @@ class Metrics:
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         combined = CollectorRegistry()
-        multiprocess.MultiProcessCollector(combined, path=self.multiprocess_dir)
+        # prometheus_client leaves this constructor unannotated.
+        multiprocess.MultiProcessCollector(combined, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         return generate_latest(combined)
 
 
@@ -119,7 +120,7 @@ def _request_id(scope: Scope) -> str:
     # A balancer's id is kept so lines correlate across hops; anything odd is replaced, not echoed.
     for name, value in scope.get("headers", []):
         if name == b"x-request-id":
-            candidate = value.decode("latin-1")
+            candidate: str = value.decode("latin-1")  # ASGI headers are bytes pairs; the scope is untyped
             if _REQUEST_ID.fullmatch(candidate):
                 return candidate
     return uuid.uuid4().hex
@@ -168,6 +169,7 @@ class ObserveRequests:
             fields.update(role=principal.role.value, key_id=principal.key_id)
         if getattr(route, "name", None) == RESERVE_ROUTE:
             decision = state.get("decision")
+            outcome: str
             if isinstance(decision, Decision):
                 outcome, reason = decision.outcome, decision.reason
                 fields.update(charge_id=decision.charge_id, epsilon_spent=decision.epsilon_spent)

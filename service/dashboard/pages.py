@@ -202,7 +202,10 @@ def _time(value: datetime | None) -> str:
 
 def _verification(v: Verification) -> str:
     if v.ok:
-        return f'<h2>Chain verification</h2><p id="verification" class="ok" data-ok="true">verified: {v.entries} entries, every hash recomputed</p>'
+        return (
+            '<h2>Chain verification</h2><p id="verification" class="ok" data-ok="true">'
+            f"verified: {v.entries} entries, every hash recomputed</p>"
+        )
     named = ", ".join(f"charge {c}" for c in v.bad_charge_ids) or "no single charge"
     problems = "".join(f"<li>{escape(p)}</li>" for p in v.problems)
     return (

@@ -96,7 +96,9 @@ def reserve(
         if earlier is not None:
             if earlier.request_hash != digest:
                 raise InvalidRequest("idempotency_key", "was already used for a different request to this silo")
-            return Reservation(earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after), True)
+            return Reservation(
+                earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after), True
+            )
 
         spent = RunningSum.from_json(silo.rdp_spent)
         candidate = spent.add(curve)

@@ -4,6 +4,7 @@ PostgreSQL: row locks (`SELECT … FOR UPDATE`) taken by the ledger."""
 from __future__ import annotations
 
 import fcntl
+import sqlite3
 import threading
 import weakref
 from collections.abc import Iterator
@@ -13,8 +14,9 @@ from typing import IO
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 import dpledger.migrations
 
@@ -42,7 +44,7 @@ class SqliteWriters:
         try:
             if self._path is not None:
                 if self._file is None:
-                    self._file = open(self._path, "ab")  # noqa: SIM115 - held for the process's life
+                    self._file = open(self._path, "ab")
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_EX)
         except BaseException:
             self._threads.release()
@@ -67,7 +69,7 @@ def make_engine(url: str) -> Engine:
 
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
         # Let SQLAlchemy emit BEGIN itself, so that writes can ask for BEGIN IMMEDIATE.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
@@ -79,7 +81,7 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(connection) -> None:  # type: ignore[no-untyped-def]
+    def _on_begin(connection: Connection) -> None:
         # A deferred transaction that reads, then writes, can fail with SQLITE_BUSY_SNAPSHOT when
         # another writer got in between; IMMEDIATE takes the write lock up front and waits for it.
         immediate = connection.get_execution_options().get(_IMMEDIATE, False)
@@ -93,7 +95,8 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 @contextmanager
 def write_transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """One transaction that holds SQLite's write lock from its first statement; commits on exit."""
-    writers = _SQLITE_WRITERS.get(factory.kw.get("bind"))
+    bind = factory.kw.get("bind")
+    writers = _SQLITE_WRITERS.get(bind) if isinstance(bind, Engine) else None
     # The session opens and closes (its connection back to the pool) outside the writers' queue.
     with factory() as session, writers if writers is not None else nullcontext():
         session.connection(execution_options={_IMMEDIATE: True})

@@ -17,7 +17,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from dpledger.wire.enums import ChargeStatus, EntryEvent, Role, SearchStatus
+# Re-exported (`X as X`): the tables' vocabularies are part of what this module offers its callers.
+from dpledger.wire.enums import ChargeStatus as ChargeStatus
+from dpledger.wire.enums import EntryEvent as EntryEvent
+from dpledger.wire.enums import Role as Role
+from dpledger.wire.enums import SearchStatus as SearchStatus
 
 
 class Base(DeclarativeBase):

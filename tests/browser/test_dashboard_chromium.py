@@ -97,7 +97,9 @@ def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server:
                     assert json.loads(cell.get_attribute(f"data-{field.replace('_', '-')}") or "") == api_silo[field], field
                 assert row.locator("td[data-epsilon-spent]").inner_text() == f"{api_silo['epsilon_spent']:.6g}"
                 bar = row.locator("svg.bar rect.bar-spent")
-                assert float(bar.get_attribute("width") or "") == pytest.approx(160 * api_silo["epsilon_spent"] / api_silo["epsilon"], abs=0.01)
+                assert float(bar.get_attribute("width") or "") == pytest.approx(
+                    160 * api_silo["epsilon_spent"] / api_silo["epsilon"], abs=0.01
+                )
             assert expected[ids[2]]["epsilon_spent"] == 0.0 and expected[ids[1]]["epsilon_spent"] > 0.0
 
             # The inline stylesheet applied: its CSP hash matches what the page sends.

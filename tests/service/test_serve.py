@@ -53,7 +53,11 @@ def test_keys_create_bootstraps_an_admin_without_any_env_key(tmp_path) -> None:
     env = {**os.environ, "DATABASE_URL": url}
     env.pop("DPLEDGER_ADMIN_KEY", None)
     out = subprocess.run(
-        [sys.executable, "-m", "dpledger.cli", "keys", "create", "--role", "admin"], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "dpledger.cli", "keys", "create", "--role", "admin"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     key = json.loads(out.stdout)["api_key"]
 
@@ -90,8 +94,11 @@ def test_serve_with_two_workers_sums_metrics_across_processes_and_logs_json(tmp_
                               json={"name": "clinic", "epsilon": 10.0, "delta": 1e-5, "dataset_size": 1000}).json()
             step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
             for i in range(8):  # a new connection each time, so the kernel spreads them over the workers
-                response = httpx.post(f"{url}/v1/silos/{silo['id']}/charges", json={"mechanism": step, "idempotency_key": f"k{i}"},
-                                      headers={"Authorization": f"Bearer {silo['api_key']}"})
+                response = httpx.post(
+                    f"{url}/v1/silos/{silo['id']}/charges",
+                    json={"mechanism": step, "idempotency_key": f"k{i}"},
+                    headers={"Authorization": f"Bearer {silo['api_key']}"},
+                )
                 assert response.status_code == 201
 
             text = httpx.get(f"{url}/metrics").text
@@ -100,7 +107,10 @@ def test_serve_with_two_workers_sums_metrics_across_processes_and_logs_json(tmp_
             process.wait(timeout=20)
 
     assert 'dpledger_charge_decisions_total{outcome="approved",reason="reserved"} 8.0' in text
-    assert 'dpledger_http_request_duration_seconds_count{method="POST",route="/v1/silos/{silo_id}/charges",status_class="2xx"} 8.0' in text
+    assert (
+        'dpledger_http_request_duration_seconds_count{method="POST",route="/v1/silos/{silo_id}/charges",status_class="2xx"} 8.0'
+        in text
+    )
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     assert {"uvicorn.error", "dpledger.access"} <= {line["logger"] for line in lines}
     assert sum(line.get("outcome") == "approved" for line in lines if line["logger"] == "dpledger.access") == 8

@@ -75,8 +75,8 @@ def test_every_mistake_in_the_job_file_is_one_line_before_torch_loads(tmp_path: 
     done = run_cli(["train", str(bad)], env={"PATH": "/usr/bin"})
     assert done.returncode == 2 and done.stdout == "False\n"  # torch was never imported
     assert sorted(done.stderr.splitlines()) == sorted([
-        f"dpledger train: {bad}: algorithm: 'fedvag' is not one of local, fedavg, mrmtl, ditto, ppsgd, finetune, ifca,"
-        " ifca_mrmtl (did you mean fedavg?)",
+        f"dpledger train: {bad}: algorithm: must be one of ditto, fedavg, finetune, ifca, ifca_mrmtl, local, mrmtl, ppsgd;"
+        " found 'fedvag' (did you mean fedavg?)",
         f"dpledger train: {bad}: round: unknown key (did you mean rounds?)",
         f"dpledger train: {bad}: dpsgd.noise_multplier: unknown key (did you mean dpsgd.noise_multiplier?)",
         f"dpledger train: {bad}: silos: missing: add one [[silos]] table (id, key_env) per data silo, in the data's order",
@@ -218,3 +218,10 @@ def test_train_that_trains_nothing_says_so_and_exits_1(
         "dpledger train: nothing trained: the ledger refused every silo's first round (see `dpledger train --plan`)"
     )
     assert "spent" not in err.splitlines()[-1]
+
+
+def test_the_job_files_algorithms_are_the_registrys() -> None:
+    from dpledger.trainer.federated import registry
+    from dpledger.trainer.job_config import ALGORITHMS
+
+    assert ALGORITHMS == tuple(registry.standalone())

@@ -81,7 +81,10 @@ async def login(request: Request, factory: FactoryDep) -> Response:
         return _html(pages.login("Unknown or revoked API key."), status.HTTP_401_UNAUTHORIZED)
     role = Role(key.role)
     if role not in READERS:
-        message = f"A key of role '{role.value}' may not open the dashboard: it shows every silo's budget, so only admin and auditor keys may."
+        message = (
+            f"A key of role '{role.value}' may not open the dashboard: "
+            "it shows every silo's budget, so only admin and auditor keys may."
+        )
         return _html(pages.problem("not allowed", message, signed_in=False), status.HTTP_403_FORBIDDEN)
     response = RedirectResponse("/dashboard", status_code=status.HTTP_303_SEE_OTHER)
     # HttpOnly: no script can read the key; SameSite=Strict: no other site's form can post with it.

@@ -35,7 +35,12 @@ class World:
         self.counter += 1
         response = self.client.post(  # type: ignore[attr-defined]
             f"/v1/silos/{self.silo_id}/searches",
-            json={"trial": STEP, "mean_trials": 1, "distribution": {"kind": "geometric"}, "idempotency_key": f"setup-s-{self.counter}"},
+            json={
+                "trial": STEP,
+                "mean_trials": 1,
+                "distribution": {"kind": "geometric"},
+                "idempotency_key": f"setup-s-{self.counter}",
+            },
             headers=self.keys["own_silo"],
         )
         assert response.status_code == 201
@@ -121,7 +126,11 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
         case "report_trial":
             return "POST", f"/v1/searches/{world.search()}/trials", {"score": 0.5}
         case "quote_search":
-            return "POST", "/v1/searches/quote", {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5}
+            return (
+                "POST",
+                "/v1/searches/quote",
+                {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5},
+            )
     raise AssertionError(route)
 
 
@@ -162,7 +171,7 @@ def test_every_role_gets_the_answer_of_the_role_table(world: World, route: str) 
         method, path, body = request_for(route, world)
         response = world.client.request(method, path, json=body, headers=world.keys[role])  # type: ignore[attr-defined]
         answers[role] = response.status_code
-    assert answers == dict(zip(ROLES, EXPECTED[route]))
+    assert answers == dict(zip(ROLES, EXPECTED[route], strict=True))
 
 
 def test_every_route_of_the_app_is_in_the_matrix(app) -> None:  # type: ignore[no-untyped-def]
