@@ -11,9 +11,13 @@ import logging.config
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpledger.service import people_cli
 from dpledger.service.logging_setup import FORMATS, logging_config
+
+if TYPE_CHECKING:
+    from dpledger.service.settings import Settings
 
 WORKER_COMMANDS = ("demo", "train", "tune")
 
@@ -101,7 +105,8 @@ def _variable(location: tuple[int | str, ...]) -> str:
     return f"DPLEDGER_{named[0].upper()}: " if named else ""
 
 
-def _settings():  # type: ignore[no-untyped-def]  # the service's Settings, imported late (see _serve)
+def _settings() -> Settings:
+    """The service's settings, imported late so that `dpledger --help` stays light."""
     from dpledger.service.settings import get_settings
 
     return get_settings()
@@ -141,7 +146,7 @@ def _migrate(_: argparse.Namespace) -> None:
 
 
 @_one_line
-def _init(_: argparse.Namespace) -> None:
+def _init(args: argparse.Namespace) -> None:
     from sqlalchemy import select
 
     from dpledger.service.ledger.db import make_engine, make_session_factory, migrate, write_transaction

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -178,9 +179,9 @@ def _ledger_after(job: Any, silos: list[Any]) -> list[Any]:
     """Each silo as the ledger shows it now, for the summary; None where the ledger is silent."""
     from dpledger.trainer.client import LedgerClient, LedgerError
     from dpledger.trainer.job_config import silo_key
-    from dpledger.trainer.preflight import PREFLIGHT_RETRY, ledger_silo
+    from dpledger.trainer.preflight import PREFLIGHT_RETRY, LedgerSilo, ledger_silo
 
-    after = []
+    after: list[LedgerSilo | None] = []
     for silo, entry in zip(silos, job.silos, strict=True):
         with LedgerClient(job.url, silo_key(entry, os.environ), retry=PREFLIGHT_RETRY, timeout=10.0) as client:
             try:
@@ -203,6 +204,10 @@ def _summary_table(run: Any, silos: list[Any], after: list[Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])
 
 
+def _declared(declared: list[list[dict[str, Any] | None]], k: int, round_index: int) -> dict[str, Any] | None:
+    return declared[round_index][k]
+
+
 def _plan(job: Any, silos: list[Any], algorithm: Any) -> int:
     from dpledger.trainer.client import LedgerClient, LedgerError
     from dpledger.trainer.job_config import silo_key
@@ -214,7 +219,7 @@ def _plan(job: Any, silos: list[Any], algorithm: Any) -> int:
     for k, (silo, entry) in enumerate(zip(silos, job.silos, strict=True)):
         with LedgerClient(job.url, silo_key(entry, os.environ)) as client:
             try:
-                plans.append(plan_silo(client, silo, lambda r, k=k: declared[r][k], horizon=horizon))
+                plans.append(plan_silo(client, silo, functools.partial(_declared, declared, k), horizon=horizon))
             except LedgerError as error:
                 _say(f"{silo.label}: the ledger could not quote its rounds: {error}")
                 return EXIT_LEDGER_FAILED
