@@ -43,6 +43,8 @@ def main(argv: list[str]) -> int:
                        "(default dpledger-job-JOB_ID)")
     train.add_argument("--plan", action="store_true",
                        help="train nothing: print each silo's ε per round and how many rounds its remaining budget buys")
+    train.add_argument("--calibrate", action="store_true",
+                       help="with --plan: also the σ at which each silo's remaining budget buys all the job's rounds")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(run=_train)
 
@@ -143,7 +145,7 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
         return EXIT_BAD_JOB
     algorithm = build(job, dataset, device=default_device(job.device))
     if args.plan:
-        return _plan(job, silos, algorithm)
+        return _plan(job, silos, algorithm, calibrate=args.calibrate)
 
     bar = tqdm(total=job.rounds, desc=job.job_id, unit="round", file=sys.stderr, disable=args.no_progress)
 
@@ -208,30 +210,49 @@ def _declared(declared: list[list[dict[str, Any] | None]], k: int, round_index: 
     return declared[round_index][k]
 
 
-def _plan(job: Any, silos: list[Any], algorithm: Any) -> int:
+def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int:
     from dpledger.trainer.client import LedgerClient, LedgerError
     from dpledger.trainer.job_config import silo_key
-    from dpledger.trainer.preflight import format_plan, plan_silo
+    from dpledger.trainer.preflight import format_plan, plan_silo, sigma_up
 
     horizon = max(job.rounds, PLAN_HORIZON)
     declared = [algorithm.round_mechanisms(r) for r in range(horizon)]
-    plans = []
+    plans, sigmas = [], []
     for k, (silo, entry) in enumerate(zip(silos, job.silos, strict=True)):
         with LedgerClient(job.url, silo_key(entry, os.environ)) as client:
             try:
                 plans.append(plan_silo(client, silo, functools.partial(_declared, declared, k), horizon=horizon))
+                if calibrate:
+                    sigmas.append(_calibrated(client, silo.id, [declared[r][k] for r in range(job.rounds)], rounds=job.rounds))
             except LedgerError as error:
                 _say(f"{silo.label}: the ledger could not quote its rounds: {error}")
                 return EXIT_LEDGER_FAILED
     print(f"plan of job {job.job_id!r}: {job.algorithm}, {job.rounds} rounds, noise_multiplier "
           f"{job.dpsgd.noise_multiplier}, batch_size {job.dpsgd.batch_size}, local_steps {job.dpsgd.local_steps}; "
           "ε from the ledger's own quotes at each silo's δ")
-    print(format_plan(plans, rounds=job.rounds))
+    print(format_plan(plans, rounds=job.rounds, sigmas=sigmas if calibrate else None))
     for plan in plans:
         if plan.affordable_rounds < job.rounds:
             print(f"{plan.silo.label}: its budget stops it after {plan.affordable_rounds} of {job.rounds} rounds; "
                   "raise dpsgd.noise_multiplier or lower rounds to train them all")
+    if calibrate:
+        known = [s for s in sigmas if s is not None]
+        if len(known) == len(sigmas):
+            print(f"every silo trains all {job.rounds} rounds at dpsgd.noise_multiplier = {sigma_up(max(known))} "
+                  "(the largest σ above: one σ serves every silo of a job)")
+        else:
+            print("σ is calibrated only where every round is plain DP-SGD of one shape (— elsewhere)")
     return 0
+
+
+def _calibrated(client: Any, silo_id: int, mechanisms: list[dict[str, Any] | None], *, rounds: int) -> float | None:
+    """The ledger's σ for `rounds` more rounds of this silo (POST /v1/silos/{id}/calibrate), where
+    every round is the same plain DP-SGD; None where a round also queries otherwise (IFCA's selection)."""
+    first = mechanisms[0]
+    if first is None or first.get("type") != "dpsgd" or any(m != first for m in mechanisms):
+        return None
+    plan = client.calibrate_silo(silo_id, batch_size=int(first["batch_size"]), steps_per_round=int(first["steps"]), rounds=rounds)
+    return float(plan.noise_multiplier)
 
 
 def _tune(args: argparse.Namespace) -> None:

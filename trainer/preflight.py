@@ -8,6 +8,7 @@ the silo), so the plan and the approvals cannot disagree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -173,13 +174,25 @@ def plan_silo(
     return SiloPlan(silo=silo, round_epsilon=round_epsilon, affordable_rounds=low, horizon=horizon)
 
 
-def format_plan(plans: Sequence[SiloPlan], *, rounds: int) -> str:
-    header = ("silo", "name", "ε budget", "ε spent", "ε of one round", f"rounds it buys (of {rounds})")
-    rows = []
-    for p in plans:
+def sigma_up(sigma: float, digits: int = 4) -> str:
+    """σ shown to `digits` significant digits, rounded up: a rounded-down σ could overspend."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(sigma)))
+    return f"{math.ceil(sigma * scale - 1e-9) / scale:.{digits}g}"
+
+
+def format_plan(plans: Sequence[SiloPlan], *, rounds: int, sigmas: Sequence[float | None] | None = None) -> str:
+    header: tuple[str, ...] = ("silo", "name", "ε budget", "ε spent", "ε of one round", f"rounds it buys (of {rounds})")
+    if sigmas is not None:
+        header = (*header, f"σ for all {rounds} rounds")
+    rows: list[tuple[str, ...]] = []
+    for index, p in enumerate(plans):
         spent = "inf" if p.silo.epsilon_spent is None else f"{p.silo.epsilon_spent:.4g}"
         one = "inf" if p.round_epsilon is None else f"{p.round_epsilon:.4g}"
         bought = f"≥ {p.horizon}" if p.affordable_rounds >= p.horizon else str(p.affordable_rounds)
-        rows.append((str(p.silo.id), p.silo.name, f"{p.silo.epsilon:.4g}", spent, one, bought))
+        row: tuple[str, ...] = (str(p.silo.id), p.silo.name, f"{p.silo.epsilon:.4g}", spent, one, bought)
+        if sigmas is not None:
+            sigma = sigmas[index]
+            row = (*row, "—" if sigma is None else sigma_up(sigma))
+        rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])

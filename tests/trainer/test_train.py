@@ -168,6 +168,29 @@ def test_plan_prints_the_ledgers_cost_per_round_and_the_rounds_each_budget_buys(
         assert httpx.get(f"{ledger}/v1/silos/{silo.id}", headers=ADMIN).json()["epsilon_spent"] == 0.0
 
 
+def test_plan_calibrate_gives_the_sigma_at_which_each_remaining_budget_buys_every_round(
+    ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    budgets = [2.0, 5.0]
+    silos = [create(ledger, f"cal-{k}", e) for k, e in enumerate(budgets)]
+    for k, s in enumerate(silos):
+        monkeypatch.setenv(f"KEY_{k}", s.key)
+    job = job_file(tmp_path / "cal.toml", ledger, [s.id for s in silos], job_id="cal", rounds=6)
+    assert main(["train", str(job), "--plan", "--calibrate"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sigmas = [float(lines[2 + k].split()[-1]) for k in range(2)]
+
+    def epsilon(sigma: float) -> float:
+        accountant = rdp_lib.RdpAccountant()
+        accountant.compose(de.PoissonSampledDpEvent(BATCH / SIZES[0], de.GaussianDpEvent(sigma)), 6 * STEPS)
+        return float(accountant.get_epsilon(DELTA))
+
+    for sigma, budget in zip(sigmas, budgets, strict=True):
+        assert epsilon(sigma) <= budget < epsilon(sigma * 0.99)  # enough, and not much more than enough
+    assert sigmas[0] > sigmas[1]
+    assert lines[-1].startswith(f"every silo trains all 6 rounds at dpsgd.noise_multiplier = {lines[2].split()[-1]} ")
+
+
 def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
     ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
