@@ -80,7 +80,8 @@ def run_gated(
     spent = [0.0] * len(silos)
     for round_index in range(rounds):
         if all(run.stopped):
-            run.stop_reason = "the ledger refused every silo's next round: it would exceed the silo's budget"
+            if run.stop_reason is None:  # else it says why a silo stopped other than by its budget
+                run.stop_reason = "the ledger refused every silo's next round: it would exceed the silo's budget"
             break
         mechanisms = algorithm.round_mechanisms(round_index)
         charges: dict[int, int] = {}
@@ -97,6 +98,16 @@ def run_gated(
                 except Denied as denial:
                     run.stopped[k] = refused[k] = True
                     run.refusals[k] = Refusal(round_index, denial.epsilon, denial.epsilon_spent, denial.epsilon_if_approved)
+                    continue
+                if not reservation.may_train:
+                    # A replay of an earlier run's reservation (the same job id again): that round may
+                    # have read the data already and is paid once; training it again would be unpaid.
+                    run.stopped[k] = True
+                    run.failed = True
+                    run.stop_reason = (
+                        f"silo {silo.silo_id}: round {round_index} of job {job_id!r} was reserved before (charge "
+                        f"{reservation.charge_id}, {reservation.status.value}); it is not trained again: use a new job id"
+                    )
                     continue
                 charges[k] = reservation.charge_id
                 spent[k] = reservation.epsilon_spent

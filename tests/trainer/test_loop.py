@@ -78,6 +78,22 @@ def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> Non
     assert spent.epsilon_spent <= budgets[0] * (1 + 1e-9)
 
 
+def test_a_second_run_under_the_same_job_id_trains_nothing_on_the_replayed_reservations(ledger: str) -> None:
+    algorithm = digits_mrmtl(2)
+    silos = register(ledger, algorithm, [1000.0, 1000.0], "replay")
+    first = run_gated(algorithm, silos, rounds=2, job_id="replay", on_round=None)
+    assert first.approved_rounds() == [2, 2] and not first.failed
+    again = digits_mrmtl(2)
+    second = run_gated(again, silos, rounds=2, job_id="replay")
+    assert second.failed and second.stopped == [True, True] and second.approved_rounds() == [0, 0]
+    assert "was reserved before" in (second.stop_reason or "") and "use a new job id" in (second.stop_reason or "")
+    assert all(torch.equal(t, again.state()[name]) for name, t in digits_mrmtl(2).state().items())  # untouched
+    spent = silos[0].client.silo(silos[0].silo_id)
+    assert [e.event for e in silos[0].client.history(silos[0].silo_id)].count("reserve") == 2  # charged once
+    q = algorithm.batch_sizes[0] / algorithm.train.sizes[0]
+    assert spent.epsilon_spent == pytest.approx(epsilon_after(2, q=q), rel=1e-9)
+
+
 def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
     records = []
     for attempt in range(2):
