@@ -222,6 +222,12 @@ class KeyCreated(BaseModel):
     api_key: str
 
 
+class KeyInfo(BaseModel):
+    key_id: int
+    role: Role
+    silo_id: int | None = Field(description="the silo a silo key acts for; null for other roles")
+
+
 class LevelCreateRequest(_Request):
     name: Text
     epsilon: Epsilon
