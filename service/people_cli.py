@@ -33,6 +33,9 @@ def _detail(response: httpx.Response) -> str:
         detail = response.json().get("detail")
     except (ValueError, AttributeError):
         return response.text.strip()[:200]
+    if isinstance(detail, list) and all(isinstance(d, dict) and "loc" in d for d in detail):
+        # FastAPI's validation errors: the field and the reason, not the JSON
+        return "; ".join(f"{'.'.join(str(p) for p in d['loc'] if p != 'body')}: {d.get('msg', '')}" for d in detail)
     return detail if isinstance(detail, str) else json.dumps(detail)
 
 
@@ -55,10 +58,11 @@ def _request(method: str, path: str, *, params: dict[str, Any] | None = None, bo
         )
     except httpx.HTTPError as error:
         raise CliError(f"cannot reach the ledger at {url} (DPLEDGER_URL): {error}") from None
+    verb = "read" if method == "GET" else "write"
     if response.status_code == 401:
         raise CliError(f"401 unauthorized: DPLEDGER_KEY was refused ({_detail(response)})")
     if response.status_code == 403:
-        raise CliError(f"403 forbidden: this key may not read {path} ({_detail(response)})")
+        raise CliError(f"403 forbidden: this key may not {verb} {path} ({_detail(response)})")
     if response.status_code >= 400:
         raise CliError(f"HTTP {response.status_code} from {path}: {_detail(response)}")
     return response
@@ -114,6 +118,22 @@ DETAIL_FIELDS = (
     ("ε spent", "epsilon_spent"), ("ε committed", "epsilon_committed"), ("ε remaining", "epsilon_remaining"),
     ("zCDP ρ", "rho"), ("RDP order", "order"),
 )
+
+
+@_reports_errors
+def silos_create(args: argparse.Namespace) -> int:
+    body = {"name": args.name, "epsilon": args.epsilon, "delta": args.delta, "dataset_size": args.dataset_size}
+    silo: dict[str, Any] = _request("POST", "/v1/silos", body=body).json()
+    if args.json:
+        print(json.dumps(silo, indent=2))
+        return 0
+    print(silo["api_key"])  # alone on stdout, so that `export SILO1_KEY=$(dpledger silos create …)` works
+    print(
+        f"silo {silo['id']} {silo['name']!r} created: ε = {number(silo['epsilon'])}, δ = {number(silo['delta'])}, "
+        f"dataset_size = {silo['dataset_size']}; its key (above, on stdout) is shown once",
+        file=sys.stderr,
+    )
+    return 0
 
 
 @_reports_errors
@@ -192,6 +212,16 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     listing = actions.add_parser("list", help="a table of every silo: budget, δ, ε spent, remaining")
     listing.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
     listing.set_defaults(run=silos_list)
+    create = actions.add_parser(
+        "create", help="register a silo (admin key) and print its own key once",
+        description=f"{env_note} The silo's key alone goes to stdout, a summary to stderr.",
+    )
+    create.add_argument("name")
+    create.add_argument("--epsilon", type=float, required=True, help="the silo's ε budget")
+    create.add_argument("--delta", type=float, required=True, help="the silo's δ")
+    create.add_argument("--dataset-size", type=int, required=True, help="records the silo trains on (q = B / this)")
+    create.add_argument("--json", action="store_true", help="the API's JSON (key included) instead")
+    create.set_defaults(run=silos_create)
     show = actions.add_parser("show", help="one silo's budget in detail")
     show.add_argument("silo_id", type=int, metavar="ID")
     show.add_argument("--json", action="store_true", help="the API's JSON instead of a table")

@@ -39,7 +39,9 @@ from dpledger.wire.schemas import (
     HistoryEntry,
     JobCreated,
     KeyCreated,
+    KeyInfo,
     OverBudgetResponse,
+    QuoteResponse,
     SiloCalibration,
     SiloCreated,
     SiloDetail,
@@ -305,6 +307,27 @@ class LedgerClient:
         return self._expect(self._send("GET", f"/v1/jobs/{job_id}/rounds/{round}/groups"), GroupsResponse, 200).groups
 
     # --- anyone ------------------------------------------------------------------------------------
+    def who_am_i(self) -> KeyInfo:
+        """The key's id, role and silo (GET /v1/keys/me)."""
+        return self._expect(self._send("GET", "/v1/keys/me"), KeyInfo, 200)
+
+    def history_page(self, silo_id: int, *, after_seq: int, limit: int) -> list[HistoryEntry]:
+        answer = self._send("GET", f"/v1/silos/{silo_id}/history?after_seq={after_seq}&limit={limit}")
+        if answer.response.status_code != 200:
+            raise Rejected(answer.response.status_code, self._body(answer.response))
+        return _HISTORY.validate_json(answer.response.content)
+
+    def quote(self, mechanism: AnyMechanism | Mapping[str, Any], *, silo_id: int | None = None,
+              delta: float | None = None) -> QuoteResponse:
+        """What `mechanism` costs alone, and (with silo_id) the silo's ε if it were added: the
+        service's own accounting, so a plan and an approval agree."""
+        body: dict[str, Any] = {"mechanism": as_mechanism(mechanism).model_dump(mode="json", exclude_none=True)}
+        if silo_id is not None:
+            body["silo_id"] = silo_id
+        if delta is not None:
+            body["delta"] = delta
+        return self._expect(self._send("POST", "/v1/quote", body), QuoteResponse, 200)
+
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
         return self._expect(self._send("POST", "/v1/calibrate", body), CalibrateResponse, 200).noise_multiplier

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from fastapi import APIRouter, Request, Response, status
 
 from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
+from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import OverBudget
 from dpledger.wire.schemas import (
@@ -38,6 +41,10 @@ def reserve_charge(
             job_id=body.job_id, round=body.round,
         )
     except OverBudget as refusal:
+        request.app.state.refusals.record(silo_id, Refusal(
+            at=datetime.now(UTC), job_id=body.job_id, round=body.round,
+            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
+        ))
         note_decision(request, Decision(
             outcome="refused", reason="over_budget", silo_id=silo_id, charge_id=None,
             epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,

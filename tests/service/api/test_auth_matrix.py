@@ -203,3 +203,18 @@ def test_a_refused_coordinator_learns_nothing_of_a_budget(world: World) -> None:
     response = world.client.get(f"/v1/silos/{world.silo_id}", headers=world.keys["coordinator"])  # type: ignore[attr-defined]
     assert response.status_code == 403
     assert response.json() == {"detail": "role 'coordinator' may not do this"}
+
+
+def test_keys_me_names_the_callers_role_and_silo_and_a_foreign_silo_says_whose_key_it_is(client) -> None:  # type: ignore[no-untyped-def]
+    body = {"name": "me-a", "epsilon": 1.0, "delta": 1e-5, "dataset_size": 10}
+    silo = client.post("/v1/silos", json=body, headers=ADMIN).json()
+    own = {"Authorization": f"Bearer {silo['api_key']}"}
+    me = client.get("/v1/keys/me", headers=own).json()
+    assert (me["role"], me["silo_id"]) == ("silo", silo["id"]) and me["key_id"] >= 1
+    assert client.get("/v1/keys/me", headers=ADMIN).json()["silo_id"] is None
+    assert client.get("/v1/keys/me").status_code == 401
+    other = client.get(f"/v1/silos/{silo['id'] + 1}", headers=own)
+    assert other.status_code == 403
+    assert other.json()["detail"] == (
+        f"a silo key may act only on its own silo: this key is silo {silo['id']}'s, not silo {silo['id'] + 1}'s"
+    )
