@@ -377,6 +377,10 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
         public = capsys.readouterr().out
         served_key = httpx.get(f"{server}/v1/log/public-key", headers=ADMIN).json()["public_key"]
         assert f"ed25519 {served_key}" in public
+        assert main(["verify", "--receipts", str(receipts), "--public-key", served_key]) == 0  # pinned out of band
+        wrong = Ed25519PrivateKey.generate().public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        assert main(["verify", "--receipts", str(receipts), "--public-key", wrong.hex()]) == 1
+        assert "the ledger's signing key changed" in capsys.readouterr().out
         overview = httpx.get(f"{server}/dashboard", cookies={"dpledger_dashboard_key": ADMIN_KEY}).text
         assert 'data-verified-size="7" data-still-extends="true"' in overview
     with sqlite3.connect(honest) as source, sqlite3.connect(forked) as target:
