@@ -77,16 +77,18 @@ def _migrate(_: argparse.Namespace) -> None:
 
 
 def _create_key(args: argparse.Namespace) -> None:
-    from dpledger.service.ledger.db import make_engine, make_session_factory, migrate
-    from dpledger.service.ledger.keys import create_key
+    from dpledger.service.ledger.db import Database, migrate
+    from dpledger.service.ledger.keys import issue
     from dpledger.service.ledger.models import Role
     from dpledger.service.settings import get_settings
 
     url = get_settings().database_url
     migrate(url)
-    with make_session_factory(make_engine(url))() as session:
-        key, raw = create_key(session, role=Role(args.role), silo_id=args.silo_id)
-        session.commit()
+    db = Database.connect(url)
+    try:
+        key, raw = issue(db, role=Role(args.role), silo_id=args.silo_id)
+    finally:
+        db.dispose()
     print(json.dumps({"key_id": key.id, "api_key": raw}))
 
 

@@ -32,7 +32,8 @@ def main(argv: list[str]) -> int:
     train.add_argument("--url", help="the ledger's base URL")
     train.add_argument("--algorithm", choices=["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"])
     train.add_argument("--rounds", type=int)
-    train.add_argument("--job-id")
+    train.add_argument("--job-id", help="a name for the run (made unique per run), or with --resume the run to continue")
+    train.add_argument("--resume", action="store_true", help="continue the run --job-id names: its committed rounds are skipped")
     train.add_argument("--device", default=None)
     train.set_defaults(run=_train)
 
@@ -72,21 +73,29 @@ def _demo(args: argparse.Namespace) -> None:
     print(f"\nreport: {config.out}/ (metrics.jsonl, accuracy.png, epsilon.png, table.txt)")
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int:
     from dpledger.trainer.job import JobConfig, run_job
+    from dpledger.trainer.loop import RegisteredSizeError
 
     settings: dict[str, Any] = tomllib.loads(args.config.read_text()) if args.config else {}
     for flag in ("url", "algorithm", "rounds", "job_id"):
         if getattr(args, flag) is not None:
             settings[flag] = getattr(args, flag)
+    if args.resume:
+        settings["resume"] = True
     settings["device"] = default_device(args.device or settings.get("device"))
     job = JobConfig.model_validate(settings)
-    run = run_job(job, environ=os.environ)
-    for k, (approved, refused) in enumerate(zip(run.approved_rounds(), run.refused_rounds())):
+    try:
+        run = run_job(job, environ=os.environ, say=print)
+    except RegisteredSizeError as error:
+        print(f"dpledger: {error}", file=sys.stderr)
+        return 2
+    for k, (approved, refused) in enumerate(zip(run.approved_rounds(), run.refused_rounds(), strict=True)):
         metric = run.rounds[-1].metric[k] if run.rounds else float("nan")
         print(f"silo {k}: rounds approved {approved}, refused {refused}, final metric {metric:.4f}")
     if run.stop_reason:
         print(f"stopped: {run.stop_reason}", file=sys.stderr)
+    return 0
 
 
 def _tune(args: argparse.Namespace) -> None:

@@ -4,6 +4,10 @@ A denial is final and never retried. An unreachable service (connection errors, 
 retried with exponential backoff; after the bound the run stops without spending. Retrying a
 reservation is safe because it carries an idempotency key; retrying a commit is made safe by the
 service's machine-readable `charge_status` on a second settlement.
+
+Only a fresh reservation lets a round touch the data (`Reservation.fresh`): a 201, or the replay
+(200, `replayed`) that answers this very call's own retry after its first attempt got no answer.
+Any other replay names a charge some earlier call already holds (reserved, committed or released).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -47,6 +52,14 @@ class Reservation:
     charge_id: int
     epsilon_spent: float
     epsilon_remaining: float
+    status: str = "reserved"  # the charge's real state: reserved, committed or released
+    replayed: bool = False  # the idempotency key was seen before this call's first attempt landed
+    own_retry: bool = False  # this call retried after an attempt that got no answer
+
+    @property
+    def fresh(self) -> bool:
+        """A new approval this call may spend: never a replay of a charge settled or held elsewhere."""
+        return self.status == "reserved" and (not self.replayed or self.own_retry)
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,10 @@ class LedgerClient:
         self.close()
 
     def _send(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        return self._send_counting(method, path, json)[0]
+
+    def _send_counting(self, method: str, path: str, json: Any = None) -> tuple[httpx.Response, int]:
+        """The answer, and how many attempts before it got none (a transport error or a 5xx)."""
         delay = self._retry.first_delay
         for attempt in range(self._retry.attempts):
             try:
@@ -82,7 +99,7 @@ class LedgerClient:
                 failure: str = f"{type(error).__name__}: {error}"
             else:
                 if response.status_code < 500:
-                    return response
+                    return response, attempt
                 failure = f"HTTP {response.status_code}"
             if attempt + 1 < self._retry.attempts:
                 time.sleep(delay)
@@ -110,13 +127,22 @@ class LedgerClient:
     def reserve(self, silo_id: int, *, mechanism: dict[str, Any], idempotency_key: str,
                 job_id: str | None = None, round: int | None = None) -> Reservation:
         body = {"mechanism": mechanism, "idempotency_key": idempotency_key, "job_id": job_id, "round": round}
-        response = self._send("POST", f"/v1/silos/{silo_id}/charges", body)
+        response, failed_attempts = self._send_counting("POST", f"/v1/silos/{silo_id}/charges", body)
         if response.status_code == 409:
             data = response.json()
             raise Denied(epsilon=data["epsilon"], epsilon_spent=data["epsilon_spent"],
                          epsilon_if_approved=data["epsilon_if_approved"], detail=data["detail"])
-        data = self._json(response, 201)
-        return Reservation(data["charge_id"], data["epsilon_spent"], data["epsilon_remaining"])
+        data = self._json(response, 201, 200)
+        return Reservation(
+            data["charge_id"], data["epsilon_spent"], data["epsilon_remaining"], status=data["status"],
+            replayed=response.status_code == 200 or bool(data["replayed"]), own_retry=failed_attempts > 0,
+        )
+
+    def charges(self, silo_id: int, *, job_id: str | None = None, status: str | None = None) -> list[dict[str, Any]]:
+        """The silo's charges (e.g. of one job), as the ledger holds them."""
+        params = {k: v for k, v in (("job_id", job_id), ("status", status)) if v is not None}
+        query = f"?{urlencode(params)}" if params else ""
+        return self._json(self._send("GET", f"/v1/silos/{silo_id}/charges{query}"), 200)  # type: ignore[no-any-return]
 
     def commit(self, charge_id: int) -> float | None:
         return self._settle(charge_id, "commit", done="committed")

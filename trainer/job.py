@@ -2,11 +2,17 @@
 
 Each silo is named by its ledger id and its own key (given inline or, better, by the name of an
 environment variable holding it), in the order of the data's silos.
+
+A job id is unique per run: without `job_id` each run gets a fresh one, so running the same file
+twice spends twice (it never replays the first run's approvals). `resume = true` with the
+`job_id` of an earlier run continues it on purpose: the rounds the ledger holds committed for that
+job are skipped, not retrained.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -30,7 +36,7 @@ from dpledger.trainer.federated import (
     LocalTraining,
     clustering_rounds,
 )
-from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.loop import GatedSilo, JobRun, committed_rounds, run_gated
 
 
 class _Strict(BaseModel):
@@ -74,7 +80,8 @@ class SiloKey(_Strict):
 
 class JobConfig(_Strict):
     url: str
-    job_id: str = "job"
+    job_id: str | None = Field(None, description="default: a fresh id per run; give the earlier run's id with resume")
+    resume: bool = False
     algorithm: Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"] = "mrmtl"
     rounds: Annotated[int, Field(ge=1)] = 20
     lam: Annotated[float, Field(ge=0)] = 1.0
@@ -91,6 +98,16 @@ class JobConfig(_Strict):
     data: DataConfig = DataConfig()
     dpsgd: DpSgdSettings = DpSgdSettings()
     silos: list[SiloKey]
+
+    @model_validator(mode="after")
+    def _resume_names_its_run(self) -> JobConfig:
+        if self.resume and self.job_id is None:
+            raise ValueError("resume needs the job_id of the run it continues")
+        return self
+
+
+def new_job_id() -> str:
+    return f"run-{uuid.uuid4().hex[:16]}"
 
 
 def load_data(config: DataConfig) -> FederatedDataset:
@@ -130,7 +147,9 @@ def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
     raise AssertionError(job.algorithm)
 
 
-def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
+def run_job(job: JobConfig, *, environ: Mapping[str, str], say: Callable[[str], None] | None = None) -> JobRun:
+    """`say` gets the lines a person should see before training: the job id, and each silo's
+    training records, the most its registered dataset_size may be."""
     dataset = load_data(job.data)
     if len(job.silos) != len(dataset.silos):
         raise ValueError(f"silos lists {len(job.silos)} ledger silos for {len(dataset.silos)} data silos")
@@ -140,9 +159,21 @@ def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
         if not key:
             raise ValueError(f"silo {silo.id}: environment variable {silo.key_env} is not set")
         keys.append(key)
-    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys)]
+    if job.resume:
+        assert job.job_id is not None  # the model refuses resume without one
+        job_id = job.job_id
+    elif job.job_id is None:
+        job_id = new_job_id()
+    else:
+        job_id = f"{job.job_id}-{uuid.uuid4().hex[:8]}"  # a name, made unique per run: never a silent replay
+    if say is not None:
+        say(f"job id: {job_id}" + (" (resumed)" if job.resume else ""))
+        for silo, data in zip(job.silos, dataset.silos, strict=True):
+            say(f"silo {silo.id}: {data.x_train.shape[0]} training records (its registered dataset_size must be at most this)")
+    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys, strict=True)]
     try:
-        return run_gated(build(job, dataset), gated, rounds=job.rounds, job_id=job.job_id)
+        done = dict(enumerate(committed_rounds(gated, job_id=job_id))) if job.resume else None
+        return run_gated(build(job, dataset), gated, rounds=job.rounds, job_id=job_id, done=done)
     finally:
         for silo in gated:
             silo.client.close()

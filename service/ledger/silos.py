@@ -7,15 +7,15 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain
-from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, NotFound
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Role, Silo
+from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Relation, Role, Silo
 
 
 @dataclass(frozen=True)
@@ -27,14 +27,16 @@ class BudgetStatus:
     order: float
 
 
-def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta: float, dataset_size: int) -> tuple[Silo, str]:
+def register(
+    db: Database, *, name: str, epsilon: float, delta: float, dataset_size: int, relation: Relation = Relation.add_remove
+) -> tuple[Silo, str]:
     """Creates the silo, its chain's genesis entry and its first key, in one transaction."""
     empty = RunningSum.empty(len(rdp.ORDERS)).to_json()
     now = datetime.now(UTC)
     try:
-        with write_transaction(factory) as session:
+        with db.write() as session:
             silo = Silo(
-                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size,
+                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size, relation=relation,
                 rdp_spent=empty, rdp_committed=empty, chain_seq=0, chain_head=chain.GENESIS, created_at=now,
             )
             session.add(silo)
@@ -46,7 +48,9 @@ def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta
     return silo, raw
 
 
-def append_entry(session: Session, silo: Silo, *, event: EntryEvent, charge, epsilon_spent: float, now: datetime) -> LedgerEntry:  # type: ignore[no-untyped-def]
+def append_entry(
+    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
+) -> LedgerEntry:
     """Appends one entry to the silo's chain; the caller holds the silo's lock."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,

@@ -27,6 +27,23 @@ class CountingTransport(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
+class LostAnswerTransport(httpx.HTTPTransport):
+    """A real transport whose first `lose_first` answers are lost after the server acted on them."""
+
+    def __init__(self, lose_first: int) -> None:
+        super().__init__()
+        self.lose_first = lose_first
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        response = super().handle_request(request)
+        if self.calls <= self.lose_first:
+            response.read()
+            raise httpx.ReadError("answer lost by the test", request=request)
+        return response
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
     url = f"sqlite:///{tmp_path_factory.mktemp('client')}/ledger.db"
@@ -54,8 +71,9 @@ def test_dropped_requests_are_retried_and_charge_once(server: str, silo) -> None
     transport = CountingTransport(fail_first=2)
     with LedgerClient(server, silo["api_key"], transport=transport, retry=Retry(first_delay=0.01)) as client:
         reservation = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")
-        again = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")  # a retry after a lost answer
-        assert again == reservation
+        assert reservation.fresh and not reservation.replayed  # the dropped attempts never reached the server
+        again = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")  # a second call: a replay
+        assert (again.charge_id, again.status, again.replayed, again.fresh) == (reservation.charge_id, "reserved", True, False)
         assert client.commit(reservation.charge_id) == pytest.approx(reservation.epsilon_spent)
         assert client.commit(reservation.charge_id) is None  # the second attempt sees it done
         assert client.silo(silo["id"])["epsilon_spent"] == pytest.approx(reservation.epsilon_spent)
@@ -75,3 +93,18 @@ def test_a_bad_request_is_rejected_not_retried(server: str, silo) -> None:  # ty
         with pytest.raises(Rejected) as rejected:
             client.reserve(silo["id"], mechanism={"type": "gaussian", "noise_multiplier": -1}, idempotency_key="bad")
     assert rejected.value.status_code == 422 and transport.calls == 1
+
+
+def test_a_replay_that_answers_its_own_lost_attempt_is_fresh_and_any_other_is_not(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13, item 2: only a fresh reservation may train. Inside one reserve() call whose first
+    answer was lost after the server reserved, the replay is this call's own approval; a later call
+    with the same key (a rerun of the same job, a second worker) gets a replay that is not."""
+    transport = LostAnswerTransport(lose_first=1)
+    with LedgerClient(server, silo["api_key"], transport=transport, retry=Retry(first_delay=0.01)) as client:
+        own = client.reserve(silo["id"], mechanism=STEP, idempotency_key="lost")
+        assert transport.calls == 2 and own.replayed and own.own_retry and own.fresh
+        later = client.reserve(silo["id"], mechanism=STEP, idempotency_key="lost")
+        assert later.charge_id == own.charge_id and later.replayed and not later.fresh
+        client.commit(own.charge_id)
+        settled = client.reserve(silo["id"], mechanism=STEP, idempotency_key="lost")
+        assert (settled.status, settled.replayed, settled.fresh) == ("committed", True, False)
