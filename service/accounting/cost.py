@@ -5,7 +5,7 @@ costs its RDP accountant 20–100 ms and a sampled-without-replacement leaf ~250
 mechanism of 100 distinct leaves costs seconds), and the PLD accountant's memory grows as 1/σ² and
 with the number of compositions (a Gaussian at σ = 0.001 asked for tens of GB). Any key may call
 the quote route, so each request's work is priced here first, from measurements on this
-dp-accounting (bench/request_cost.py re-measures them): an RDP computation over its bound is
+dp-accounting (one core of a shared 2-core machine, issue 13): an RDP computation over its bound is
 refused with a 422 naming the reason, a PLD report over its bound is skipped with its reason.
 Both bounds aim at < 2 s of CPU and < 1 GB on one request.
 """
