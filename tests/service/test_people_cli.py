@@ -186,3 +186,37 @@ def test_a_missing_or_unknown_key_or_no_server_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.startswith("dpledger: cannot reach the ledger at http://127.0.0.1:9 (DPLEDGER_URL):")
     assert err.count("\n") == 1
+
+
+def test_charges_list_open_and_release_recover_a_stranded_reservation(
+    as_admin: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13, item 4: a worker that crashed leaves reservations; the admin lists the open ones and
+    releases the one whose round provably never ran. A silo-chosen job id is shown, never obeyed."""
+    created = httpx.post(f"{as_admin.url}/v1/silos", headers=ADMIN,
+                         json={"name": "stranded", "epsilon": 5.0, "delta": 1e-5, "dataset_size": 1000}).json()
+    headers = {"Authorization": f"Bearer {created['api_key']}"}
+    hostile = "job\x1b[2K\x1b[1A\rok"
+    ids = []
+    for i in range(2):
+        body = {"mechanism": STEP, "idempotency_key": f"s{i}", "job_id": hostile, "round": i}
+        ids.append(httpx.post(f"{as_admin.url}/v1/silos/{created['id']}/charges", json=body, headers=headers).json()["charge_id"])
+    job = httpx.post(f"{as_admin.url}/v1/jobs", json={"name": "j", "silo_ids": [created["id"]]}, headers=ADMIN).json()["job_id"]
+    norm = {"silo_id": created["id"], "l2_norm": 1.0, "charge_id": ids[1]}
+    assert httpx.post(f"{as_admin.url}/v1/jobs/{job}/rounds/1/norms", json=norm, headers=headers).status_code == 201
+
+    assert main(["charges", "list", str(created["id"]), "--open"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:2] == ["charge", "status"]
+    assert [row.split()[:3] for row in rows] == [[str(c), "reserved", "job\\x1b[2K\\x1b[1A\\x0dok"] for c in ids]
+
+    assert main(["charges", "release", str(ids[0])]) == 0
+    assert capsys.readouterr().out.startswith(f"charge {ids[0]} released; silo ε spent now ")
+    assert main(["charges", "release", str(ids[1])]) == 2  # its round reported a norm: fail closed
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("dpledger: HTTP 409") and "may only be committed" in line
+    assert main(["charges", "list", str(created["id"]), "--open"]) == 0
+    assert [row.split()[0] for row in capsys.readouterr().out.splitlines()[1:]] == [str(ids[1])]
+    assert main(["history", str(created["id"])]) == 0
+    history = capsys.readouterr().out
+    assert "\x1b" not in history and "\r" not in history and "job\\x1b[2K\\x1b[1A\\x0dok" in history
