@@ -225,7 +225,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page")
     hist.set_defaults(run=history)
 
-    charges = commands.add_parser("charges", help="a silo's charges; release a stranded reservation (over HTTP)", description=env_note)
+    charges = commands.add_parser(
+        "charges", help="a silo's charges; release a stranded reservation (over HTTP)", description=env_note
+    )
     charge_actions = charges.add_subparsers(required=True, metavar="action")
     listed = charge_actions.add_parser("list", help="a silo's charges (admin, auditor, or that silo's key)")
     listed.add_argument("silo_id", type=int, metavar="SILO")

@@ -233,7 +233,8 @@ class NormReportRequest(_Request):
     silo_id: Id
     l2_norm: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
     charge_id: Id | None = Field(
-        None, description="the charge that paid for this round; the round's reserved charges of the silo may no longer be released"
+        None,
+        description="the charge that paid for this round; the round's reserved charges of the silo may no longer be released",
     )
 
 

@@ -68,7 +68,10 @@ def check(mechanism: AnyMechanism, *, path: str = "mechanism") -> str | None:
     if walk.pld_skip is None and len(walk.leaves) > MAX_PLD_LEAVES:
         walk.pld_skip = f"more than {MAX_PLD_LEAVES} distinct leaves"
     if walk.pld_skip is None and walk.pld_work > MAX_PLD_WORK:
-        walk.pld_skip = f"the compositions would need more memory and time than one request may use (work {walk.pld_work:.3g} > {MAX_PLD_WORK:g})"
+        walk.pld_skip = (
+            "the compositions would need more memory and time than one request may use "
+            f"(work {walk.pld_work:.3g} > {MAX_PLD_WORK:g})"
+        )
     return None if walk.pld_skip is None else f"PLD report skipped: {walk.pld_skip}"
 
 
@@ -97,8 +100,8 @@ def _visit(mechanism: AnyMechanism, walk: _Walk, *, count: float, path: str) -> 
             _noise_floor(sigma, path=f"{path}.event.noise_multiplier")
             _pld_gaussian(walk, sigma=sigma, q=q or 1.0, count=count)
         case _:
-            for i, child in enumerate(children(mechanism)):
-                _visit(child, walk, count=count, path=f"{path}.event" if not isinstance(mechanism, Composed) else f"{path}.events.{i}")
+            for child in children(mechanism):  # one `event` each: Composed was handled above
+                _visit(child, walk, count=count, path=f"{path}.event")
     key = mechanism.model_dump_json()
     if key not in walk.leaves:
         walk.leaves[key] = _RDP_SECONDS.get(type(mechanism), _RDP_SECONDS_CLOSED_FORM)

@@ -41,7 +41,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_: Request, error: Unauthorized) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+        return JSONResponse(
+            {"detail": str(error)}, status_code=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"}
+        )
 
     @app.exception_handler(NotFound)
     async def _not_found(_: Request, error: NotFound) -> JSONResponse:

@@ -95,7 +95,7 @@ class Metrics:
             multiprocess.MultiProcessCollector(source, path=self.multiprocess_dir)
         if with_decisions:
             return generate_latest(source)
-        return generate_latest(_Without(source, DECISIONS))  # type: ignore[arg-type]  # duck-typed: generate_latest only calls collect()
+        return generate_latest(_Without(source, DECISIONS))  # duck-typed: generate_latest only calls collect()
 
 
 class _Without:

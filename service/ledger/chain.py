@@ -11,7 +11,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from dpledger.service.ledger.models import Charge, LedgerEntry, Relation, Silo
+from dpledger.service.ledger.models import Charge, LedgerEntry, Silo
+from dpledger.wire.enums import Relation
 
 GENESIS = "0" * 64
 

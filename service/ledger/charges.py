@@ -185,7 +185,9 @@ def reserve_locked(
     decision = check_budget(silo, priced.curve)
     if not decision.fits:
         assert decision.epsilon_spent is not None
-        raise OverBudget(budget=silo.epsilon, epsilon_spent=decision.epsilon_spent, epsilon_if_approved=decision.epsilon_if_approved)
+        raise OverBudget(
+            budget=silo.epsilon, epsilon_spent=decision.epsilon_spent, epsilon_if_approved=decision.epsilon_if_approved
+        )
     now = datetime.now(UTC)
     charge = Charge(
         silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
@@ -196,7 +198,9 @@ def reserve_locked(
     session.add(charge)
     session.flush()
     silo.rdp_spent = decision.candidate.to_json()
-    silos.append_entry(session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now)
+    silos.append_entry(
+        session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
+    )
     return view(silo, charge, replayed=False)
 
 

@@ -39,7 +39,7 @@ class StoredEnum(TypeDecorator[E], Generic[E]):
         self.kind = kind
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
-        return None if value is None else self.kind(value).value  # type: ignore[no-any-return]  # enum values are str here
+        return None if value is None else str(self.kind(value).value)
 
     def process_result_value(self, value: Any, dialect: Dialect) -> Any:
         if value is None:

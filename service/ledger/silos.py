@@ -15,7 +15,8 @@ from dpledger.service.ledger import chain
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, NotFound
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Relation, Role, Silo
+from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
+from dpledger.wire.enums import Relation
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ def test_many_threads_report_norms_and_create_keys_at_once_on_sqlite(tmp_path) -
         base_url=base, timeout=60, limits=httpx.Limits(max_connections=THREADS)
     ) as client:
         silos = [
-            client.post("/v1/silos", headers=admin, json={"name": f"s{i}", "epsilon": 1.0, "delta": 1e-5, "dataset_size": 100}).json()
+            client.post("/v1/silos", headers=admin, json={"name": f"s{i}", "epsilon": 1.0, "delta": 1e-5, "dataset_size": 100})
+            .json()
             for i in range(THREADS // 2)
         ]
         job = client.post("/v1/jobs", headers=admin, json={"name": "j", "silo_ids": [s["id"] for s in silos]}).json()["job_id"]
@@ -30,7 +31,8 @@ def test_many_threads_report_norms_and_create_keys_at_once_on_sqlite(tmp_path) -
         def report(silo: dict) -> list[int]:
             headers = {"Authorization": f"Bearer {silo['api_key']}"}
             return [
-                client.post(f"/v1/jobs/{job}/rounds/{r}/norms", headers=headers, json={"silo_id": silo["id"], "l2_norm": 1.0 + r}).status_code
+                client.post(f"/v1/jobs/{job}/rounds/{r}/norms", headers=headers, json={"silo_id": silo["id"], "l2_norm": 1.0 + r})
+                .status_code
                 for r in range(ROUNDS)
             ]
 

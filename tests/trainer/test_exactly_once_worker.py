@@ -54,7 +54,7 @@ def test_train_run_twice_in_a_row_spends_twice(ledger: str, tmp_path, capsys) ->
     created = make_silos(ledger, "twice", train_sizes())
     config = job_file(tmp_path, ledger, created, rounds=2, extra='job_id = "same-name"\n')
     assert main(["train", config]) == 0
-    once, first = ledger_view(ledger, created[0])
+    once, _ = ledger_view(ledger, created[0])
     assert main(["train", config]) == 0
     twice, both = ledger_view(ledger, created[0])
 

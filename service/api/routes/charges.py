@@ -40,7 +40,10 @@ def _answer(found: charges.ChargeView) -> ChargeReserved:
     response_model=ChargeReserved,
     name="reserve_charge",
     responses={
-        200: {"model": ChargeReserved, "description": "a replay (header Idempotent-Replayed: true): the charge as it stands, no new approval"},
+        200: {
+            "model": ChargeReserved,
+            "description": "a replay (header Idempotent-Replayed: true): the charge as it stands, no new approval",
+        },
         409: {"model": OverBudgetResponse, "description": "over budget: nothing was written"},
     },
 )

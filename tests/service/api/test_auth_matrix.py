@@ -205,5 +205,6 @@ def test_an_id_the_caller_may_not_see_answers_exactly_like_one_that_does_not_exi
             else:  # a coordinator may not settle any charge: refused by its role, whatever the id
                 assert a.status_code == b.status_code == 403 and a.json() == b.json()
     # A job of silos the coordinator names: the error says no more than "not all exist".
-    response = client.post("/v1/jobs", json={"name": "j", "silo_ids": [world.silo_id, missing]}, headers=world.keys["coordinator"])  # type: ignore[attr-defined]
+    body = {"name": "j", "silo_ids": [world.silo_id, missing]}
+    response = client.post("/v1/jobs", json=body, headers=world.keys["coordinator"])  # type: ignore[attr-defined]
     assert response.status_code == 422 and str(world.silo_id) not in response.text and str(missing) not in response.text

@@ -165,9 +165,10 @@ def test_item4_a_charge_whose_round_reported_a_norm_can_only_be_committed(client
     also = charge(client, silo, "also", step, job_id="w", round=1).json()
     spent = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()["epsilon_spent"]
     # Round 0 reported its norm (by round); round 1 names its charge.
-    assert client.post(f"/v1/jobs/{job}/rounds/0/norms", json={"silo_id": silo.id, "l2_norm": 1.5}, headers=silo.headers).status_code == 201
-    assert client.post(f"/v1/jobs/{job}/rounds/7/norms", json={"silo_id": silo.id, "l2_norm": 1.5, "charge_id": also["charge_id"]},
-                       headers=silo.headers).status_code == 201
+    by_round = {"silo_id": silo.id, "l2_norm": 1.5}
+    by_charge = {**by_round, "charge_id": also["charge_id"]}
+    assert client.post(f"/v1/jobs/{job}/rounds/0/norms", json=by_round, headers=silo.headers).status_code == 201
+    assert client.post(f"/v1/jobs/{job}/rounds/7/norms", json=by_charge, headers=silo.headers).status_code == 201
 
     for charge_id in (ran["charge_id"], also["charge_id"]):
         for headers in (silo.headers, ADMIN):
@@ -210,7 +211,8 @@ def test_item6_mixed_relations_are_refused_in_quotes_and_charges(client, make_si
             de.SampledWithoutReplacementDpEvent(1000, 100, de.GaussianDpEvent(1.0)),
             de.PoissonSampledDpEvent(0.1, de.GaussianDpEvent(1.0)),
         ]))
-    raw = {"type": "composed", "events": [mixed["events"][0], {"type": "poisson_sampled", "sampling_rate": 0.1, "event": GAUSS_1}]}
+    poisson = {"type": "poisson_sampled", "sampling_rate": 0.1, "event": GAUSS_1}
+    raw = {"type": "composed", "events": [mixed["events"][0], poisson]}
     for body in ({"mechanism": mixed, "silo_id": silo.id}, {"mechanism": raw, "delta": 1e-5}):
         quote = client.post("/v1/quote", json=body, headers=silo.headers)
         assert quote.status_code == 422 and "mixes neighbouring relations" in quote.json()["detail"][0]["msg"]
