@@ -46,22 +46,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
-from sqlalchemy import create_engine, func, select, text  # noqa: E402
+import httpx
+from sqlalchemy import create_engine, func, select, text
 
-from dpledger.harness import running_server  # noqa: E402
-from dpledger.service.accounting import rdp  # noqa: E402
-from dpledger.service.accounting.running_sum import RunningSum, curve_to_json  # noqa: E402
-from dpledger.service.ledger import audit, charges, silos  # noqa: E402
-from dpledger.service.ledger.db import Database, make_engine, migrate  # noqa: E402
-from dpledger.service.ledger.models import (  # noqa: E402
+from dpledger.harness import running_server
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
+from dpledger.service.ledger import audit, charges, silos
+from dpledger.service.ledger.db import Database, make_engine, migrate
+from dpledger.service.ledger.models import (
     Charge,
     ChargeStatus,
     EntryEvent,
     LedgerEntry,
     Silo,
 )
-from dpledger.wire.mechanisms import DpSgd  # noqa: E402
+from dpledger.wire.mechanisms import DpSgd
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -651,7 +651,7 @@ def postgres_answers(url: str) -> str | None:
             version = connection.execute(text("SHOW server_version")).scalar()
         engine.dispose()
         return str(version)
-    except Exception as error:  # noqa: BLE001 - any failure means "no PostgreSQL"
+    except Exception as error:
         log(f"PostgreSQL at {url}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         return None
 
@@ -726,12 +726,18 @@ def replay_baseline(n: int) -> dict[str, Any]:
 
 
 def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
-    header = (f"{'db':8} {'wk':>2} {'pairs':8} {'history':>8} {'n':>5} {'non201':>6} {'appr/s':>7} "
-              f"{'p50 ms':>7} {'p99 ms':>7} {'p50@1':>6} {'ratio':>6} {'rat@1':>6} {'cli ms':>6} {'srv ms':>6} {'pg ms':>6} {'cpu%':>5} {'other':>5} {'conns':>7}")
-    print(f"approvals over HTTP, {args.concurrency} concurrent clients ({args.client} client); history = the silo's charges at "
-          f"the start; ratio = p50 big / p50 small history; p50@1 = p50 with one client (rat@1 its ratio); cli/srv/pg ms = CPU ms per request "
-          f"in the load generator / uvicorn / postgres; cpu% = machine busy (of {os.cpu_count()} cores); "
-          f"other = cores used meanwhile by processes outside this bench; conns = keep-alive connections per worker")
+    header = (
+        f"{'db':8} {'wk':>2} {'pairs':8} {'history':>8} {'n':>5} {'non201':>6} {'appr/s':>7} "
+        f"{'p50 ms':>7} {'p99 ms':>7} {'p50@1':>6} {'ratio':>6} {'rat@1':>6} {'cli ms':>6} {'srv ms':>6} {'pg ms':>6} "
+        f"{'cpu%':>5} {'other':>5} {'conns':>7}"
+    )
+    print(
+        f"approvals over HTTP, {args.concurrency} concurrent clients ({args.client} client); history = the silo's charges at "
+        f"the start; ratio = p50 big / p50 small history; p50@1 = p50 with one client (rat@1 its ratio); "
+        f"cli/srv/pg ms = CPU ms per request "
+        f"in the load generator / uvicorn / postgres; cpu% = machine busy (of {os.cpu_count()} cores); "
+        f"other = cores used meanwhile by processes outside this bench; conns = keep-alive connections per worker"
+    )
     print(header)
     print("-" * len(header))
     for kind in ("sqlite", "postgres"):
@@ -747,13 +753,21 @@ def print_table(results: dict[str, Any], args: argparse.Namespace) -> None:
                 for which in ("small", "big"):
                     r = cell[which]
                     ratio = f"{cell['p50_ratio_big_over_small']:.2f}" if which == "big" else ""
-                    ratio1 = f"{cell['p50_unloaded_ratio_big_over_small']:.2f}" if which == "big" and "p50_unloaded_ratio_big_over_small" in cell else ""
+                    ratio1 = (
+                        f"{cell['p50_unloaded_ratio_big_over_small']:.2f}"
+                        if which == "big" and "p50_unloaded_ratio_big_over_small" in cell
+                        else ""
+                    )
                     unloaded = f"{r['p50_ms_unloaded']:.1f}" if "p50_ms_unloaded" in r else ""
                     conns = "/".join(map(str, cell.get("connections_per_worker") or [])) or "-"
-                    print(f"{kind:8} {workers:>2} {mode:8} {r['history_at_start']:>8} {r['requests']:>5} {r['non_201']:>6} "
-                          f"{r['approvals_per_s']:>7.1f} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {unloaded:>6} {ratio:>6} {ratio1:>6} "
-                          f"{r['client_cpu_ms_per_req']:>6.2f} {r['server_cpu_ms_per_req']:>6.2f} "
-                          f"{r['postgres_cpu_ms_per_req']:>6.2f} {100 * r['machine_cpu_util']:>5.0f} {r['other_cpu_cores']:>5.2f} {conns:>7}")
+                    print(
+                        f"{kind:8} {workers:>2} {mode:8} {r['history_at_start']:>8} {r['requests']:>5} {r['non_201']:>6} "
+                        f"{r['approvals_per_s']:>7.1f} {r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} "
+                        f"{unloaded:>6} {ratio:>6} {ratio1:>6} "
+                        f"{r['client_cpu_ms_per_req']:>6.2f} {r['server_cpu_ms_per_req']:>6.2f} "
+                        f"{r['postgres_cpu_ms_per_req']:>6.2f} {100 * r['machine_cpu_util']:>5.0f} "
+                        f"{r['other_cpu_cores']:>5.2f} {conns:>7}"
+                    )
     print()
     for kind in ("sqlite", "postgres"):
         db = results["databases"].get(kind)
@@ -813,7 +827,9 @@ def _json_safe(value: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke test: history 2000, few requests, SQLite w1 + PostgreSQL w2 only, replay 20")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: history 2000, few requests, SQLite w1 + PostgreSQL w2 only, replay 20"
+    )
     parser.add_argument("--history", type=int, help="charges in the big silo (default 100000; quick 2000)")
     parser.add_argument("--requests", type=int, help="timed repeated-pair requests per silo and config (default 2000)")
     parser.add_argument("--new-requests", type=int, help="timed new-pair requests per silo and config (default 160)")

@@ -41,6 +41,7 @@ machine that load hits torch's default 2 threads much harder than 1 thread.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -57,15 +58,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from dpledger.demo import DemoConfig  # noqa: E402
-from dpledger.harness import running_server  # noqa: E402
-from dpledger.trainer.client import LedgerClient  # noqa: E402
-from dpledger.trainer.data.budgets import draw_budgets  # noqa: E402
-from dpledger.trainer.data.digits import make_rotated_masked_digits  # noqa: E402
-from dpledger.trainer.federated import MRMTL, DPSGDConfig, LocalTraining  # noqa: E402
-from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated  # noqa: E402
+from dpledger.demo import DemoConfig
+from dpledger.harness import running_server
+from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data.budgets import draw_budgets
+from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.federated import MRMTL, DPSGDConfig, LocalTraining
+from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 
 _T0 = time.perf_counter()
 CALIBRATION_DIGITS = 2
@@ -222,7 +223,7 @@ def gated_rounds(
         admin.create_silo(name=f"{tag}-silo-{k}", epsilon=budgets[k], delta=demo.delta, dataset_size=s.n_train)
         for k, s in enumerate(dataset.silos)
     ]
-    gated = [GatedSilo(s["id"], TimedClient(url, s["api_key"], watch=watch)) for s in created]
+    gated = [GatedSilo(s.id, TimedClient(url, s.api_key, watch=watch)) for s in created]
     marks: list[tuple[float, dict[str, float], dict[str, int]]] = []
 
     def on_round(_: RoundRecord) -> None:
@@ -240,7 +241,7 @@ def gated_rounds(
     bounds = [start, *marks]
     parts: dict[str, list[float]] = {name: [] for name in ("round", "ledger", "train", "eval", "other")}
     requests = []
-    for (t0, s0, c0), (t1, s1, c1) in list(zip(bounds, bounds[1:]))[1:]:  # drop the warm-up round
+    for (t0, s0, c0), (t1, s1, c1) in list(itertools.pairwise(bounds))[1:]:  # drop the warm-up round
         seconds = {label: s1.get(label, 0.0) - s0.get(label, 0.0) for label in ("ledger", "train", "eval")}
         parts["round"].append(t1 - t0)
         for label, value in seconds.items():
@@ -289,7 +290,7 @@ def synchronize(device: str) -> None:
 def measure_k(k: int, *, rounds: int, thread_configs: list[int], seed: int, device: str) -> list[Cell]:
     demo = DemoConfig(silos=k, rounds=1 + rounds, seed=seed, progress=False, device=device)
     dataset = make_rotated_masked_digits(n_silos=k, seed=seed, mask_probability=demo.mask_probability)
-    budgets = [float(e) for e in draw_budgets(demo.mixture, n_silos=k, seed=seed).epsilons]
+    budgets = [float(e) for e in draw_budgets("MixGauss1", n_silos=k, seed=seed).epsilons]
     dpsgd = DPSGDConfig(seed=seed)
     admin_key = secrets.token_urlsafe(32)
     sizes = [s.n_train for s in dataset.silos]
@@ -333,7 +334,7 @@ def calibrated_noise(admin: LedgerClient, dataset: Any, budgets: list[float], *,
     warm-up round every (q, σ) pair's RDP curve is in the service's cache)."""
     cache: dict[tuple[float, float], float] = {}
     noise = []
-    for budget, silo in zip(budgets, dataset.silos):
+    for budget, silo in zip(budgets, dataset.silos, strict=True):
         epsilon = round_down(budget)
         q = min(dpsgd.batch_size, silo.n_train) / silo.n_train
         if (epsilon, q) not in cache:
@@ -369,7 +370,10 @@ def table(cells: list[Cell], ks: list[int], thread_configs: list[int], default_t
         name = f"torch threads = {threads}" + (" (default)" if threads == default_threads else "")
         lines.append("")
         lines.append(f"-- {name}; medians of the timed rounds --")
-        row("other processes' load, cores (1. / 2.)", [f"{by[(k, threads)].other_gated:.1f} / {by[(k, threads)].other_training:.1f}" for k in ks])
+        row(
+            "other processes' load, cores (1. / 2.)",
+            [f"{by[(k, threads)].other_gated:.1f} / {by[(k, threads)].other_training:.1f}" for k in ks],
+        )
         lines.append("1. gated MR-MTL demo round (s / round)")
         row("   whole round", each(threads, lambda c: c.med(c.gated["round"]), ".3f"))
         row("     ledger: approvals + commits over HTTP", each(threads, lambda c: c.med(c.gated["ledger"]), ".3f"))
@@ -385,16 +389,25 @@ def table(cells: list[Cell], ks: list[int], thread_configs: list[int], default_t
         lines.append("3. per silo (ms / silo / round)")
         row("   whole gated round", each(threads, lambda c: 1e3 * c.med(c.gated["round"]) / c.silos, ".2f"))
         row("   ledger", each(threads, lambda c: 1e3 * c.med(c.gated["ledger"]) / c.silos, ".2f"))
-        row("   MR-MTL training, batched (in the gated round)", each(threads, lambda c: 1e3 * c.med(c.gated["train"]) / c.silos, ".3f"))
+        row(
+            "   MR-MTL training, batched (in the gated round)",
+            each(threads, lambda c: 1e3 * c.med(c.gated["train"]) / c.silos, ".3f"),
+        )
         row("   LocalTraining, batched", each(threads, lambda c: 1e3 * c.med(c.batched) / c.silos, ".3f"))
         row("   LocalTraining, loop", each(threads, lambda c: 1e3 * c.med(c.loop) / c.silos, ".3f"))
         base = by[(ks[0], threads)]
         lines.append(f"   growth over K={ks[0]} (K factor: " + ", ".join(f"{k / ks[0]:g}x" for k in ks) + ")")
-        row("     whole gated round", each(threads, lambda c: c.med(c.gated["round"]) / base.med(base.gated["round"]), ".2f"))
-        row("     ledger", each(threads, lambda c: c.med(c.gated["ledger"]) / base.med(base.gated["ledger"]), ".2f"))
-        row("     MR-MTL training, batched", each(threads, lambda c: c.med(c.gated["train"]) / base.med(base.gated["train"]), ".2f"))
-        row("     LocalTraining, batched", each(threads, lambda c: c.med(c.batched) / base.med(base.batched), ".2f"))
-        row("     LocalTraining, loop", each(threads, lambda c: c.med(c.loop) / base.med(base.loop), ".2f"))
+        row(
+            "     whole gated round",
+            each(threads, lambda c, base=base: c.med(c.gated["round"]) / base.med(base.gated["round"]), ".2f"),
+        )
+        row("     ledger", each(threads, lambda c, base=base: c.med(c.gated["ledger"]) / base.med(base.gated["ledger"]), ".2f"))
+        row(
+            "     MR-MTL training, batched",
+            each(threads, lambda c, base=base: c.med(c.gated["train"]) / base.med(base.gated["train"]), ".2f"),
+        )
+        row("     LocalTraining, batched", each(threads, lambda c, base=base: c.med(c.batched) / base.med(base.batched), ".2f"))
+        row("     LocalTraining, loop", each(threads, lambda c, base=base: c.med(c.loop) / base.med(base.loop), ".2f"))
     return "\n".join(lines)
 
 
@@ -436,7 +449,11 @@ def main() -> None:
     refused = sum(c.refused for c in cells)
     largest = max(cells, key=lambda c: c.silos)
     n_median = int(statistics.median(largest.train_sizes))
-    sampling = "q = 1: every record in every batch" if max(largest.train_sizes) <= DPSGDConfig().batch_size else f"q ≈ {DPSGDConfig().batch_size / n_median:.2f}"
+    sampling = (
+        "q = 1: every record in every batch"
+        if max(largest.train_sizes) <= DPSGDConfig().batch_size
+        else f"q ≈ {DPSGDConfig().batch_size / n_median:.2f}"
+    )
     print(f"notes: silo-rounds refused by the ledger: {refused}. Section 2 compares LocalTraining, not MR-MTL (a one-silo "
           f"MR-MTL object is not the same algorithm: its mean is its own model). With K={largest.silos} each silo has "
           f"~{n_median} training records ({sampling}): fine for timing, not for accuracy. Other processes' load: "

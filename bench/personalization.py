@@ -91,7 +91,7 @@ class Results:
 def purity(assignment: list[int], groups: list[int]) -> float:
     agree = 0
     for cluster in set(assignment):
-        members = [g for a, g in zip(assignment, groups) if a == cluster]
+        members = [g for a, g in zip(assignment, groups, strict=True) if a == cluster]
         agree += Counter(members).most_common(1)[0][1]
     return agree / len(groups)
 
@@ -119,7 +119,7 @@ class SeedBench:
             self.admin.create_silo(name=f"{prefix}-{k}", epsilon=self.epsilon, delta=DELTA, dataset_size=s.n_train)
             for k, s in enumerate(self.dataset.silos)
         ]
-        silos = [GatedSilo(c["id"], LedgerClient(self.url, c["api_key"])) for c in created]
+        silos = [GatedSilo(c.id, LedgerClient(self.url, c.api_key)) for c in created]
         try:
             run = run_gated(algorithm, silos, rounds=self.rounds, job_id=prefix)
         finally:
@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             sigma = admin.calibrate(epsilon=args.epsilon, delta=DELTA, sampling_rate=q, steps=args.rounds * args.local_steps)
             sigmas.append(sigma)
             config = DPSGDConfig(seed=seed, lr=args.lr, local_steps=args.local_steps, noise_multiplier=sigma)
-            bench = SeedBench(admin=admin, url=url, seed=seed, dataset=dataset, config=config, rounds=args.rounds, epsilon=args.epsilon)
+            bench = SeedBench(
+                admin=admin, url=url, seed=seed, dataset=dataset, config=config, rounds=args.rounds, epsilon=args.epsilon
+            )
             for method, build in methods(args, lams, common_args(dataset, config)).items():
                 outcome = bench.run(method, build())
                 results.add(method, outcome)
@@ -221,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         purities = [o.purity for o in outcomes if o.purity is not None]
         shown = f"{statistics.fmean(purities):6.2f}" if purities else f"{'':>6}"
-        print(f"| {method:<30} | {statistics.fmean(values):6.1f} | {spread:5.1f} | "
-              f"{statistics.fmean(o.rounds for o in outcomes):6.1f} | {shown} | " + " | ".join(f"{v:6.1f}" for v in values) + " |")
+        print(
+            f"| {method:<30} | {statistics.fmean(values):6.1f} | {spread:5.1f} | "
+            f"{statistics.fmean(o.rounds for o in outcomes):6.1f} | {shown} | " + " | ".join(f"{v:6.1f}" for v in values) + " |"
+        )
     print()
     for family in ("Ditto", "MR-MTL", "MR-MTL (IFCA 10%)"):
         grid = ", ".join(f"λ={lam:g}: {100 * results.mean_accuracy(f'{family} λ={lam:g}'):.1f}" for lam in lams)

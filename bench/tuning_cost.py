@@ -29,10 +29,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpledger.service.accounting import rdp  # noqa: E402
-from dpledger.service.accounting.trial_counts import Shape  # noqa: E402
-from dpledger.trainer.mean_estimation_theory import MeanEstimationSetting  # noqa: E402
-from dpledger.wire.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect  # noqa: E402
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.trial_counts import Shape
+from dpledger.trainer.mean_estimation_theory import MeanEstimationSetting
+from dpledger.wire.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect
 
 MEAN_TRIALS = 10.0
 LAWS: list[tuple[str, Shape]] = [("poisson", "infinity"), ("geometric", 1.0), ("logarithmic", 0.0), ("tnb η=0.5", 0.5)]
@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         curves[f"Private, {name}"] = errors
 
     endpoint = min(base.mse(0.0), base.mse(math.inf))
-    header = f"ε={args.epsilon:g} δ={args.delta:g} K={args.silos} n={args.n} σ²={args.data_variance:g} τ²={args.heterogeneity:g} E[h]={MEAN_TRIALS:g}"
+    header = (
+        f"ε={args.epsilon:g} δ={args.delta:g} K={args.silos} n={args.n} "
+        f"σ²={args.data_variance:g} τ²={args.heterogeneity:g} E[h]={MEAN_TRIALS:g}"
+    )
     lines = [header, f"{'method':<30} {'noise z':>9} {'error E(λ)':>11} {'vs best endpoint':>17} {'λ':>8}"]
     for name, z, error, lam in rows:
         lines.append(f"{name:<30} {z:>9.4f} {error:>11.5f} {error / endpoint:>16.3f}x {lam:>8}")

@@ -25,7 +25,9 @@ def free_port() -> int:
 @contextmanager
 def running_server(*, database_url: str, admin_key: str, workers: int = 1, startup_timeout: float = 60.0) -> Iterator[str]:
     """Migrates, starts `uvicorn` with `workers` processes, yields the base URL, stops it on exit."""
-    with ServerProcess(database_url=database_url, admin_key=admin_key, workers=workers, startup_timeout=startup_timeout) as server:
+    with ServerProcess(
+        database_url=database_url, admin_key=admin_key, workers=workers, startup_timeout=startup_timeout
+    ) as server:
         yield server.url
 
 

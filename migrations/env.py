@@ -9,14 +9,21 @@ config = context.config
 target_metadata = Base.metadata
 
 
+def _database_url() -> str:
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:
+        raise RuntimeError("alembic: no sqlalchemy.url in the Config (dpledger.service.ledger.db sets it)")
+    return url
+
+
 def run_migrations_offline() -> None:
-    context.configure(url=config.get_main_option("sqlalchemy.url"), target_metadata=target_metadata, literal_binds=True)
+    context.configure(url=_database_url(), target_metadata=target_metadata, literal_binds=True)
     with context.begin_transaction():
         context.run_migrations()
 
 
 def run_migrations_online() -> None:
-    connectable = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    connectable = create_engine(_database_url(), poolclass=pool.NullPool)
     with connectable.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():

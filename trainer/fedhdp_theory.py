@@ -41,7 +41,11 @@ class PointEstimationSetup:
     def __post_init__(self) -> None:
         if isinstance(self.n_clients, bool) or not isinstance(self.n_clients, int) or self.n_clients < 1:
             raise ValueError(f"n_clients must be an integer >= 1. Found {self.n_clients!r}.")
-        if isinstance(self.n_nonprivate, bool) or not isinstance(self.n_nonprivate, int) or not 0 <= self.n_nonprivate <= self.n_clients:
+        if (
+            isinstance(self.n_nonprivate, bool)
+            or not isinstance(self.n_nonprivate, int)
+            or not 0 <= self.n_nonprivate <= self.n_clients
+        ):
             raise ValueError(f"n_nonprivate must be an integer in [0, n_clients={self.n_clients}]. Found {self.n_nonprivate!r}.")
         for name in ("alpha2", "tau2", "gamma2"):
             value = getattr(self, name)
@@ -137,7 +141,8 @@ def two_step_estimate(updates: np.ndarray, *, n_nonprivate: int, ratio: float) -
     denominator = n_nonprivate + ratio * (n - n_nonprivate)
     if denominator == 0.0:
         raise ValueError("ratio must be > 0 when every client is private: all weights would be 0.")
-    return (updates[:, :n_nonprivate].sum(axis=1) + ratio * updates[:, n_nonprivate:].sum(axis=1)) / denominator
+    mean: np.ndarray = (updates[:, :n_nonprivate].sum(axis=1) + ratio * updates[:, n_nonprivate:].sum(axis=1)) / denominator
+    return mean
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ def release_local_means(
         raise ValueError(f"dp_noise_variance must be a finite number >= 0. Found {dp_noise_variance}.")
     n = points.shape[-1]
     noise = math.sqrt(dp_noise_variance) * rng.standard_normal(points.shape[:-1])
-    return (noise + points.sum(axis=-1)) / n
+    released: np.ndarray = (noise + points.sum(axis=-1)) / n
+    return released
 
 
 def mr_mtl_estimates(released: np.ndarray, *, lam: float) -> np.ndarray:
@@ -78,7 +79,8 @@ def mr_mtl_estimates(released: np.ndarray, *, lam: float) -> np.ndarray:
     n_silos = released.shape[-1]
     alpha = mr_mtl_weight(lam=lam, n_silos=n_silos)
     external = (released.sum(axis=-1, keepdims=True) - released) / (n_silos - 1)
-    return alpha * released + (1.0 - alpha) * external
+    estimates: np.ndarray = alpha * released + (1.0 - alpha) * external
+    return estimates
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ nothing downstream ever sees NaN, infinity or an absurd count.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -125,18 +125,14 @@ class DpSgd(_Mechanism):
         return self
 
 
-Mechanism = Annotated[
-    Gaussian | Laplace | PoissonSampled | SampledWithoutReplacement | SelfComposed | Composed | ZCdp | RepeatAndSelect | DpSgd,
-    Field(discriminator="type"),
-]
+# The nine kinds, once: the plain union for code that walks a tree, and the tagged one pydantic parses.
+AnyMechanism: TypeAlias = (
+    Gaussian | Laplace | PoissonSampled | SampledWithoutReplacement | SelfComposed | Composed | ZCdp | RepeatAndSelect | DpSgd
+)
+Mechanism = Annotated[AnyMechanism, Field(discriminator="type")]
 
 for _model in (PoissonSampled, SampledWithoutReplacement, SelfComposed, Composed, RepeatAndSelect):
     _model.model_rebuild()
-
-AnyMechanism = Union[
-    Gaussian, Laplace, PoissonSampled, SampledWithoutReplacement, SelfComposed, Composed,
-    ZCdp, RepeatAndSelect, DpSgd,
-]
 
 
 def children(mechanism: AnyMechanism) -> list[AnyMechanism]:

@@ -16,7 +16,8 @@ from pydantic import (
 )
 
 from dpledger.wire.enums import ChargeStatus, EntryEvent, Relation, Role
-from dpledger.wire.mechanisms import Mechanism, check_nesting
+from dpledger.wire.mechanisms import MAX_COUNT, Mechanism, check_nesting
+from dpledger.wire.receipts import RECEIPT_NOTE, Receipt
 
 # Strict numbers: a JSON `true` is refused, never read as 1 (`dataset_size: true` was stored as 1).
 Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, strict=True, description="privacy budget ε > 0")]
@@ -128,6 +129,7 @@ class ChargeReserved(BaseModel):
     epsilon_remaining: float
     job_id: str | None
     round: int | None
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
 class OverBudgetResponse(BaseModel):
@@ -141,6 +143,7 @@ class ChargeSettled(BaseModel):
     charge_id: int
     status: ChargeStatus
     epsilon_spent: float | None
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
 class HistoryEntry(BaseModel):
@@ -198,6 +201,37 @@ class CalibrateResponse(BaseModel):
     epsilon: float
 
 
+class SiloCalibrateRequest(_Request):
+    """Plan `rounds` more rounds of `steps_per_round` DP-SGD steps at this silo's batch size: the
+    service computes q from the registered dataset_size, as for a charge."""
+
+    batch_size: Annotated[int, Field(ge=1, le=10**12, strict=True)]
+    steps_per_round: Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+    rounds: Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+
+    @model_validator(mode="after")
+    def _bounded_steps(self) -> SiloCalibrateRequest:
+        # The plan becomes one dpsgd of rounds × steps_per_round steps, bounded like any other.
+        if self.rounds * self.steps_per_round > MAX_COUNT:
+            raise ValueError(
+                f"rounds × steps_per_round must be at most {MAX_COUNT}. Found {self.rounds * self.steps_per_round}."
+            )
+        return self
+
+
+class SiloCalibration(BaseModel):
+    """The smallest σ (rounded up) whose planned rounds, added to what the silo has spent, stay
+    within its ε at its δ. Seen only by the silo itself and admins: it is a function of the budget."""
+
+    noise_multiplier: float
+    sampling_rate: float
+    rounds: int
+    steps_per_round: int
+    epsilon_spent: float | None = Field(description="the silo's ε before the planned rounds")
+    epsilon_after: float = Field(description="the silo's ε once every planned round is spent at this σ")
+    epsilon: float = Field(description="the silo's budget")
+
+
 class KeyCreateRequest(_Request):
     role: Role
     silo_id: Id | None = None
@@ -206,6 +240,12 @@ class KeyCreateRequest(_Request):
 class KeyCreated(BaseModel):
     key_id: int
     api_key: str
+
+
+class KeyInfo(BaseModel):
+    key_id: int
+    role: Role
+    silo_id: int | None = Field(description="the silo a silo key acts for; null for other roles")
 
 
 class LevelCreateRequest(_Request):

@@ -1,14 +1,14 @@
 """exactly once: a silo's neighbouring relation, and when a charge's round first reported an output
 
 Revision ID: 0004
-Revises: 0003
+Revises: 0006
 Create Date: 2026-11-24 08:00:00.000000
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = '0004'
-down_revision = '0003'
+down_revision = '0006'
 branch_labels = None
 depends_on = None
 

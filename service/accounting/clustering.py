@@ -3,7 +3,8 @@
 Silos whose budgets are close add Gaussian noise of similar scale, so the norms of their noisy
 updates fall into clusters ordered by noise level (paper 001 §3.2, Fig. 2). The coordinator fits a
 1-D Gaussian mixture to the (log) norms of the warm-start round, picks the number of components by
-BIC, and reads the privacy groups off it; budgets stay secret. Clustering already-private outputs is post-processing and costs no budget
+BIC, and reads the privacy groups off it; budgets stay secret. Clustering already-private outputs is
+post-processing and costs no budget
 (paper 001 §4.1, "Privacy Analysis").
 
 Pure: numpy and scikit-learn only, no database, no HTTP, no torch.
@@ -117,7 +118,8 @@ def _log_norms(values: np.ndarray) -> np.ndarray:
     smallest positive norm's log, so that it lands in the least noisy group instead of at -inf."""
     positive = values[values > 0.0]
     floor = float(positive.min()) * math.exp(-1.0) if len(positive) else 1.0
-    return np.log(np.maximum(values, floor))
+    logs: np.ndarray = np.log(np.maximum(values, floor))
+    return logs
 
 
 def cluster_norms(norms: Mapping[int, float], *, seed: int = 0, max_components: int = 3) -> Grouping:

@@ -60,7 +60,8 @@ def rdp_curve(mechanism: AnyMechanism) -> np.ndarray:
         case SelfComposed(count=count, event=inner):
             return count * rdp_curve(inner)
         case Composed(events=events):
-            return np.sum([rdp_curve(e) for e in events], axis=0)
+            total: np.ndarray = np.sum([rdp_curve(e) for e in events], axis=0)
+            return total
         case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
             if q is None:
                 raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")

@@ -92,7 +92,8 @@ class Metrics:
         source: CollectorRegistry = self.registry
         if self.multiprocess_dir is not None:
             source = CollectorRegistry()
-            multiprocess.MultiProcessCollector(source, path=self.multiprocess_dir)
+            # prometheus_client leaves this constructor unannotated.
+            multiprocess.MultiProcessCollector(source, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         if with_decisions:
             return generate_latest(source)
         return generate_latest(_Without(source, DECISIONS))  # duck-typed: generate_latest only calls collect()
@@ -134,7 +135,7 @@ def _request_id(scope: Scope) -> str:
     # A balancer's id is kept so lines correlate across hops; anything odd is replaced, not echoed.
     for name, value in scope.get("headers", []):
         if name == b"x-request-id":
-            candidate = value.decode("latin-1")
+            candidate: str = value.decode("latin-1")  # ASGI headers are bytes pairs; the scope is untyped
             if _REQUEST_ID.fullmatch(candidate):
                 return candidate
     return uuid.uuid4().hex
@@ -183,6 +184,7 @@ class ObserveRequests:
             fields.update(role=principal.role.value, key_id=principal.key_id)
         if getattr(route, "name", None) == RESERVE_ROUTE:
             decision = state.get("decision")
+            outcome: str
             if isinstance(decision, Decision):
                 outcome, reason = decision.outcome, decision.reason
                 fields.update(charge_id=decision.charge_id, epsilon_spent=decision.epsilon_spent)

@@ -90,7 +90,8 @@ def line_chart(points: Sequence[Point], *, budget: float) -> str:
         for p, v, (x, y) in zip(points, values, coordinates, strict=True):
             parts.append(
                 f'<circle class="point-{name}" cx="{x}" cy="{y}" r="3" fill="{colour}"'
-                f' data-seq="{p.seq}" data-epsilon="{exact(v)}"><title>entry {p.seq}: {name} ε = {escape(shown(v))}</title></circle>'
+                f' data-seq="{p.seq}" data-epsilon="{exact(v)}">'
+                f"<title>entry {p.seq}: {name} ε = {escape(shown(v))}</title></circle>"
             )
     parts.append(_legend(frame))
     parts.append("</svg>")

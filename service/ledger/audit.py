@@ -115,11 +115,15 @@ def _verify_charges(silo: Silo, charges: dict[int, Charge], status_from_log: dic
         if logged is None:
             report.flag(silo.id, None, f"charge {charge.id} has no entry in the chain", charge.id)
         elif charge.status != logged.value:
-            report.flag(silo.id, None, f"charge {charge.id} is stored {charge.status!r} but its entries say {logged.value}", charge.id)
+            report.flag(
+                silo.id, None, f"charge {charge.id} is stored {charge.status!r} but its entries say {logged.value}", charge.id
+            )
         curve = _stored_curve(charge)
         if curve is None:
             # Left out of the recomputed sums, so the running sums are reported as well.
-            report.flag(silo.id, None, f"charge {charge.id} has an RDP vector that does not parse as {len(rdp.ORDERS)} numbers", charge.id)
+            report.flag(
+                silo.id, None, f"charge {charge.id} has an RDP vector that does not parse as {len(rdp.ORDERS)} numbers", charge.id
+            )
             continue
         if logged in (ChargeStatus.reserved, ChargeStatus.committed):
             spent = spent.add(curve)

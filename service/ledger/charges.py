@@ -29,7 +29,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import keys, silos
+from dpledger.service.ledger import keys, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import (
     Conflict,
@@ -58,6 +58,7 @@ class ChargeView:
     epsilon_spent: float  # the silo's, reserved + committed
     epsilon_remaining: float
     replayed: bool
+    position: transparency.Position  # the reserve entry's place in the transparency log (the receipt)
 
     @property
     def charge_id(self) -> int:
@@ -73,6 +74,7 @@ class Settlement:
     charge_id: int
     status: ChargeStatus
     epsilon_spent: float
+    position: transparency.Position
 
 
 @dataclass(frozen=True)
@@ -133,10 +135,20 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
     return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True))
 
 
-def view(silo: Silo, charge: Charge, *, replayed: bool) -> ChargeView:
+def view(
+    session: Session, silo: Silo, charge: Charge, *, replayed: bool, position: transparency.Position | None = None
+) -> ChargeView:
     spent = silos.epsilon_spent(silo)
     own = rdp.epsilon(curve_from_json(charge.rdp), delta=silo.delta)[0]
-    return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed)
+    where = position if position is not None else reserve_position(session, charge.id)
+    return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where)
+
+
+def reserve_position(session: Session, charge_id: int) -> transparency.Position:
+    entry = session.scalars(
+        select(LedgerEntry).where(LedgerEntry.charge_id == charge_id, LedgerEntry.event == EntryEvent.reserve)
+    ).one()
+    return transparency.position_of(session, entry)
 
 
 def reserve(
@@ -154,9 +166,9 @@ def reserve(
     with db.read() as session:
         silo = silos.get(session, silo_id)
         earlier = by_key(session, silo_id, idempotency_key)
-    if earlier is not None:  # a replay does no accounting work at all
-        _same_request(earlier, digest)
-        return view(silo, earlier, replayed=True)
+        if earlier is not None:  # a replay does no accounting work at all
+            _same_request(earlier, digest)
+            return view(session, silo, earlier, replayed=True)
     priced = price(mechanism, silo=silo, charged=True)
     with db.write() as session:
         keys.require_live(session, key_id)
@@ -181,7 +193,7 @@ def reserve_locked(
     earlier = by_key(session, silo_id, idempotency_key)
     if earlier is not None:  # a concurrent retry landed between the caller's read and this lock
         _same_request(earlier, digest)
-        return view(silo, earlier, replayed=True)
+        return view(session, silo, earlier, replayed=True)
     decision = check_budget(silo, priced.curve)
     if not decision.fits:
         assert decision.epsilon_spent is not None
@@ -198,10 +210,10 @@ def reserve_locked(
     session.add(charge)
     session.flush()
     silo.rdp_spent = decision.candidate.to_json()
-    silos.append_entry(
+    position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
     )
-    return view(silo, charge, replayed=False)
+    return view(session, silo, charge, replayed=False, position=position)
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:
@@ -224,7 +236,7 @@ def get(db: Database, charge_id: int, *, silo_scope: int | None) -> ChargeView:
     a charge of another silo is "not found", exactly like one that does not exist."""
     with db.read() as session:
         charge = _visible(session, charge_id, silo_scope)
-        return view(silos.get(session, charge.silo_id), charge, replayed=False)
+        return view(session, silos.get(session, charge.silo_id), charge, replayed=False)
 
 
 def list_for_silo(
@@ -238,7 +250,7 @@ def list_for_silo(
         if job_id is not None:
             query = query.where(Charge.job_id == job_id)
         found = session.scalars(query.order_by(Charge.id).limit(limit))
-        return [view(silo, charge, replayed=False) for charge in found]
+        return [view(session, silo, charge, replayed=False) for charge in found]
 
 
 def _visible(session: Session, charge_id: int, silo_scope: int | None) -> Charge:
@@ -279,8 +291,8 @@ def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int 
             charge.status = ChargeStatus.released
             silo.rdp_spent = RunningSum.from_json(silo.rdp_spent).subtract(curve).to_json()
         eps = silos.epsilon_spent(silo)
-        silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps, now=datetime.now(UTC))
-        return Settlement(charge_id, ChargeStatus(charge.status), eps)
+        position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps, now=datetime.now(UTC))
+        return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
 
 
 def _check_untouched(session: Session, charge: Charge) -> None:

@@ -4,6 +4,7 @@ PostgreSQL: row locks (`SELECT … FOR UPDATE`) taken by the ledger."""
 from __future__ import annotations
 
 import fcntl
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -12,8 +13,9 @@ from typing import IO
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 import dpledger.migrations
 
@@ -61,7 +63,7 @@ def make_engine(url: str) -> Engine:
 
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
         # Let SQLAlchemy emit BEGIN itself, so that writes can ask for BEGIN IMMEDIATE.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
@@ -73,7 +75,7 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(connection) -> None:  # type: ignore[no-untyped-def]
+    def _on_begin(connection: Connection) -> None:
         # A deferred transaction that reads, then writes, can fail with SQLITE_BUSY_SNAPSHOT when
         # another writer got in between; IMMEDIATE takes the write lock up front and waits for it.
         immediate = connection.get_execution_options().get(_IMMEDIATE, False)

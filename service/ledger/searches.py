@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.trial_counts import TrialDistribution, distribution, draw_trials
-from dpledger.service.ledger import charges, keys, silos
+from dpledger.service.ledger import charges, keys, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, NotFound, SettledAlready
 from dpledger.service.ledger.models import Charge, ChargeStatus, Search, SearchStatus
@@ -31,6 +31,7 @@ class StartedSearch:
     search: Search
     epsilon_spent: float
     replayed: bool
+    position: transparency.Position  # the search charge's reserve entry in the transparency log
 
 
 def search_mechanism(trial: AnyMechanism, law: TrialDistribution) -> RepeatAndSelect:
@@ -82,7 +83,7 @@ def start(
         # Poisson K = 0 (Papernot & Steinke, Thm 6): the search released "no result", and that
         # release is what the charge paid for; nothing is left to run.
         _commit(db, reservation.charge_id)
-    return StartedSearch(search, reservation.epsilon_spent, False)
+    return StartedSearch(search, reservation.epsilon_spent, False, reservation.position)
 
 
 def _replay(session: Session, earlier: Charge, digest: str) -> StartedSearch:
@@ -95,7 +96,8 @@ def _replay(session: Session, earlier: Charge, digest: str) -> StartedSearch:
             f"idempotency key names charge {earlier.id} ({ChargeStatus(earlier.status).value}), which is no search; "
             "a key names one charge for good: use a new key"
         )
-    return StartedSearch(search, silos.epsilon_spent(silos.get(session, earlier.silo_id)), True)
+    spent = silos.epsilon_spent(silos.get(session, earlier.silo_id))
+    return StartedSearch(search, spent, True, charges.reserve_position(session, earlier.id))
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import rdp, reports
+from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain
+from dpledger.service.ledger import chain, transparency
 from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.errors import Conflict, NotFound
+from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.keys import create_key
 from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
 from dpledger.wire.enums import Relation
@@ -51,8 +52,9 @@ def register(
 
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
-) -> LedgerEntry:
-    """Appends one entry to the silo's chain; the caller holds the silo's lock."""
+) -> transparency.Position:
+    """Appends one entry to the silo's chain and, in the same transaction, to the transparency log
+    over all silos; the caller holds the silo's lock. Returns the entry's place in the log."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
@@ -60,9 +62,10 @@ def append_entry(
     subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
+    session.flush()  # the leaf row names the entry's id
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
-    return entry
+    return transparency.append(session, entry, subject=subject)
 
 
 def get(session: Session, silo_id: int) -> Silo:
@@ -99,3 +102,28 @@ def status(silo: Silo) -> BudgetStatus:
 
 def epsilon_spent(silo: Silo) -> float:
     return rdp.epsilon(RunningSum.from_json(silo.rdp_spent).curve(), delta=silo.delta)[0]
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    noise_multiplier: float
+    sampling_rate: float
+    epsilon_after: float
+
+
+def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
+    """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
+    what the silo has left (reserved charges count as spent). Reserves nothing."""
+    if silo.relation != Relation.add_remove:
+        raise InvalidRequest("silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}")
+    if batch_size > silo.dataset_size:
+        raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
+    sampling_rate = batch_size / silo.dataset_size
+    try:
+        found = reports.calibrate_remaining(
+            RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon, delta=silo.delta,
+            sampling_rate=sampling_rate, steps=steps,
+        )
+    except MechanismError as error:
+        raise InvalidRequest(error.field, error.message) from error
+    return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=found.epsilon_after)

@@ -45,7 +45,9 @@ def seed(client: TestClient) -> dict[str, str]:
     """Two silos with charges in every state, a job, a level, and one key per role."""
     keys = {"admin": ADMIN_KEY}
     for i in range(2):
-        r = client.post("/v1/silos", headers=ADMIN, json={"name": f"fuzz-{i}", "epsilon": 50.0, "delta": 1e-5, "dataset_size": 1000})
+        r = client.post(
+            "/v1/silos", headers=ADMIN, json={"name": f"fuzz-{i}", "epsilon": 50.0, "delta": 1e-5, "dataset_size": 1000}
+        )
         assert r.status_code == 201, r.text
         silo_id, silo_headers = r.json()["id"], {"Authorization": f"Bearer {r.json()['api_key']}"}
         keys.setdefault("silo", r.json()["api_key"])

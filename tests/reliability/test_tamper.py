@@ -81,7 +81,9 @@ class Tamper:
     silos: tuple[str, ...] = ("b",)  # the silos the problems must name, and no other
 
 
-def edit_charge(column: str, forge: Callable[[Any], Any], label: str) -> Callable[[Connection, Ledger], Callable[[Connection], None]]:
+def edit_charge(
+    column: str, forge: Callable[[Any], Any], label: str
+) -> Callable[[Connection, Ledger], Callable[[Connection], None]]:
     def apply(connection: Connection, ledger: Ledger) -> Callable[[Connection], None]:
         charge_id = ledger.charges[label]
         old = connection.execute(text(f"SELECT {column} FROM charges WHERE id = :id"), {"id": charge_id}).scalar_one()
@@ -119,7 +121,12 @@ def delete_entry(seq: int) -> Callable[[Connection, Ledger], Callable[[Connectio
 
 
 TAMPERS = [
-    Tamper("charge mechanism JSON", edit_charge("mechanism", lambda v: v.replace('"noise_multiplier":1.0', '"noise_multiplier":9.0'), "b0"), "b0", 2),
+    Tamper(
+        "charge mechanism JSON",
+        edit_charge("mechanism", lambda v: v.replace('"noise_multiplier":1.0', '"noise_multiplier":9.0'), "b0"),
+        "b0",
+        2,
+    ),
     Tamper("charge RDP vector", edit_charge("rdp", _scaled_first_order, "b3"), "b3", 7),
     # Would hand a committed charge's budget back if anything trusted the status column.
     Tamper("charge status committed→released", edit_charge("status", lambda v: "released", "b3"), "b3", None),

@@ -220,3 +220,26 @@ def test_charges_list_open_and_release_recover_a_stranded_reservation(
     assert main(["history", str(created["id"])]) == 0
     history = capsys.readouterr().out
     assert "\x1b" not in history and "\r" not in history and "job\\x1b[2K\\x1b[1A\\x0dok" in history
+def test_silos_create_prints_the_new_silos_key_alone_and_that_key_reads_its_silo(
+    as_admin: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["silos", "create", "ward-9", "--epsilon", "3", "--delta", "1e-6", "--dataset-size", "450"]) == 0
+    out, err = capsys.readouterr()
+    key = out.strip()
+    assert out == key + "\n" and key.startswith("dpl_")
+    silo = httpx.get(f"{as_admin.url}/v1/silos", headers=ADMIN).json()[-1]
+    assert (silo["name"], silo["epsilon"], silo["delta"], silo["dataset_size"]) == ("ward-9", 3.0, 1e-6, 450)
+    assert err.startswith(f"silo {silo['id']} 'ward-9' created: ε = 3, δ = 1e-06, dataset_size = 450")
+    own = httpx.get(f"{as_admin.url}/v1/silos/{silo['id']}", headers={"Authorization": f"Bearer {key}"})
+    assert own.status_code == 200 and own.json()["epsilon_spent"] == 0.0
+
+    # A bad field is the API's 422 reduced to the field and the reason; nothing is created.
+    assert main(["silos", "create", "ward-10", "--epsilon", "-1", "--delta", "1e-6", "--dataset-size", "450"]) == 2
+    line = capsys.readouterr().err
+    assert line.startswith("dpledger: HTTP 422 from /v1/silos: epsilon:") and line.count("\n") == 1
+    assert [s["name"] for s in httpx.get(f"{as_admin.url}/v1/silos", headers=ADMIN).json()].count("ward-10") == 0
+
+    # Only an admin may register a silo.
+    monkeypatch.setenv("DPLEDGER_KEY", as_admin.silo_keys[1])
+    assert main(["silos", "create", "ward-11", "--epsilon", "1", "--delta", "1e-6", "--dataset-size", "10"]) == 2
+    assert capsys.readouterr().err.startswith("dpledger: 403 forbidden: this key may not write /v1/silos")

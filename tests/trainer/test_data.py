@@ -4,6 +4,7 @@ rotated & masked digits (paper 000 §5), user .npz folders, and paper 001 Table 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ def original_digits() -> np.ndarray:
 def test_containers_validate_shapes_and_ids() -> None:
     x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64)
     silo = SiloData(silo_id=0, x_train=x, y_train=y, x_test=x[:2], y_test=y[:2])
-    with pytest.raises(ValueError, match="x_train and y_train must have the same number of examples. Found 4 and 3"):
+    with pytest.raises(ValueError, match=re.escape("x_train and y_train must have the same number of examples. Found 4 and 3")):
         SiloData(silo_id=1, x_train=x, y_train=y[:3], x_test=x, y_test=y)
     with pytest.raises(ValueError, match="Silo ids must be unique"):
         FederatedDataset([silo, silo], task="classification", n_features=3, n_classes=2)
@@ -75,7 +76,9 @@ def test_mean_estimation_shapes_determinism_and_model() -> None:
     assert abs(centers.var(ddof=1) - 0.5) <= Z * 0.5 * math.sqrt(2 / 399)
     # x_{k,i} − w_k ~ N(0, σ²), for train and for the fresh test points alike.
     for split in ("x_train", "x_test"):
-        residuals = np.concatenate([getattr(s, split)[:, 0].numpy() - w for s, w in zip(data.dataset.silos, centers)])
+        residuals = np.concatenate(
+            [getattr(s, split)[:, 0].numpy() - w for s, w in zip(data.dataset.silos, centers, strict=True)]
+        )
         assert abs(residuals.mean()) <= Z * math.sqrt(4.0 / residuals.size)
         assert abs(residuals.var() - 4.0) <= Z * 4.0 * math.sqrt(2 / (residuals.size - 1))
 
@@ -228,7 +231,7 @@ def test_digits_label_skew_concentrates_labels() -> None:
 def test_digits_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match=r"mask_probability must be in \[0, 1\]. Found 1.5"):
         make_rotated_masked_digits(n_silos=4, seed=0, mask_probability=1.5)
-    with pytest.raises(ValueError, match="patch_size must divide 8. Found 3"):
+    with pytest.raises(ValueError, match=re.escape("patch_size must divide 8. Found 3")):
         make_rotated_masked_digits(n_silos=4, seed=0, patch_size=3)
 
 

@@ -121,11 +121,11 @@ def test_gaussian_mechanism_noise_std() -> None:
 
 
 def test_invalid_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="lam must be >= 0.*Found -1.0"):
+    with pytest.raises(ValueError, match=r"lam must be >= 0.*Found -1\.0"):
         mr_mtl_weight(lam=-1.0, n_silos=3)
-    with pytest.raises(ValueError, match="n_silos must be at least 2.*Found 1"):
+    with pytest.raises(ValueError, match=r"n_silos must be at least 2.*Found 1"):
         MeanEstimationSetting(n_silos=1, n=5, data_variance=1.0, heterogeneity=1.0, dp_noise_variance=0.0)
-    with pytest.raises(ValueError, match="heterogeneity must be a finite number >= 0.*Found -0.1"):
+    with pytest.raises(ValueError, match=r"heterogeneity must be a finite number >= 0.*Found -0\.1"):
         MeanEstimationSetting(n_silos=3, n=5, data_variance=1.0, heterogeneity=-0.1, dp_noise_variance=0.0)
     with pytest.raises(ValueError, match="lam must be >= 0"):
         simulate_mse(PRIVATE, lambdas=[1.0, float("nan")], trials=10, seed=0)

@@ -50,7 +50,7 @@ def purity(assignment: list[int], groups: list[int]) -> float:
     """Share of silos whose cluster's majority rotation group is their own."""
     agree = 0
     for cluster in set(assignment):
-        members = [g for a, g in zip(assignment, groups) if a == cluster]
+        members = [g for a, g in zip(assignment, groups, strict=True) if a == cluster]
         agree += Counter(members).most_common(1)[0][1]
     return agree / len(groups)
 
@@ -73,15 +73,19 @@ def test_ifca_selection_recovers_the_rotation_clusters() -> None:
 def test_selection_noise_is_what_separates_private_from_exact_selection() -> None:
     """With vanishing σ_s the noisy argmin is the exact argmin of the clipped loss sums; with a
     huge σ_s the choice is noise (a sanity check that the noise is really added)."""
-    args, groups = digits_args(8)
+    args, _groups = digits_args(8)
     exact = IFCA(clusters=4, selection=ClusterSelection(noise_multiplier=1e-9), **args)
     run_ungated(exact, 4)
     silos = torch.arange(8)
     losses = []
     for k in range(8):
         x, y = exact.train.x[k, : exact.train.sizes[k]], exact.train.y[k, : exact.train.sizes[k]]
-        per = torch.stack([torch.nn.functional.cross_entropy(exact.model.forward(m, x), y, reduction="none") for m in exact.cluster_models], 1)
-        factor = (exact.selection.loss_clip / torch.linalg.vector_norm(per, dim=1).clamp(min=exact.selection.loss_clip)).unsqueeze(1)
+        per = torch.stack(
+            [torch.nn.functional.cross_entropy(exact.model.forward(m, x), y, reduction="none") for m in exact.cluster_models], 1
+        )
+        factor = (
+            exact.selection.loss_clip / torch.linalg.vector_norm(per, dim=1).clamp(min=exact.selection.loss_clip)
+        ).unsqueeze(1)
         losses.append((per * factor).sum(0))
     expected = torch.stack(losses).argmin(1)
     assert torch.equal(exact._select(silos), expected)
@@ -184,14 +188,17 @@ def gated_silos(url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: f
             admin.create_silo(name=f"{prefix}-{k}", epsilon=epsilon, delta=DELTA, dataset_size=n)
             for k, n in enumerate(algorithm.train.sizes)
         ]
-    return [GatedSilo(c["id"], LedgerClient(url, c["api_key"])) for c in created]
+    return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
 def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, rounds: int, epsilon: float = 1e3):
     """Runs the algorithm gated by the ledger; returns the run and, per round, per silo, the DP-SGD
     steps and selection queries the algorithm actually made (read off its own counters)."""
     made: list[tuple[list[int], list[int]]] = []
-    last = [algorithm._queries.clone(), getattr(algorithm, "selection_queries", torch.zeros(algorithm.num_silos, dtype=torch.int64)).clone()]
+    last = [
+        algorithm._queries.clone(),
+        getattr(algorithm, "selection_queries", torch.zeros(algorithm.num_silos, dtype=torch.int64)).clone(),
+    ]
 
     def snapshot(_: RoundRecord) -> None:
         now = [algorithm._queries.clone(), getattr(algorithm, "selection_queries", torch.zeros_like(last[1])).clone()]
@@ -290,7 +297,9 @@ def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> N
     assert probe.train.sizes[0] == probe.train.sizes[1]
 
     every, _ = queries_per_round(IFCA(clusters=2, selection=SELECTION, **args), ledger, "budget-every", rounds, budget)
-    once, _ = queries_per_round(IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args), ledger, "budget-once", rounds, budget)
+    once, _ = queries_per_round(
+        IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args), ledger, "budget-once", rounds, budget
+    )
     assert once.approved_rounds() == [6, 6]
     assert all(n < 6 for n in every.approved_rounds())
     assert all(once.stopped) and all(every.stopped)
@@ -301,17 +310,19 @@ def test_train_runs_warm_started_mrmtl_and_charges_selection_only_while_clusteri
 
     with LedgerClient(ledger, ADMIN_KEY) as admin:
         sizes = [s.n_train for s in make_rotated_masked_digits(n_silos=2, seed=0, mask_probability=0.1).silos]
-        created = [admin.create_silo(name=f"train-ifca-{k}", epsilon=50.0, delta=DELTA, dataset_size=n) for k, n in enumerate(sizes)]
+        created = [
+            admin.create_silo(name=f"train-ifca-{k}", epsilon=50.0, delta=DELTA, dataset_size=n) for k, n in enumerate(sizes)
+        ]
     config = tmp_path / "job.toml"
     config.write_text(
         f'url = "{ledger}"\njob_id = "warm"\nalgorithm = "ifca_mrmtl"\nrounds = 3\nclusters = 2\ncluster_fraction = 0.5\n'
         "[data]\nsilos = 2\n[dpsgd]\nlocal_steps = 2\n"
-        + "".join(f'[[silos]]\nid = {c["id"]}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
+        + "".join(f'[[silos]]\nid = {c.id}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
     )
     for k, c in enumerate(created):
-        monkeypatch.setenv(f"KEY_{k}", c["api_key"])
+        monkeypatch.setenv(f"KEY_{k}", c.api_key)
     assert main(["train", str(config)]) == 0
-    with LedgerClient(ledger, created[0]["api_key"]) as silo:
-        history = silo.history(created[0]["id"])
-    kinds = [e["mechanism"]["type"] for e in history if e["event"] == "reserve"]
+    with LedgerClient(ledger, created[0].api_key) as silo:
+        history = silo.history(created[0].id)
+    kinds = [e.mechanism["type"] for e in history if e.event == "reserve" and e.mechanism]
     assert kinds == ["composed", "composed", "dpsgd"]  # ⌈0.5·3⌉ = 2 selecting rounds, then MR-MTL

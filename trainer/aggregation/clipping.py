@@ -11,6 +11,7 @@ import torch
 
 from dpledger.trainer.aggregation._checks import check_positive, check_updates
 from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
+from dpledger.trainer.dpsgd.clip import clip_rows
 
 
 def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
@@ -20,8 +21,7 @@ def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
     clipped row exceed C by rounding."""
     check_updates(updates)
     c = check_positive(clip_norm, name="clip_norm")
-    norms = torch.linalg.vector_norm(updates, dim=1, keepdim=True)
-    return updates * (c / norms.clamp(min=c))
+    return clip_rows(updates, max_grad_norm=c)
 
 
 class QuantileClipUpdate(NamedTuple):
@@ -55,7 +55,9 @@ def noisy_quantile_clip_update(
     could not be charged.
     """
     if not isinstance(update_norms, torch.Tensor) or update_norms.dim() != 1 or update_norms.numel() < 1:
-        raise ValueError(f"update_norms must be a non-empty 1-D tensor. Found {getattr(update_norms, 'shape', type(update_norms))}.")
+        raise ValueError(
+            f"update_norms must be a non-empty 1-D tensor. Found {getattr(update_norms, 'shape', type(update_norms))}."
+        )
     if not bool(torch.isfinite(update_norms).all()) or bool((update_norms < 0).any()):
         raise ValueError("update_norms must be finite and >= 0 (L2 norms).")
     s = check_positive(clip_norm, name="clip_norm")

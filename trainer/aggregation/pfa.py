@@ -37,7 +37,7 @@ def top_k_subspace(updates: torch.Tensor, *, k: int) -> torch.Tensor:
         raise ValueError(
             f"k must be an integer in [1, min(number of updates, dimension)] = [1, {min(n, p)}]. Found {k!r}."
         )
-    _, _, vh = torch.linalg.svd(updates, full_matrices=False)
+    vh: torch.Tensor = torch.linalg.svd(updates, full_matrices=False).Vh
     return vh[:k].T.contiguous()
 
 

@@ -62,7 +62,9 @@ def pmtl_server_step(
     z = check_non_negative(noise_multiplier, name="noise_multiplier")
     p = check_probability(sampling_rate, name="sampling_rate")
     clipped = clip_updates(task_updates, clip_norm=gamma)
-    total = torch.where(selected.to(clipped.device).unsqueeze(1), clipped, torch.zeros((), dtype=clipped.dtype, device=clipped.device)).sum(0)
+    total = torch.where(
+        selected.to(clipped.device).unsqueeze(1), clipped, torch.zeros((), dtype=clipped.dtype, device=clipped.device)
+    ).sum(0)
     noise = torch.randn(p_dim, generator=generator, dtype=clipped.dtype, device=generator.device).to(clipped.device)
     return global_params + (total + noise * (z * gamma)) / (p * k)
 

@@ -17,12 +17,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypedDict, get_args
 
 import torch
 
 Task = Literal["classification", "regression", "mean"]
 TASKS: tuple[str, ...] = get_args(Task)
+
+
+class SiloTensors(TypedDict):
+    """Every silo's train and test tensors, keyed as the federated algorithms' constructors take them."""
+
+    x_train: list[torch.Tensor]
+    y_train: list[torch.Tensor]
+    x_test: list[torch.Tensor]
+    y_test: list[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,7 @@ class FederatedDataset:
     def groups(self) -> tuple[int, ...]:
         return tuple(silo.group for silo in self.silos)
 
-    def tensors(self) -> dict[str, list[torch.Tensor]]:
+    def tensors(self) -> SiloTensors:
         """Every silo's train and test tensors, keyed as the federated algorithms take them."""
         return {
             "x_train": [s.x_train for s in self.silos], "y_train": [s.y_train for s in self.silos],

@@ -48,9 +48,9 @@ def draw_centers_and_points(
     _check_variance("heterogeneity", heterogeneity)
     lead: tuple[int, ...] = () if batch is None else (batch,)
     # paper 000 §6 Setup: w_k = θ + z, z ~ N(0, τ²).
-    centers = meta_center + math.sqrt(heterogeneity) * rng.standard_normal(lead + (n_silos,))
+    centers = meta_center + math.sqrt(heterogeneity) * rng.standard_normal((*lead, n_silos))
     # paper 000 §6 Setup: x_{k,i} = w_k + z_{k,i}, z_{k,i} ~ N(0, σ²).
-    points = centers[..., None] + math.sqrt(data_variance) * rng.standard_normal(lead + (n_silos, n_per_silo))
+    points = centers[..., None] + math.sqrt(data_variance) * rng.standard_normal((*lead, n_silos, n_per_silo))
     return centers, points
 
 

@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.config import Weighting, check_weighting
 
 
@@ -21,6 +21,8 @@ class FedAvg(FederatedAlgorithm):
     """
 
     name = "fedavg"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "global model"
 
     def __init__(
         self,
@@ -34,15 +36,12 @@ class FedAvg(FederatedAlgorithm):
         # The model each silo last trained locally (what it uploaded); refused silos keep theirs.
         self.local = self.initial.expand(self.num_silos, -1).clone()
 
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps] * self.num_silos
-
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
         start = self.global_model.expand(len(silos), -1)
         trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
         self.local[silos] = trained
         self.global_model = self._aggregate(trained, silos, weighting=self.weighting)
-        return torch.linalg.vector_norm(trained - start, dim=1)
+        return update_norms(trained - start)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.global_model.expand(self.num_silos, -1)

@@ -55,7 +55,7 @@ class FlatModel:
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         chunks = torch.split(flat, self.numels)
-        return {name: chunk.view(shape) for name, chunk, shape in zip(self.names, chunks, self.shapes)}
+        return {name: chunk.view(shape) for name, chunk, shape in zip(self.names, chunks, self.shapes, strict=True)}
 
     def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Outputs of the model with parameters `flat` ([P]) on a batch `x` ([b, d])."""

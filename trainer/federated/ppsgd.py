@@ -34,7 +34,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.config import (
     STREAM_CLIENTS,
     derive_seed,
@@ -54,6 +54,8 @@ class PPSGD(FederatedAlgorithm):
     """
 
     name = "ppsgd"
+    cost = "dpsgd(B_k/n_k, σ, E) if sampled, else None"
+    deploys = "w + θ_k"
 
     def __init__(
         self,
@@ -92,7 +94,7 @@ class PPSGD(FederatedAlgorithm):
             self.global_model = self.global_model - self.alpha * lr * noisy.mean(0)
             moved = moved + lr * noisy
         # θ_k moved by exactly −η Σ_t ĝ_t this round, and ĝ_t is also the message it sent.
-        return torch.linalg.vector_norm(moved, dim=1)
+        return update_norms(moved)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.global_model.unsqueeze(0) + self.local

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
 
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.metrics import Decision, note_decision
+from dpledger.service.api.receipts import SignerDep, receipt
+from dpledger.service.api.refusals import Refusal
+from dpledger.service.api.receipts import SignerDep, receipt
+from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import OverBudget
 from dpledger.service.ledger.models import Role
@@ -26,11 +31,13 @@ router = APIRouter(tags=["charges"])
 SETTLERS = (Role.admin,)
 
 
-def _answer(found: charges.ChargeView) -> ChargeReserved:
+def _answer(found: charges.ChargeView, signer: SignerDep | None) -> ChargeReserved:
+    """`signer`: the reserve entry's receipt goes with a single charge (a list leaves it out)."""
     return ChargeReserved(
         charge_id=found.charge_id, status=found.status, replayed=found.replayed,
         epsilon=finite_or_none(found.epsilon), epsilon_spent=finite_or_none(found.epsilon_spent),
         epsilon_remaining=found.epsilon_remaining, job_id=found.charge.job_id, round=found.charge.round,
+        receipt=None if signer is None else receipt(signer, found.position),
     )
 
 
@@ -48,7 +55,8 @@ def _answer(found: charges.ChargeView) -> ChargeReserved:
     },
 )
 def reserve_charge(
-    silo_id: IdPath, body: ChargeRequest, caller: PrincipalDep, db: DbDep, request: Request, response: Response
+    silo_id: IdPath, body: ChargeRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
+    request: Request, response: Response,
 ) -> ChargeReserved:
     """201: a fresh reservation, the only answer that lets a round touch the data. 200 with
     `replayed: true`: this idempotency key was seen before; `status` says what became of its charge."""
@@ -59,6 +67,14 @@ def reserve_charge(
             job_id=body.job_id, round=body.round, key_id=caller.key_id,
         )
     except OverBudget as refusal:
+        request.app.state.refusals.record(silo_id, Refusal(
+            at=datetime.now(UTC), job_id=body.job_id, round=body.round,
+            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
+        ))
+        request.app.state.refusals.record(silo_id, Refusal(
+            at=datetime.now(UTC), job_id=body.job_id, round=body.round,
+            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
+        ))
         note_decision(request, Decision(
             outcome="refused", reason="over_budget", silo_id=silo_id, charge_id=None,
             epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
@@ -71,13 +87,13 @@ def reserve_charge(
     if result.replayed:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
-    return _answer(result)
+    return _answer(result, signer)
 
 
 @router.get("/v1/charges/{charge_id}", response_model=ChargeReserved, name="get_charge")
-def get_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep) -> ChargeReserved:
+def get_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> ChargeReserved:
     """The charge as it stands (its silo, admin, auditor)."""
-    return _answer(charges.get(db, charge_id, silo_scope=caller.silo_scope(also=READERS)))
+    return _answer(charges.get(db, charge_id, silo_scope=caller.silo_scope(also=READERS)), signer)
 
 
 @router.get("/v1/silos/{silo_id}/charges", response_model=list[ChargeReserved], name="list_charges")
@@ -92,23 +108,28 @@ def list_charges(
     """A silo's charges by id, e.g. `?status=reserved` for the open reservations a crashed worker
     left behind (its silo, admin, auditor)."""
     caller.require_silo(silo_id, also=READERS)
-    return [_answer(c) for c in charges.list_for_silo(db, silo_id, status=charge_status, job_id=job_id, limit=limit)]
+    return [_answer(c, None) for c in charges.list_for_silo(db, silo_id, status=charge_status, job_id=job_id, limit=limit)]
 
 
-def _settled(result: charges.Settlement) -> ChargeSettled:
-    return ChargeSettled(charge_id=result.charge_id, status=result.status, epsilon_spent=finite_or_none(result.epsilon_spent))
+def _settled(result: charges.Settlement, signer: SignerDep) -> ChargeSettled:
+    return ChargeSettled(
+        charge_id=result.charge_id, status=result.status, epsilon_spent=finite_or_none(result.epsilon_spent),
+        receipt=receipt(signer, result.position),
+    )
 
 
 @router.post("/v1/charges/{charge_id}/commit", response_model=ChargeSettled, name="commit_charge")
-def commit_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep) -> ChargeSettled:
+def commit_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> ChargeSettled:
     """The round ran: the reservation stays spent for good."""
     caller.require(Role.silo, *SETTLERS)
-    return _settled(charges.commit(db, charge_id=charge_id, silo_scope=caller.silo_scope(also=SETTLERS), key_id=caller.key_id))
+    scope = caller.silo_scope(also=SETTLERS)
+    return _settled(charges.commit(db, charge_id=charge_id, silo_scope=scope, key_id=caller.key_id), signer)
 
 
 @router.post("/v1/charges/{charge_id}/release", response_model=ChargeSettled, name="release_charge")
-def release_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep) -> ChargeSettled:
+def release_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> ChargeSettled:
     """Only when the step never touched the data: the reservation's cost is returned. 409 once the
     round reported any output (a norm, a trial): then it may only be committed."""
     caller.require(Role.silo, *SETTLERS)
-    return _settled(charges.release(db, charge_id=charge_id, silo_scope=caller.silo_scope(also=SETTLERS), key_id=caller.key_id))
+    scope = caller.silo_scope(also=SETTLERS)
+    return _settled(charges.release(db, charge_id=charge_id, silo_scope=scope, key_id=caller.key_id), signer)

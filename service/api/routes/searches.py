@@ -13,15 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from dpledger.service.accounting.trial_counts import (
     MAX_MEAN_TRIALS,
-    DistributionKind,
     TrialDistribution,
     distribution,
 )
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
+from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.ledger import searches
 from dpledger.service.ledger.models import Role, Search, SearchStatus
 from dpledger.wire.mechanisms import Mechanism, check_nesting
 from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
+from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted, TrialReport
 
 router = APIRouter(tags=["searches"])
 
@@ -62,31 +63,6 @@ class SearchRequest(_WithTrial):
         return distribution(self.distribution.kind, mean=self.mean_trials, shape=self.distribution.shape)
 
 
-class SearchStarted(BaseModel):
-    search_id: int
-    trials: int = Field(description="K, drawn by the service: run exactly this many trials")
-    charge_id: int
-    epsilon_spent: float = Field(description="the silo's ε right after the search was approved")
-
-
-class SearchDetail(BaseModel):
-    search_id: int
-    silo_id: int
-    charge_id: int
-    trial: dict[str, Any]
-    distribution: DistributionKind
-    shape: float | Literal["infinity"]
-    mean_trials: float
-    trials: int
-    trials_reported: int
-    best_score: float | None
-    status: SearchStatus
-
-
-class TrialReport(_Request):
-    score: Annotated[float, Field(allow_inf_nan=False, description="higher is better (e.g. accuracy)")]
-
-
 class SearchQuoteRequest(_WithTrial):
     mean_trials: MeanTrials
     delta: Delta
@@ -116,7 +92,7 @@ def _detail(search: Search) -> SearchDetail:
     shape: float | Literal["infinity"] = "infinity" if search.shape == "infinity" else float(search.shape)
     return SearchDetail(
         search_id=search.id, silo_id=search.silo_id, charge_id=search.charge_id,
-        trial=json.loads(search.trial_mechanism), distribution=search.distribution,  # type: ignore[arg-type]
+        trial=json.loads(search.trial_mechanism), distribution=search.distribution,
         shape=shape, mean_trials=search.mean_trials, trials=search.trials, trials_reported=search.trials_reported,
         best_score=search.best_score, status=SearchStatus(search.status),
     )
@@ -132,7 +108,10 @@ def _detail(search: Search) -> SearchDetail:
         409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"},
     },
 )
-def start_search(silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db: DbDep, response: Response) -> SearchStarted:
+def start_search(
+    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
+    response: Response,
+) -> SearchStarted:
     caller.require_silo(silo_id)
     started = searches.start(
         db, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key, key_id=caller.key_id
@@ -142,7 +121,7 @@ def start_search(silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db:
         response.headers["Idempotent-Replayed"] = "true"
     return SearchStarted(
         search_id=started.search.id, trials=started.search.trials, charge_id=started.search.charge_id,
-        epsilon_spent=started.epsilon_spent,
+        epsilon_spent=started.epsilon_spent, receipt=receipt(signer, started.position),
     )
 
 

@@ -63,14 +63,26 @@ BAD: list[tuple[dict[str, Any], tuple[Any, ...], str]] = [
     *[({"type": "laplace", "noise_multiplier": v}, ("laplace", "noise_multiplier"), "finite_number") for v in NON_FINITE],
     *[({"type": "zcdp", "rho": v}, ("zcdp", "rho"), "finite_number") for v in NON_FINITE],
     *[({"type": "zcdp", "rho": 0.1, "xi": v}, ("zcdp", "xi"), "finite_number") for v in NON_FINITE],
-    *[({"type": "dpsgd", "noise_multiplier": v, "steps": 1, "sampling_rate": 0.1}, ("dpsgd", "noise_multiplier"), "finite_number")
-      for v in NON_FINITE],
-    *[({"type": "dpsgd", "noise_multiplier": 1.0, "steps": 1, "sampling_rate": v}, ("dpsgd", "sampling_rate"), "finite_number")
-      for v in NON_FINITE],
-    *[({"type": "poisson_sampled", "sampling_rate": v, "event": G1}, ("poisson_sampled", "sampling_rate"), "finite_number")
-      for v in NON_FINITE],
-    *[({"type": "repeat_and_select", "mean": v, "shape": 1, "event": G1}, ("repeat_and_select", "mean"), "finite_number")
-      for v in NON_FINITE],
+    *[
+        (
+            {"type": "dpsgd", "noise_multiplier": v, "steps": 1, "sampling_rate": 0.1},
+            ("dpsgd", "noise_multiplier"),
+            "finite_number",
+        )
+        for v in NON_FINITE
+    ],
+    *[
+        ({"type": "dpsgd", "noise_multiplier": 1.0, "steps": 1, "sampling_rate": v}, ("dpsgd", "sampling_rate"), "finite_number")
+        for v in NON_FINITE
+    ],
+    *[
+        ({"type": "poisson_sampled", "sampling_rate": v, "event": G1}, ("poisson_sampled", "sampling_rate"), "finite_number")
+        for v in NON_FINITE
+    ],
+    *[
+        ({"type": "repeat_and_select", "mean": v, "shape": 1, "event": G1}, ("repeat_and_select", "mean"), "finite_number")
+        for v in NON_FINITE
+    ],
     # negative and zero noise
     ({"type": "gaussian", "noise_multiplier": -1.0}, ("gaussian", "noise_multiplier"), "greater_than"),
     ({"type": "gaussian", "noise_multiplier": 0.0}, ("gaussian", "noise_multiplier"), "greater_than"),
@@ -78,12 +90,20 @@ BAD: list[tuple[dict[str, Any], tuple[Any, ...], str]] = [
     ({"type": "laplace", "noise_multiplier": -2}, ("laplace", "noise_multiplier"), "greater_than"),
     ({"type": "laplace", "noise_multiplier": 0}, ("laplace", "noise_multiplier"), "greater_than"),
     ({"type": "dpsgd", "noise_multiplier": 0.0, "steps": 1, "sampling_rate": 0.1}, ("dpsgd", "noise_multiplier"), "greater_than"),
-    ({"type": "dpsgd", "noise_multiplier": -1e-9, "steps": 1, "sampling_rate": 0.1}, ("dpsgd", "noise_multiplier"), "greater_than"),
+    (
+        {"type": "dpsgd", "noise_multiplier": -1e-9, "steps": 1, "sampling_rate": 0.1},
+        ("dpsgd", "noise_multiplier"),
+        "greater_than",
+    ),
     ({"type": "zcdp", "rho": 0.0}, ("zcdp", "rho"), "greater_than"),
     ({"type": "zcdp", "rho": -1.0}, ("zcdp", "rho"), "greater_than"),
     ({"type": "zcdp", "rho": 0.1, "xi": -0.1}, ("zcdp", "xi"), "greater_than_equal"),
     # sampling rates outside (0, 1]
-    ({"type": "poisson_sampled", "sampling_rate": 1.0000001, "event": G1}, ("poisson_sampled", "sampling_rate"), "less_than_equal"),
+    (
+        {"type": "poisson_sampled", "sampling_rate": 1.0000001, "event": G1},
+        ("poisson_sampled", "sampling_rate"),
+        "less_than_equal",
+    ),
     ({"type": "poisson_sampled", "sampling_rate": 2, "event": G1}, ("poisson_sampled", "sampling_rate"), "less_than_equal"),
     ({"type": "poisson_sampled", "sampling_rate": 0, "event": G1}, ("poisson_sampled", "sampling_rate"), "greater_than"),
     ({"type": "poisson_sampled", "sampling_rate": -0.5, "event": G1}, ("poisson_sampled", "sampling_rate"), "greater_than"),
@@ -93,18 +113,32 @@ BAD: list[tuple[dict[str, Any], tuple[Any, ...], str]] = [
     # counts: steps 0 and 10^12, self-composition count 0, absurd sizes
     ({"type": "dpsgd", "noise_multiplier": 1, "steps": 0, "sampling_rate": 0.1}, ("dpsgd", "steps"), "greater_than_equal"),
     ({"type": "dpsgd", "noise_multiplier": 1, "steps": 10**12, "sampling_rate": 0.1}, ("dpsgd", "steps"), "less_than_equal"),
-    ({"type": "dpsgd", "noise_multiplier": 1, "steps": MAX_COUNT + 1, "sampling_rate": 0.1}, ("dpsgd", "steps"), "less_than_equal"),
+    (
+        {"type": "dpsgd", "noise_multiplier": 1, "steps": MAX_COUNT + 1, "sampling_rate": 0.1},
+        ("dpsgd", "steps"),
+        "less_than_equal",
+    ),
     ({"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "batch_size": 0}, ("dpsgd", "batch_size"), "greater_than_equal"),
     ({"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "batch_size": 10**12 + 1}, ("dpsgd", "batch_size"), "less_than_equal"),
     ({"type": "self_composed", "count": 0, "event": G1}, ("self_composed", "count"), "greater_than_equal"),
     ({"type": "self_composed", "count": -3, "event": G1}, ("self_composed", "count"), "greater_than_equal"),
     ({"type": "self_composed", "count": 10**12, "event": G1}, ("self_composed", "count"), "less_than_equal"),
-    ({"type": "sampled_without_replacement", "source_size": 0, "sample_size": 1, "event": G1},
-     ("sampled_without_replacement", "source_size"), "greater_than_equal"),
-    ({"type": "sampled_without_replacement", "source_size": 10, "sample_size": 0, "event": G1},
-     ("sampled_without_replacement", "sample_size"), "greater_than_equal"),
+    (
+        {"type": "sampled_without_replacement", "source_size": 0, "sample_size": 1, "event": G1},
+        ("sampled_without_replacement", "source_size"),
+        "greater_than_equal",
+    ),
+    (
+        {"type": "sampled_without_replacement", "source_size": 10, "sample_size": 0, "event": G1},
+        ("sampled_without_replacement", "sample_size"),
+        "greater_than_equal",
+    ),
     ({"type": "repeat_and_select", "mean": 0.5, "shape": 1, "event": G1}, ("repeat_and_select", "mean"), "greater_than_equal"),
-    ({"type": "repeat_and_select", "mean": MAX_COUNT * 10, "shape": 1, "event": G1}, ("repeat_and_select", "mean"), "less_than_equal"),
+    (
+        {"type": "repeat_and_select", "mean": MAX_COUNT * 10, "shape": 1, "event": G1},
+        ("repeat_and_select", "mean"),
+        "less_than_equal",
+    ),
     ({"type": "composed", "events": []}, ("composed", "events"), "too_short"),
     ({"type": "composed", "events": [G1] * (MAX_COMPOSED + 1)}, ("composed", "events"), "too_long"),
     # missing and mistyped fields
@@ -125,17 +159,37 @@ BAD: list[tuple[dict[str, Any], tuple[Any, ...], str]] = [
     # extra fields, at the top and nested
     ({"type": "gaussian", "noise_multiplier": 1, "sigma": 2}, ("gaussian", "sigma"), "extra_forbidden"),
     ({"type": "zcdp", "rho": 0.1, "mu": 2}, ("zcdp", "mu"), "extra_forbidden"),
-    ({"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "sampling_rate": 0.1, "epochs": 3}, ("dpsgd", "epochs"), "extra_forbidden"),
+    (
+        {"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "sampling_rate": 0.1, "epochs": 3},
+        ("dpsgd", "epochs"),
+        "extra_forbidden",
+    ),
     # errors deep inside name the whole path down to the field
-    ({"type": "self_composed", "count": 2, "event": {"type": "gaussian", "noise_multiplier": -1}},
-     ("self_composed", "event", "gaussian", "noise_multiplier"), "greater_than"),
-    ({"type": "composed", "events": [G1, {"type": "dpsgd", "noise_multiplier": 1, "steps": 10**12, "sampling_rate": 0.1}]},
-     ("composed", "events", 1, "dpsgd", "steps"), "less_than_equal"),
-    ({"type": "repeat_and_select", "mean": 3, "shape": 1,
-      "event": {"type": "poisson_sampled", "sampling_rate": 1.5, "event": G1}},
-     ("repeat_and_select", "event", "poisson_sampled", "sampling_rate"), "less_than_equal"),
-    ({"type": "poisson_sampled", "sampling_rate": 0.1, "event": {"type": "gaussian", "noise_multiplier": 1, "extra": 1}},
-     ("poisson_sampled", "event", "gaussian", "extra"), "extra_forbidden"),
+    (
+        {"type": "self_composed", "count": 2, "event": {"type": "gaussian", "noise_multiplier": -1}},
+        ("self_composed", "event", "gaussian", "noise_multiplier"),
+        "greater_than",
+    ),
+    (
+        {"type": "composed", "events": [G1, {"type": "dpsgd", "noise_multiplier": 1, "steps": 10**12, "sampling_rate": 0.1}]},
+        ("composed", "events", 1, "dpsgd", "steps"),
+        "less_than_equal",
+    ),
+    (
+        {
+            "type": "repeat_and_select",
+            "mean": 3,
+            "shape": 1,
+            "event": {"type": "poisson_sampled", "sampling_rate": 1.5, "event": G1},
+        },
+        ("repeat_and_select", "event", "poisson_sampled", "sampling_rate"),
+        "less_than_equal",
+    ),
+    (
+        {"type": "poisson_sampled", "sampling_rate": 0.1, "event": {"type": "gaussian", "noise_multiplier": 1, "extra": 1}},
+        ("poisson_sampled", "event", "gaussian", "extra"),
+        "extra_forbidden",
+    ),
 ]
 
 
@@ -144,7 +198,7 @@ def test_a_bad_mechanism_is_refused_with_a_loc_naming_the_field(raw: dict[str, A
     errors = errors_of(raw)
     assert (errors[0]["loc"], errors[0]["type"]) == (loc, kind), errors
     # And the same mechanism as JSON text (the wire) is refused the same way, where JSON can carry it.
-    if all(isinstance(v, float) and math.isfinite(v) or not isinstance(v, float) for v in _leaves(raw)):
+    if all((isinstance(v, float) and math.isfinite(v)) or not isinstance(v, float) for v in _leaves(raw)):
         assert errors_of(json.dumps(raw))[0]["loc"] == loc
 
 
@@ -337,7 +391,9 @@ def test_resolve_names_the_nested_path_of_a_disagreeing_rate(wrap: Any, path: st
 
 def test_resolve_fills_nested_rates_and_leaves_everything_else_alone() -> None:
     inner = DpSgd(noise_multiplier=2.0, steps=5, batch_size=10)
-    m = Composed(events=[Laplace(noise_multiplier=1), SelfComposed(count=2, event=inner), RepeatAndSelect(event=inner, mean=2, shape=0)])
+    m = Composed(
+        events=[Laplace(noise_multiplier=1), SelfComposed(count=2, event=inner), RepeatAndSelect(event=inner, mean=2, shape=0)]
+    )
     r = resolve(m, dataset_size=1000)
     assert isinstance(r, Composed)
     assert r.events[0] == Laplace(noise_multiplier=1)
@@ -411,7 +467,7 @@ def random_raw(rng: random.Random, depth: int) -> dict[str, Any]:
     if depth <= 1:
         kind = rng.choice(["gaussian", "laplace", "zcdp", "dpsgd_rate", "dpsgd_batch", "dpsgd_both"])
         if kind in ("gaussian", "laplace"):
-            return {"type": kind, "noise_multiplier": rng.choice(SIGMAS + [rng.uniform(0.1, 10)])}
+            return {"type": kind, "noise_multiplier": rng.choice([*SIGMAS, rng.uniform(0.1, 10)])}
         if kind == "zcdp":
             raw: dict[str, Any] = {"type": "zcdp", "rho": rng.choice([0.1 + 0.2, 1e-9, rng.random() + 1e-3])}
             if rng.random() < 0.5:
@@ -434,7 +490,7 @@ def random_raw(rng: random.Random, depth: int) -> dict[str, Any]:
         return {"type": "self_composed", "count": rng.randint(1, MAX_COUNT), "event": inner}
     if kind == "composed":
         others = [random_raw(rng, rng.randint(1, depth - 1)) for _ in range(rng.randint(0, 3))]
-        events = others + [inner]
+        events = [*others, inner]
         rng.shuffle(events)
         return {"type": "composed", "events": events}
     return {"type": "repeat_and_select", "event": inner, "mean": rng.choice([1, 1.5, 1 / 3 + 10, MAX_COUNT]),

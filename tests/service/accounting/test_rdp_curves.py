@@ -388,7 +388,9 @@ TF_PRIVACY_CASES = [
 
 
 @pytest.mark.parametrize(("n", "batch", "sigma", "epochs", "delta", "eps", "order"), TF_PRIVACY_CASES)
-def test_tensorflow_privacy_dpsgd_epsilons(n: int, batch: int, sigma: float, epochs: int, delta: float, eps: float, order: float) -> None:
+def test_tensorflow_privacy_dpsgd_epsilons(
+    n: int, batch: int, sigma: float, epochs: int, delta: float, eps: float, order: float
+) -> None:
     steps = math.ceil(epochs * n / batch)
     m = resolve(DpSgd(noise_multiplier=sigma, steps=steps, batch_size=batch), dataset_size=n)
     assert m.sampling_rate == batch / n  # type: ignore[union-attr]

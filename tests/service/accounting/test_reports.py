@@ -33,7 +33,12 @@ def log_uniform(rng: random.Random, low: float, high: float) -> float:
 def calibration_targets() -> list[tuple[float, float, float, int]]:
     rng = random.Random(424242)
     targets = [
-        (log_uniform(rng, 0.5, 8.0), log_uniform(rng, 1e-7, 1e-4), log_uniform(rng, 1e-3, 0.05), round(log_uniform(rng, 10, 5000)))
+        (
+            log_uniform(rng, 0.5, 8.0),
+            log_uniform(rng, 1e-7, 1e-4),
+            log_uniform(rng, 1e-3, 0.05),
+            round(log_uniform(rng, 10, 5000)),
+        )
         for _ in range(10)
     ]
     return [*targets, (2.0, 1e-5, 0.01, 500), (1.0, 1e-5, 1.0, 1)]  # the API test's case; a full-batch Gaussian
@@ -105,7 +110,10 @@ def test_pld_of_a_pure_dp_laplace_is_at_most_its_pure_epsilon() -> None:
         (ZCdp(rho=0.1, xi=0.01), "ZCDpEvent"),
         (RepeatAndSelect(event=Gaussian(noise_multiplier=2.0), mean=10, shape=1), "RepeatAndSelectDpEvent"),
         (RepeatAndSelect(event=Laplace(noise_multiplier=2.0), mean=3, shape="infinity"), "RepeatAndSelectDpEvent"),
-        (RepeatAndSelect(event=DpSgd(noise_multiplier=1, steps=10, sampling_rate=0.01), mean=3, shape=0), "RepeatAndSelectDpEvent"),
+        (
+            RepeatAndSelect(event=DpSgd(noise_multiplier=1, steps=10, sampling_rate=0.01), mean=3, shape=0),
+            "RepeatAndSelectDpEvent",
+        ),
         (Composed(events=[DpSgd(noise_multiplier=1, steps=10, sampling_rate=0.01), ZCdp(rho=0.1)]), "DpEvent"),
     ],
 )

@@ -35,7 +35,12 @@ class World:
         self.counter += 1
         response = self.client.post(  # type: ignore[attr-defined]
             f"/v1/silos/{self.silo_id}/searches",
-            json={"trial": STEP, "mean_trials": 1, "distribution": {"kind": "geometric"}, "idempotency_key": f"setup-s-{self.counter}"},
+            json={
+                "trial": STEP,
+                "mean_trials": 1,
+                "distribution": {"kind": "geometric"},
+                "idempotency_key": f"setup-s-{self.counter}",
+            },
             headers=self.keys["own_silo"],
         )
         assert response.status_code == 201
@@ -125,7 +130,23 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
         case "report_trial":
             return "POST", f"/v1/searches/{world.search()}/trials", {"score": 0.5}
         case "quote_search":
-            return "POST", "/v1/searches/quote", {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5}
+            return (
+                "POST",
+                "/v1/searches/quote",
+                {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5},
+            )
+        case "log_public_key":
+            return "GET", "/v1/log/public-key", None
+        case "log_head":
+            return "GET", "/v1/log/head", None
+        case "log_inclusion_proof":  # log index 0 is the own silo's create entry (it was registered first)
+            return "GET", "/v1/log/proofs/inclusion?index=0", None
+        case "log_consistency_proof":
+            return "GET", "/v1/log/proofs/consistency?first=1", None
+        case "log_leaves":
+            return "GET", "/v1/log/leaves", None
+        case "log_record_verified_head":
+            return "POST", "/v1/log/verified", world.client.get("/v1/log/head", headers=ADMIN).json()  # type: ignore[attr-defined]
     raise AssertionError(route)
 
 
@@ -158,6 +179,14 @@ EXPECTED = {
     "get_search":       [200, 200, 404, 200, 404, *A],
     "report_trial":     [403, 200, 404, 403, 403, *A],
     "quote_search":     [200, 200, 200, 200, 200, *A],
+    # The transparency log: hashes for every silo, records and proofs of its own entries; the
+    # coordinator only the public key (the log's size counts approvals, which depend on budgets).
+    "log_public_key":   [200, 200, 200, 200, 200, *A],
+    "log_head":         [200, 200, 200, 200, 403, *A],
+    "log_inclusion_proof": [200, 200, 403, 200, 403, *A],
+    "log_consistency_proof": [200, 200, 200, 200, 403, *A],
+    "log_leaves":       [200, 200, 200, 200, 403, *A],
+    "log_record_verified_head": [201, 403, 403, 201, 403, *A],
 }
 
 
@@ -168,7 +197,7 @@ def test_every_role_gets_the_answer_of_the_role_table(world: World, route: str) 
         method, path, body = request_for(route, world)
         response = world.client.request(method, path, json=body, headers=world.keys[role])  # type: ignore[attr-defined]
         answers[role] = response.status_code
-    assert answers == dict(zip(ROLES, EXPECTED[route]))
+    assert answers == dict(zip(ROLES, EXPECTED[route], strict=True))
 
 
 def test_every_route_of_the_app_is_in_the_matrix(app) -> None:  # type: ignore[no-untyped-def]
@@ -208,3 +237,15 @@ def test_an_id_the_caller_may_not_see_answers_exactly_like_one_that_does_not_exi
     body = {"name": "j", "silo_ids": [world.silo_id, missing]}
     response = client.post("/v1/jobs", json=body, headers=world.keys["coordinator"])  # type: ignore[attr-defined]
     assert response.status_code == 422 and str(world.silo_id) not in response.text and str(missing) not in response.text
+
+
+def test_keys_me_names_the_callers_role_and_silo_and_a_foreign_silo_says_whose_key_it_is(client) -> None:  # type: ignore[no-untyped-def]
+    body = {"name": "me-a", "epsilon": 1.0, "delta": 1e-5, "dataset_size": 10}
+    silo = client.post("/v1/silos", json=body, headers=ADMIN).json()
+    own = {"Authorization": f"Bearer {silo['api_key']}"}
+    me = client.get("/v1/keys/me", headers=own).json()
+    assert (me["role"], me["silo_id"]) == ("silo", silo["id"]) and me["key_id"] >= 1
+    assert client.get("/v1/keys/me", headers=ADMIN).json()["silo_id"] is None
+    assert client.get("/v1/keys/me").status_code == 401
+    other = client.get(f"/v1/silos/{silo['id'] + 1}", headers=own)  # another silo's id is not this key's to see
+    assert other.status_code == 404 and other.json() == {"detail": f"silo {silo['id'] + 1} not found"}

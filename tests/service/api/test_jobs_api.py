@@ -19,7 +19,9 @@ def start_job(client, coordinator, silos) -> int:  # type: ignore[no-untyped-def
 
 
 def report(client, job_id: int, round: int, silo, norm: float):  # type: ignore[no-untyped-def]
-    return client.post(f"/v1/jobs/{job_id}/rounds/{round}/norms", json={"silo_id": silo.id, "l2_norm": norm}, headers=silo.headers)
+    return client.post(
+        f"/v1/jobs/{job_id}/rounds/{round}/norms", json={"silo_id": silo.id, "l2_norm": norm}, headers=silo.headers
+    )
 
 
 NORMS = [0.9, 1.0, 1.1, 0.95, 1.05, 9.0, 10.0, 11.0]
@@ -28,7 +30,7 @@ NORMS = [0.9, 1.0, 1.1, 0.95, 1.05, 9.0, 10.0, 11.0]
 def groups_for(client, coordinator, make_silo, budgets: list[float]) -> dict:  # type: ignore[no-untyped-def]
     silos = [make_silo(epsilon=b) for b in budgets]
     job_id = start_job(client, coordinator, silos)
-    for silo, norm in zip(silos, NORMS):
+    for silo, norm in zip(silos, NORMS, strict=True):
         assert report(client, job_id, 0, silo, norm).status_code == 201
     response = client.get(f"/v1/jobs/{job_id}/rounds/0/groups", headers=coordinator)
     assert response.status_code == 200
@@ -88,5 +90,7 @@ def test_a_silo_registers_by_choosing_a_level_of_the_menu(client) -> None:
     assert (created.json()["epsilon"], created.json()["delta"]) == (0.5, 1e-6)
     unknown = client.post("/v1/silos", json={"name": "bank", "level": "lavish", "dataset_size": 3}, headers=ADMIN)
     assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["body", "level"]
-    both = client.post("/v1/silos", json={"name": "b", "level": "strict", "epsilon": 1, "delta": 1e-5, "dataset_size": 3}, headers=ADMIN)
+    both = client.post(
+        "/v1/silos", json={"name": "b", "level": "strict", "epsilon": 1, "delta": 1e-5, "dataset_size": 3}, headers=ADMIN
+    )
     assert both.status_code == 422 and "either level or" in both.json()["detail"][0]["msg"]

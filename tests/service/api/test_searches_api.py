@@ -20,7 +20,12 @@ from tests.conftest import ADMIN
 
 Q, SIGMA, STEPS = 0.01, 1.1, 10
 TRIAL = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": SIGMA, "steps": STEPS}  # dataset_size 1000 → q = 0.01
-LAWS = [("poisson", None, math.inf), ("geometric", None, 1.0), ("logarithmic", None, 0.0), ("truncated_negative_binomial", 0.5, 0.5)]
+LAWS = [
+    ("poisson", None, math.inf),
+    ("geometric", None, 1.0),
+    ("logarithmic", None, 0.0),
+    ("truncated_negative_binomial", 0.5, 0.5),
+]
 
 
 def trial_event() -> de.DpEvent:

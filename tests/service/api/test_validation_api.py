@@ -26,11 +26,22 @@ BAD_MECHANISMS = [
     ('{"type": "gaussian", "noise_multiplier": -1.0}', ["gaussian", "noise_multiplier"], "greater than 0"),
     ('{"type": "gaussian", "noise_multiplier": 0}', ["gaussian", "noise_multiplier"], "greater than 0"),
     ('{"type": "laplace", "noise_multiplier": 0}', ["laplace", "noise_multiplier"], "greater than 0"),
-    ('{"type": "dpsgd", "sampling_rate": 1.5, "noise_multiplier": 1, "steps": 1}', ["dpsgd", "sampling_rate"], "less than or equal to 1"),
-    ('{"type": "poisson_sampled", "sampling_rate": 1.01, "event": {"type": "gaussian", "noise_multiplier": 1}}',
-     ["poisson_sampled", "sampling_rate"], "less than or equal to 1"),
+    (
+        '{"type": "dpsgd", "sampling_rate": 1.5, "noise_multiplier": 1, "steps": 1}',
+        ["dpsgd", "sampling_rate"],
+        "less than or equal to 1",
+    ),
+    (
+        '{"type": "poisson_sampled", "sampling_rate": 1.01, "event": {"type": "gaussian", "noise_multiplier": 1}}',
+        ["poisson_sampled", "sampling_rate"],
+        "less than or equal to 1",
+    ),
     ('{"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1, "steps": 0}', ["dpsgd", "steps"], "greater than or equal to 1"),
-    ('{"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1, "steps": 1000000000000}', ["dpsgd", "steps"], "less than or equal to"),
+    (
+        '{"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1, "steps": 1000000000000}',
+        ["dpsgd", "steps"],
+        "less than or equal to",
+    ),
     ('{"type": "dpsgd", "batch_size": 10, "noise_multiplier": NaN, "steps": 3}', ["dpsgd", "noise_multiplier"], "finite"),
     (json.dumps(nested(9)), [], "nesting must be at most 8"),
     ('{"type": "exponential", "epsilon": 1}', [], "does not match any of the expected tags"),
@@ -39,8 +50,11 @@ BAD_MECHANISMS = [
     ('{"type": "dpsgd", "batch_size": "ten", "noise_multiplier": 1, "steps": 1}', ["dpsgd", "batch_size"], "valid integer"),
     ('{"type": "dpsgd", "noise_multiplier": 1, "steps": 1}', ["dpsgd"], "sampling_rate or batch_size"),
     ('{"type": "zcdp", "rho": 0.1, "mu": 2}', ["zcdp", "mu"], "Extra inputs"),
-    ('{"type": "repeat_and_select", "mean": 10, "shape": -1, "event": {"type": "gaussian", "noise_multiplier": 1}}',
-     ["repeat_and_select", "shape"], "greater than or equal to 0"),
+    (
+        '{"type": "repeat_and_select", "mean": 10, "shape": -1, "event": {"type": "gaussian", "noise_multiplier": 1}}',
+        ["repeat_and_select", "shape"],
+        "greater than or equal to 0",
+    ),
     ('"gaussian"', [], "dict"),
 ]
 

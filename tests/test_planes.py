@@ -1,0 +1,86 @@
+"""The two planes stay apart: the service loads no torch and nothing of the worker, the worker
+nothing of the service, and only the composition layer (dpledger/*.py) imports both.
+
+Each check runs in a fresh interpreter (`python -c`), because this test process has long since
+imported both planes; the child prints the modules it ended up with."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSITION = {"cli.py", "worker_cli.py", "demo.py", "tune.py", "harness.py"}
+
+# Imports the given modules, then every submodule of the given packages, and prints sys.modules.
+_CHILD = """
+import importlib, json, pkgutil, sys
+for name in {modules!r}:
+    importlib.import_module(name)
+for name in {packages!r}:
+    package = importlib.import_module(name)
+    for info in pkgutil.walk_packages(package.__path__, name + "."):
+        importlib.import_module(info.name)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def loaded_after(*, modules: tuple[str, ...] = (), packages: tuple[str, ...] = ()) -> list[str]:
+    code = _CHILD.format(modules=list(modules), packages=list(packages))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded: list[str] = json.loads(done.stdout.splitlines()[-1])
+    return loaded
+
+
+def _is(name: str, root: str) -> bool:
+    return name == root or name.startswith(root + ".")
+
+
+def test_the_service_app_and_every_service_module_load_no_torch_and_nothing_of_the_worker() -> None:
+    # The app first, then every other module of the service and the wire contract (a superset).
+    loaded = loaded_after(modules=("dpledger.service.api.app",), packages=("dpledger.service", "dpledger.wire"))
+    assert {"dpledger.service.api.app", "dpledger.service.ledger.charges", "dpledger.wire.schemas"} <= set(loaded)
+    assert [m for m in loaded if _is(m, "torch") or _is(m, "dpledger.trainer")] == []
+
+
+def test_no_module_of_the_worker_loads_the_service() -> None:
+    loaded = loaded_after(packages=("dpledger.trainer",))
+    assert {"dpledger.trainer.federated", "dpledger.trainer.dpsgd", "torch"} <= set(loaded)
+    assert [m for m in loaded if _is(m, "dpledger.service")] == []
+
+
+def _imported(path: Path) -> set[str]:
+    """Every absolute module name `path` imports, at any depth (function-level imports included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names.add(node.module)
+    return names
+
+
+def test_only_the_composition_layer_imports_both_planes() -> None:
+    """Static, so that a lazy import inside a function cannot hide a crossing: the service (and its
+    migrations) import nothing of the worker or torch, the worker nothing of the service, the wire
+    contract neither plane, and of the root package only the composition modules import a plane."""
+    rules = {
+        "service": ("dpledger.trainer", "torch"),
+        "migrations": ("dpledger.trainer", "torch"),
+        "trainer": ("dpledger.service",),
+        "dpledger/wire": ("dpledger.service", "dpledger.trainer", "dpledger.migrations", "torch"),
+    }
+    crossings: list[str] = []
+    for folder, forbidden in rules.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            bad = sorted(n for n in _imported(path) if any(_is(n, f) for f in forbidden))
+            crossings += [f"{path.relative_to(ROOT)} imports {n}" for n in bad]
+    assert crossings == []
+    planes = ("dpledger.service", "dpledger.trainer")
+    composing = {p.name for p in (ROOT / "dpledger").glob("*.py") if any(_is(n, q) for n in _imported(p) for q in planes)}
+    assert composing <= COMPOSITION
+    assert {"cli.py", "demo.py", "harness.py"} <= composing  # the walk sees real imports
