@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.trial_counts import Shape
 from dpledger.wire.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect
+
 from research.mean_estimation_theory import MeanEstimationSetting
 
 MEAN_TRIALS = 10.0

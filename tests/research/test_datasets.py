@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dpledger.trainer.data import FederatedDataset
+
 from research.additive_data import make_additive_regression
 from research.mean_estimation_data import make_mean_estimation
 

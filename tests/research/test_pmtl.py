@@ -7,6 +7,7 @@ import torch
 from pydantic import TypeAdapter
 
 from dpledger.wire.mechanisms import Mechanism
+
 from research.pmtl import pmtl_record_level_mechanism, pmtl_round_mechanism, pmtl_server_step, sample_tasks
 
 WIRE = TypeAdapter(Mechanism)
