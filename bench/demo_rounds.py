@@ -167,8 +167,8 @@ def gated_rounds(
         synchronize(demo.device)
         return result
 
-    algorithm.run_round = watch.wrap("train", run_round_synchronized)  # type: ignore[method-assign]
-    algorithm.evaluate = watch.wrap("eval", algorithm.evaluate)  # type: ignore[method-assign]
+    algorithm.run_round = watch.wrap("train", run_round_synchronized)  # type: ignore[method-assign]  # timed on this instance only
+    algorithm.evaluate = watch.wrap("eval", algorithm.evaluate)  # type: ignore[method-assign]  # timed on this instance only
     created = [
         admin.create_silo(name=f"{tag}-silo-{k}", epsilon=budgets[k], delta=demo.delta, dataset_size=s.n_train)
         for k, s in enumerate(dataset.silos)
