@@ -103,7 +103,7 @@ def register(admin: LedgerClient, url: str, setup: SeedSetup, prefix: str) -> li
         admin.create_silo(name=f"{prefix}-{k}", epsilon=setup.budgets[k], delta=DELTA, dataset_size=s.n_train)
         for k, s in enumerate(setup.dataset.silos)
     ]
-    return [GatedSilo(c["id"], LedgerClient(url, c["api_key"])) for c in created]
+    return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
 def final_accuracy(run: JobRun | None) -> float:
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     blind_ratios: list[float] = []
     with tempfile.TemporaryDirectory(prefix="dpledger-budget-blind-") as tmp, running_server(
         database_url=f"sqlite:///{tmp}/ledger.db", admin_key=admin_key
-    ) as url, LedgerClient(url, admin_key) as admin, LedgerClient(url, issue_coordinator_key(url, admin_key)) as coordinator:
+    ) as url, LedgerClient(url, admin_key) as admin, LedgerClient(url, issue_coordinator_key(admin)) as coordinator:
         for seed in range(args.seeds):
             config = DPSGDConfig(seed=seed)
             setup = make_setup(admin, seed, silos=args.silos, rounds=args.rounds, config=config)

@@ -173,7 +173,7 @@ def gated_rounds(
         admin.create_silo(name=f"{tag}-silo-{k}", epsilon=budgets[k], delta=demo.delta, dataset_size=s.n_train)
         for k, s in enumerate(dataset.silos)
     ]
-    gated = [GatedSilo(s["id"], TimedClient(url, s["api_key"], watch=watch)) for s in created]
+    gated = [GatedSilo(s.id, TimedClient(url, s.api_key, watch=watch)) for s in created]
     marks: list[tuple[float, dict[str, float], dict[str, int]]] = []
 
     def on_round(_: RoundRecord) -> None:

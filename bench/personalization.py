@@ -119,7 +119,7 @@ class SeedBench:
             self.admin.create_silo(name=f"{prefix}-{k}", epsilon=self.epsilon, delta=DELTA, dataset_size=s.n_train)
             for k, s in enumerate(self.dataset.silos)
         ]
-        silos = [GatedSilo(c["id"], LedgerClient(self.url, c["api_key"])) for c in created]
+        silos = [GatedSilo(c.id, LedgerClient(self.url, c.api_key)) for c in created]
         try:
             run = run_gated(algorithm, silos, rounds=self.rounds, job_id=prefix)
         finally:

@@ -83,7 +83,7 @@ def run_demo(config: DemoConfig) -> str:
                 admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train)
                 for k, s in enumerate(dataset.silos)
             ]
-            gated = [GatedSilo(s["id"], LedgerClient(url, s["api_key"])) for s in silos]
+            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key)) for s in silos]
             bar = tqdm(total=config.rounds, desc=f"{name:>7}", unit="round", disable=not config.progress)
             try:
                 runs[name] = run_gated(

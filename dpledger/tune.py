@@ -22,13 +22,13 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from dpledger.trainer.client import Denied, LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
+from dpledger.wire.searches import DistributionKind, SearchStarted
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class TuneConfig:
     silos: int = 4
     rounds: int = 3
     mean_trials: float = 3.0
-    distribution: str = "geometric"
+    distribution: DistributionKind = "geometric"
     shape: float | None = None
     epsilon: float = 20.0
     delta: float = 1e-5
@@ -65,23 +65,6 @@ class SiloOutcome:
     scores: list[tuple[float, float]] = field(default_factory=list)  # (λ, accuracy) of each trial
 
 
-class SearchClient(LedgerClient):
-    """The ledger client plus the search routes (kept here beside their only user)."""
-
-    def start_search(self, silo_id: int, *, trial: dict[str, Any], mean_trials: float, distribution: dict[str, Any],
-                     idempotency_key: str) -> dict[str, Any]:
-        body = {"trial": trial, "mean_trials": mean_trials, "distribution": distribution, "idempotency_key": idempotency_key}
-        response = self._send("POST", f"/v1/silos/{silo_id}/searches", body)
-        if response.status_code == 409:
-            data = response.json()
-            raise Denied(epsilon=data["epsilon"], epsilon_spent=data["epsilon_spent"],
-                         epsilon_if_approved=data["epsilon_if_approved"], detail=data["detail"])
-        return self._json(response, 201)  # type: ignore[no-any-return]
-
-    def report_trial(self, search_id: int, *, score: float) -> dict[str, Any]:
-        return self._json(self._send("POST", f"/v1/searches/{search_id}/trials", {"score": score}), 200)  # type: ignore[no-any-return]
-
-
 @contextmanager
 def _ledger(config: TuneConfig) -> Iterator[tuple[str, str]]:
     if config.url is not None:
@@ -102,9 +85,6 @@ def _ledger(config: TuneConfig) -> Iterator[tuple[str, str]]:
 def run_tune(config: TuneConfig) -> list[SiloOutcome]:
     dataset = make_rotated_masked_digits(n_silos=config.silos, seed=config.seed, mask_probability=0.1)
     dpsgd = DPSGDConfig(seed=config.seed, noise_multiplier=config.noise_multiplier)
-    law: dict[str, Any] = {"kind": config.distribution}
-    if config.shape is not None:
-        law["shape"] = config.shape
     # λ is chosen by the worker from public hyperparameters only; a seeded stream keeps runs
     # reproducible, while K (which must stay unpredictable) comes from the ledger.
     pick = random.Random(config.seed)
@@ -119,27 +99,28 @@ def run_tune(config: TuneConfig) -> list[SiloOutcome]:
     probe = build(config.grid[0], 0)
     with ExitStack() as stack:
         url, admin_key = stack.enter_context(_ledger(config))
-        admin = stack.enter_context(SearchClient(url, admin_key))
+        admin = stack.enter_context(LedgerClient(url, admin_key))
         run_id = secrets.token_hex(4)
         ids: list[int] = []
-        clients: list[SearchClient] = []
+        clients: list[LedgerClient] = []
         for k, silo in enumerate(dataset.silos):
             created = admin.create_silo(name=f"tune-{run_id}-silo-{k}", epsilon=config.epsilon, delta=config.delta,
                                         dataset_size=silo.n_train)
-            ids.append(int(created["id"]))
-            clients.append(stack.enter_context(SearchClient(url, created["api_key"])))
+            ids.append(created.id)
+            clients.append(stack.enter_context(LedgerClient(url, created.api_key)))
 
-        searches: list[dict[str, Any] | None] = []
+        searches: list[SearchStarted | None] = []
         for k, client in enumerate(clients):
             # The whole run is one trial: rounds × local_steps Poisson-sampled Gaussian steps.
             trial = probe.samplers[k].mechanism(noise_multiplier=config.noise_multiplier,
                                                 steps=config.rounds * dpsgd.local_steps)
             try:
                 searches.append(client.start_search(ids[k], trial=trial, mean_trials=config.mean_trials,
-                                                    distribution=law, idempotency_key=f"tune-{run_id}-{k}"))
+                                                    distribution=config.distribution, shape=config.shape,
+                                                    idempotency_key=f"tune-{run_id}-{k}"))
             except Denied:
                 searches.append(None)
-        trials = [0 if s is None else int(s["trials"]) for s in searches]
+        trials = [0 if s is None else s.trials for s in searches]
 
         scores: list[list[tuple[float, float]]] = [[] for _ in clients]
         for t in range(max(trials, default=0)):
@@ -151,7 +132,7 @@ def run_tune(config: TuneConfig) -> list[SiloOutcome]:
             accuracy = algorithm.evaluate().tolist()
             for k, search in enumerate(searches):
                 if search is not None and active[k]:
-                    clients[k].report_trial(int(search["search_id"]), score=float(accuracy[k]))
+                    clients[k].report_trial(search.search_id, score=float(accuracy[k]))
                     scores[k].append((lam, float(accuracy[k])))
 
     outcomes = []

@@ -1,18 +1,51 @@
-"""The worker's only way to the ledger: an httpx client with a typed error tree (STYLE.md, httpx).
+"""The worker's only way to the ledger: a typed httpx client over the wire contract (`dpledger.wire`).
 
-A denial is final and never retried. An unreachable service (connection errors, timeouts, 5xx) is
-retried with exponential backoff; after the bound the run stops without spending. Retrying a
-reservation is safe because it carries an idempotency key; retrying a commit is made safe by the
-service's machine-readable `charge_status` on a second settlement.
+Requests are the wire's pydantic models (a mechanism given as a plain mapping is validated into one
+before it is sent); answers are parsed into the wire's response models. Errors form one tree:
+
+- `Denied`: over budget. Final, never retried; carries the refusal's numbers.
+- `Rejected`: any other 4xx (bad request, wrong key, a conflict): a bug or a policy on our side,
+  never retried.
+- `Unreachable`: connection errors, timeouts and 5xx, retried with exponential backoff up to a bound;
+  then the caller stops without spending more.
+
+Retrying a reservation is safe because it carries an idempotency key; the answer then says whether
+it replayed an earlier request (`Reservation.replayed`) and, when it did, whether that replay
+answers this call's own lost attempt (`Reservation.fresh`): only a fresh reservation may train.
+Retrying a commit is made safe by the service's machine-readable `charge_status` on a second
+settlement.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from dpledger.wire.enums import ChargeStatus, Role
+from dpledger.wire.mechanisms import AnyMechanism, Mechanism
+from dpledger.wire.schemas import (
+    CalibrateResponse,
+    ChargeReserved,
+    ChargeSettled,
+    GroupsResponse,
+    HistoryEntry,
+    JobCreated,
+    KeyCreated,
+    OverBudgetResponse,
+    SiloCalibration,
+    SiloCreated,
+    SiloDetail,
+)
+from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted
+
+_MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
+_HISTORY: TypeAdapter[list[HistoryEntry]] = TypeAdapter(list[HistoryEntry])
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class LedgerError(Exception):
@@ -28,9 +61,14 @@ class Denied(LedgerError):
         self.epsilon_spent = epsilon_spent
         self.epsilon_if_approved = epsilon_if_approved
 
+    @classmethod
+    def from_response(cls, refusal: OverBudgetResponse) -> Denied:
+        return cls(epsilon=refusal.epsilon, epsilon_spent=refusal.epsilon_spent,
+                   epsilon_if_approved=refusal.epsilon_if_approved, detail=refusal.detail)
+
 
 class Rejected(LedgerError):
-    """A 4xx other than a denial (bad request, wrong key): a bug on our side, never retried."""
+    """A 4xx other than a denial (bad request, wrong key, conflict): never retried."""
 
     def __init__(self, status_code: int, body: Any) -> None:
         super().__init__(f"{status_code}: {body}")
@@ -44,9 +82,24 @@ class Unreachable(LedgerError):
 
 @dataclass(frozen=True)
 class Reservation:
+    """An approved reservation.
+
+    `status` is the charge's real state as the service answered it (a replay of a settled charge
+    says committed or released); `replayed` is true when the key named an earlier request;
+    `fresh` is true when this call created the charge, or when the replay answers this very call's
+    own earlier attempt (sent, then lost in transport). Only a fresh, reserved charge may train.
+    """
+
     charge_id: int
     epsilon_spent: float
     epsilon_remaining: float
+    status: ChargeStatus = ChargeStatus.reserved
+    replayed: bool = False
+    fresh: bool = True
+
+    @property
+    def may_train(self) -> bool:
+        return self.fresh and self.status is ChargeStatus.reserved
 
 
 @dataclass(frozen=True)
@@ -56,16 +109,33 @@ class Retry:
     factor: float = 2.0
 
 
+@dataclass(frozen=True)
+class _Answer:
+    response: httpx.Response
+    retried: bool  # an earlier attempt of this call failed in transport or with a 5xx
+
+
+def as_mechanism(mechanism: AnyMechanism | Mapping[str, Any]) -> AnyMechanism:
+    """The wire model of a mechanism; a mapping is validated here, so a malformed one never leaves
+    the worker (pydantic's ValidationError, a ValueError, names the field)."""
+    if isinstance(mechanism, BaseModel):
+        return mechanism
+    return _MECHANISM.validate_python(dict(mechanism))
+
+
 class LedgerClient:
     def __init__(self, base_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None,
-                 retry: Retry = Retry(), timeout: float = 30.0) -> None:
-        self._http = httpx.Client(
-            base_url=base_url, headers={"Authorization": f"Bearer {api_key}"}, transport=transport, timeout=timeout
-        )
+                 retry: Retry = Retry(), timeout: float = 30.0, http: httpx.Client | None = None) -> None:
+        """`http`: an httpx client to send through instead of a new one (e.g. an in-process app's
+        test client); the key is sent with every request either way."""
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.Client(base_url=base_url, transport=transport, timeout=timeout)
+        self._headers = {"Authorization": f"Bearer {api_key}"}
         self._retry = retry
 
     def close(self) -> None:
-        self._http.close()
+        if self._owns_http:
+            self._http.close()
 
     def __enter__(self) -> LedgerClient:
         return self
@@ -73,76 +143,139 @@ class LedgerClient:
     def __exit__(self, *_: object) -> None:
         self.close()
 
-    def _send(self, method: str, path: str, json: Any = None) -> httpx.Response:
+    # --- transport --------------------------------------------------------------------------------
+    def _send(self, method: str, path: str, body: BaseModel | Mapping[str, Any] | None = None) -> _Answer:
+        payload = body.model_dump(mode="json", exclude_none=True) if isinstance(body, BaseModel) else body
         delay = self._retry.first_delay
         for attempt in range(self._retry.attempts):
             try:
-                response = self._http.request(method, path, json=json)
+                response = self._http.request(method, path, json=payload, headers=self._headers)
             except httpx.TransportError as error:
                 failure: str = f"{type(error).__name__}: {error}"
             else:
                 if response.status_code < 500:
-                    return response
+                    return _Answer(response, retried=attempt > 0)
                 failure = f"HTTP {response.status_code}"
             if attempt + 1 < self._retry.attempts:
                 time.sleep(delay)
                 delay *= self._retry.factor
         raise Unreachable(f"{method} {path} failed {self._retry.attempts} times; last: {failure}")
 
-    def _json(self, response: httpx.Response, *ok: int) -> Any:
-        if response.status_code in ok:
-            return response.json() if response.content else None
-        body = response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
-        raise Rejected(response.status_code, body)
+    @staticmethod
+    def _body(response: httpx.Response) -> Any:
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    def _expect(self, answer: _Answer, model: type[ModelT], *ok: int) -> ModelT:
+        response = answer.response
+        if response.status_code not in ok:
+            raise Rejected(response.status_code, self._body(response))
+        return model.model_validate_json(response.content)
+
+    def _denied_or_rejected(self, response: httpx.Response) -> LedgerError:
+        """A 409 is a denial when it carries the refusal's numbers, else a conflict (Rejected)."""
+        body = self._body(response)
+        if response.status_code == 409:
+            try:
+                return Denied.from_response(OverBudgetResponse.model_validate(body))
+            except ValidationError:
+                pass
+        return Rejected(response.status_code, body)
 
     # --- admin -----------------------------------------------------------------------------------
-    def create_silo(self, *, name: str, epsilon: float, delta: float, dataset_size: int) -> dict[str, Any]:
+    def create_silo(self, *, name: str, epsilon: float, delta: float, dataset_size: int) -> SiloCreated:
         body = {"name": name, "epsilon": epsilon, "delta": delta, "dataset_size": dataset_size}
-        return self._json(self._send("POST", "/v1/silos", body), 201)  # type: ignore[no-any-return]
+        return self._expect(self._send("POST", "/v1/silos", body), SiloCreated, 201)
+
+    def create_key(self, *, role: Role, silo_id: int | None = None) -> KeyCreated:
+        body: dict[str, Any] = {"role": role.value}
+        if silo_id is not None:
+            body["silo_id"] = silo_id
+        return self._expect(self._send("POST", "/v1/keys", body), KeyCreated, 201)
 
     # --- a silo's own ------------------------------------------------------------------------------
-    def silo(self, silo_id: int) -> dict[str, Any]:
-        return self._json(self._send("GET", f"/v1/silos/{silo_id}"), 200)  # type: ignore[no-any-return]
+    def silo(self, silo_id: int) -> SiloDetail:
+        return self._expect(self._send("GET", f"/v1/silos/{silo_id}"), SiloDetail, 200)
 
-    def history(self, silo_id: int) -> list[dict[str, Any]]:
-        return self._json(self._send("GET", f"/v1/silos/{silo_id}/history"), 200)  # type: ignore[no-any-return]
+    def history(self, silo_id: int) -> list[HistoryEntry]:
+        answer = self._send("GET", f"/v1/silos/{silo_id}/history")
+        if answer.response.status_code != 200:
+            raise Rejected(answer.response.status_code, self._body(answer.response))
+        return _HISTORY.validate_json(answer.response.content)
 
-    def reserve(self, silo_id: int, *, mechanism: dict[str, Any], idempotency_key: str,
+    def reserve(self, silo_id: int, *, mechanism: AnyMechanism | Mapping[str, Any], idempotency_key: str,
                 job_id: str | None = None, round: int | None = None) -> Reservation:
-        body = {"mechanism": mechanism, "idempotency_key": idempotency_key, "job_id": job_id, "round": round}
-        response = self._send("POST", f"/v1/silos/{silo_id}/charges", body)
-        if response.status_code == 409:
-            data = response.json()
-            raise Denied(epsilon=data["epsilon"], epsilon_spent=data["epsilon_spent"],
-                         epsilon_if_approved=data["epsilon_if_approved"], detail=data["detail"])
-        data = self._json(response, 201)
-        return Reservation(data["charge_id"], data["epsilon_spent"], data["epsilon_remaining"])
+        body = {"mechanism": as_mechanism(mechanism).model_dump(mode="json", exclude_none=True),
+                "idempotency_key": idempotency_key, "job_id": job_id, "round": round}
+        answer = self._send("POST", f"/v1/silos/{silo_id}/charges", body)
+        response = answer.response
+        if response.status_code not in (200, 201):
+            raise self._denied_or_rejected(response)
+        data = ChargeReserved.model_validate_json(response.content)
+        replayed = (
+            response.status_code == 200
+            or response.headers.get("Idempotent-Replayed", "").lower() == "true"
+            or bool(getattr(data, "replayed", False))
+        )
+        return Reservation(
+            charge_id=data.charge_id, epsilon_spent=data.epsilon_spent, epsilon_remaining=data.epsilon_remaining,
+            status=ChargeStatus(data.status), replayed=replayed, fresh=not replayed or answer.retried,
+        )
 
     def commit(self, charge_id: int) -> float | None:
-        return self._settle(charge_id, "commit", done="committed")
+        return self._settle(charge_id, "commit", done=ChargeStatus.committed)
 
     def release(self, charge_id: int) -> float | None:
-        return self._settle(charge_id, "release", done="released")
+        return self._settle(charge_id, "release", done=ChargeStatus.released)
 
-    def _settle(self, charge_id: int, action: str, *, done: str) -> float | None:
-        response = self._send("POST", f"/v1/charges/{charge_id}/{action}")
-        if response.status_code == 409 and response.json().get("charge_status") == done:
-            return None  # an earlier attempt landed and only its answer was lost
-        return self._json(response, 200)["epsilon_spent"]  # type: ignore[no-any-return]
+    def _settle(self, charge_id: int, action: str, *, done: ChargeStatus) -> float | None:
+        """The silo's ε after the settlement, or None when an earlier attempt had landed already."""
+        response = self._send("POST", f"/v1/charges/{charge_id}/{action}").response
+        if response.status_code == 409:
+            body = self._body(response)
+            if isinstance(body, dict) and body.get("charge_status") == done.value:
+                return None  # an earlier attempt landed and only its answer was lost
+            raise Rejected(409, body)
+        if response.status_code != 200:
+            raise Rejected(response.status_code, self._body(response))
+        return ChargeSettled.model_validate_json(response.content).epsilon_spent
+
+    def calibrate_silo(self, silo_id: int, *, batch_size: int, steps_per_round: int, rounds: int) -> SiloCalibration:
+        """σ such that `rounds` more rounds fit what this silo has left (its key or an admin's)."""
+        body = {"batch_size": batch_size, "steps_per_round": steps_per_round, "rounds": rounds}
+        return self._expect(self._send("POST", f"/v1/silos/{silo_id}/calibrate", body), SiloCalibration, 200)
+
+    # --- searches ------------------------------------------------------------------------------------
+    def start_search(self, silo_id: int, *, trial: AnyMechanism | Mapping[str, Any], mean_trials: float,
+                     distribution: DistributionKind, shape: float | None = None, idempotency_key: str) -> SearchStarted:
+        law: dict[str, Any] = {"kind": distribution}
+        if shape is not None:
+            law["shape"] = shape
+        body = {"trial": as_mechanism(trial).model_dump(mode="json", exclude_none=True), "mean_trials": mean_trials,
+                "distribution": law, "idempotency_key": idempotency_key}
+        response = self._send("POST", f"/v1/silos/{silo_id}/searches", body).response
+        if response.status_code != 201:
+            raise self._denied_or_rejected(response)
+        return SearchStarted.model_validate_json(response.content)
+
+    def report_trial(self, search_id: int, *, score: float) -> SearchDetail:
+        return self._expect(self._send("POST", f"/v1/searches/{search_id}/trials", {"score": score}), SearchDetail, 200)
 
     # --- jobs, norms and groups (the coordinator's side) -------------------------------------------
     def create_job(self, *, name: str, silo_ids: list[int]) -> int:
-        return int(self._json(self._send("POST", "/v1/jobs", {"name": name, "silo_ids": silo_ids}), 201)["job_id"])
+        return self._expect(self._send("POST", "/v1/jobs", {"name": name, "silo_ids": silo_ids}), JobCreated, 201).job_id
 
     def report_norm(self, job_id: int, round: int, *, silo_id: int, l2_norm: float) -> None:
-        self._json(self._send("POST", f"/v1/jobs/{job_id}/rounds/{round}/norms", {"silo_id": silo_id, "l2_norm": l2_norm}), 201)
+        answer = self._send("POST", f"/v1/jobs/{job_id}/rounds/{round}/norms", {"silo_id": silo_id, "l2_norm": l2_norm})
+        if answer.response.status_code != 201:
+            raise Rejected(answer.response.status_code, self._body(answer.response))
 
     def groups(self, job_id: int, round: int) -> dict[int, int]:
         """Silo id → privacy group (0 = least noisy), from the norms alone."""
-        body = self._json(self._send("GET", f"/v1/jobs/{job_id}/rounds/{round}/groups"), 200)
-        return {int(silo): group for silo, group in body["groups"].items()}
+        return self._expect(self._send("GET", f"/v1/jobs/{job_id}/rounds/{round}/groups"), GroupsResponse, 200).groups
 
     # --- anyone ------------------------------------------------------------------------------------
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
-        return float(self._json(self._send("POST", "/v1/calibrate", body), 200)["noise_multiplier"])
+        return self._expect(self._send("POST", "/v1/calibrate", body), CalibrateResponse, 200).noise_multiplier

@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
-
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.federated.pfa import GroupAggregated
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
+from dpledger.wire.enums import Role
 
 GroupSource = Literal["norms", "explicit"]
 
@@ -40,13 +39,9 @@ class GroupedRun:
     groups: list[int] = field(default_factory=list)
 
 
-def issue_coordinator_key(base_url: str, admin_key: str) -> str:
+def issue_coordinator_key(admin: LedgerClient) -> str:
     """A fresh coordinator key (role `coordinator`: jobs, norms and groups only; DESIGN.md, "Roles")."""
-    response = httpx.post(
-        f"{base_url}/v1/keys", json={"role": "coordinator"}, headers={"Authorization": f"Bearer {admin_key}"}, timeout=30.0
-    )
-    response.raise_for_status()
-    return str(response.json()["api_key"])
+    return admin.create_key(role=Role.coordinator).api_key
 
 
 def groups_by_index(service_groups: dict[int, int], silo_ids: Sequence[int]) -> list[int]:

@@ -178,6 +178,28 @@ class CalibrateResponse(BaseModel):
     epsilon: float
 
 
+class SiloCalibrateRequest(_Request):
+    """Plan `rounds` more rounds of `steps_per_round` DP-SGD steps at this silo's batch size: the
+    service computes q from the registered dataset_size, as for a charge."""
+
+    batch_size: Annotated[int, Field(ge=1, le=10**12)]
+    steps_per_round: Annotated[int, Field(ge=1, le=10_000_000)]
+    rounds: Annotated[int, Field(ge=1, le=10_000_000)]
+
+
+class SiloCalibration(BaseModel):
+    """The smallest σ (rounded up) whose planned rounds, added to what the silo has spent, stay
+    within its ε at its δ. Seen only by the silo itself and admins: it is a function of the budget."""
+
+    noise_multiplier: float
+    sampling_rate: float
+    rounds: int
+    steps_per_round: int
+    epsilon_spent: float | None = Field(description="the silo's ε before the planned rounds")
+    epsilon_after: float = Field(description="the silo's ε once every planned round is spent at this σ")
+    epsilon: float = Field(description="the silo's budget")
+
+
 class KeyCreateRequest(_Request):
     role: Role
     silo_id: Id | None = None

@@ -32,7 +32,8 @@ from typing import Literal
 
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-DistributionKind = Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"]
+from dpledger.wire.searches import DistributionKind
+
 Shape = float | Literal["infinity"]
 KINDS: tuple[DistributionKind, ...] = ("poisson", "geometric", "logarithmic", "truncated_negative_binomial")
 

@@ -9,11 +9,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import rdp, reports
+from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain
 from dpledger.service.ledger.db import write_transaction
-from dpledger.service.ledger.errors import Conflict, NotFound
+from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.keys import create_key
 from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
 
@@ -96,3 +97,26 @@ def status(silo: Silo) -> BudgetStatus:
 
 def epsilon_spent(silo: Silo) -> float:
     return rdp.epsilon(RunningSum.from_json(silo.rdp_spent).curve(), delta=silo.delta)[0]
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    noise_multiplier: float
+    sampling_rate: float
+    epsilon_after: float
+
+
+def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
+    """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
+    what the silo has left (reserved charges count as spent). Reserves nothing."""
+    if batch_size > silo.dataset_size:
+        raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
+    sampling_rate = batch_size / silo.dataset_size
+    try:
+        found = reports.calibrate_remaining(
+            RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon, delta=silo.delta,
+            sampling_rate=sampling_rate, steps=steps,
+        )
+    except MechanismError as error:
+        raise InvalidRequest(error.field, error.message) from error
+    return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=found.epsilon_after)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 from dpledger.harness import free_port, running_server
 from dpledger.trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
+from dpledger.wire.mechanisms import DpSgd
+from dpledger.wire.schemas import SiloDetail
 from tests.conftest import ADMIN_KEY
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
@@ -43,35 +46,77 @@ def silo(server: str):  # type: ignore[no-untyped-def]
 
 def test_a_denial_is_final_and_sent_once(server: str, silo) -> None:  # type: ignore[no-untyped-def]
     transport = CountingTransport()
-    with LedgerClient(server, silo["api_key"], transport=transport) as client:
+    with LedgerClient(server, silo.api_key, transport=transport) as client:
         with pytest.raises(Denied) as denied:
-            client.reserve(silo["id"], mechanism={**STEP, "steps": 10_000}, idempotency_key="big")
+            client.reserve(silo.id, mechanism={**STEP, "steps": 10_000}, idempotency_key="big")
     assert transport.calls == 1
     assert denied.value.epsilon == 1.0 and denied.value.epsilon_if_approved > 1.0
 
 
 def test_dropped_requests_are_retried_and_charge_once(server: str, silo) -> None:  # type: ignore[no-untyped-def]
     transport = CountingTransport(fail_first=2)
-    with LedgerClient(server, silo["api_key"], transport=transport, retry=Retry(first_delay=0.01)) as client:
-        reservation = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")
-        again = client.reserve(silo["id"], mechanism=STEP, idempotency_key="r1")  # a retry after a lost answer
-        assert again == reservation
+    with LedgerClient(server, silo.api_key, transport=transport, retry=Retry(first_delay=0.01)) as client:
+        reservation = client.reserve(silo.id, mechanism=STEP, idempotency_key="r1")
+        again = client.reserve(silo.id, mechanism=STEP, idempotency_key="r1")  # a retry after a lost answer
+        assert again.charge_id == reservation.charge_id and again.replayed and not again.fresh
+        assert reservation.fresh and not reservation.replayed  # the two lost attempts never reached the server
         assert client.commit(reservation.charge_id) == pytest.approx(reservation.epsilon_spent)
         assert client.commit(reservation.charge_id) is None  # the second attempt sees it done
-        assert client.silo(silo["id"])["epsilon_spent"] == pytest.approx(reservation.epsilon_spent)
+        assert client.silo(silo.id).epsilon_spent == pytest.approx(reservation.epsilon_spent)
     assert transport.calls == 2 + 5
 
 
 def test_an_unreachable_service_stops_after_the_bound(silo) -> None:  # type: ignore[no-untyped-def]
     dead = f"http://127.0.0.1:{free_port()}"
-    with LedgerClient(dead, silo["api_key"], retry=Retry(attempts=3, first_delay=0.01)) as client:
+    with LedgerClient(dead, silo.api_key, retry=Retry(attempts=3, first_delay=0.01)) as client:
         with pytest.raises(Unreachable, match="failed 3 times"):
-            client.reserve(silo["id"], mechanism=STEP, idempotency_key="x")
+            client.reserve(silo.id, mechanism=STEP, idempotency_key="x")
+
+
+def test_a_malformed_mechanism_never_leaves_the_worker(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    transport = CountingTransport()
+    with LedgerClient(server, silo.api_key, transport=transport) as client:
+        with pytest.raises(ValidationError, match="noise_multiplier"):
+            client.reserve(silo.id, mechanism={"type": "gaussian", "noise_multiplier": -1}, idempotency_key="bad")
+    assert transport.calls == 0
 
 
 def test_a_bad_request_is_rejected_not_retried(server: str, silo) -> None:  # type: ignore[no-untyped-def]
     transport = CountingTransport()
-    with LedgerClient(server, silo["api_key"], transport=transport) as client:
-        with pytest.raises(Rejected) as rejected:
-            client.reserve(silo["id"], mechanism={"type": "gaussian", "noise_multiplier": -1}, idempotency_key="bad")
-    assert rejected.value.status_code == 422 and transport.calls == 1
+    with LedgerClient(server, silo.api_key, transport=transport) as client:
+        with pytest.raises(Rejected) as rejected:  # well-formed, but larger than the registered 1000 records
+            client.reserve(silo.id, mechanism={**STEP, "batch_size": 5000}, idempotency_key="bad")
+    assert rejected.value.status_code == 422 and "batch_size" in str(rejected.value.body) and transport.calls == 1
+
+
+def test_a_reservation_says_whether_it_is_fresh(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    with LedgerClient(server, silo.api_key) as client:
+        first = client.reserve(silo.id, mechanism=DpSgd(batch_size=10, noise_multiplier=1.0, steps=1), idempotency_key="f")
+        assert first.fresh and not first.replayed and first.may_train
+        again = client.reserve(silo.id, mechanism=STEP, idempotency_key="f")  # a second call, not a retry of the first
+        assert again.charge_id == first.charge_id and again.replayed and not again.fresh and not again.may_train
+        assert isinstance(client.silo(silo.id), SiloDetail)
+
+
+class LosesFirstAnswer(httpx.HTTPTransport):
+    """A real transport that delivers the first request to the server, then drops its answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        response = super().handle_request(request)
+        if self.calls == 1:
+            response.read()
+            raise httpx.ReadError("answer lost by the test", request=request)
+        return response
+
+
+def test_a_replay_that_answers_the_calls_own_lost_attempt_is_fresh(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    transport = LosesFirstAnswer()
+    with LedgerClient(server, silo.api_key, transport=transport, retry=Retry(first_delay=0.01)) as client:
+        reservation = client.reserve(silo.id, mechanism=STEP, idempotency_key="lost")
+    assert transport.calls == 2
+    assert reservation.replayed and reservation.fresh and reservation.may_train

@@ -37,7 +37,7 @@ def ledger(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def coordinator(ledger: str) -> LedgerClient:  # type: ignore[misc]
-    with LedgerClient(ledger, issue_coordinator_key(ledger, ADMIN_KEY)) as client:
+    with LedgerClient(ledger, ADMIN_KEY) as admin, LedgerClient(ledger, issue_coordinator_key(admin)) as client:
         yield client
 
 
@@ -56,7 +56,7 @@ def register(url: str, algorithm: GroupAggregated, budgets: list[float], prefix:
             admin.create_silo(name=f"{prefix}-{k}", epsilon=b, delta=1e-5, dataset_size=algorithm.train.sizes[k])
             for k, b in enumerate(budgets)
         ]
-    return [GatedSilo(c["id"], LedgerClient(url, c["api_key"])) for c in created]
+    return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
 def run(url: str, coordinator: LedgerClient, algorithm: GroupAggregated, prefix: str, *, rounds: int = 2,
@@ -82,11 +82,11 @@ def test_the_warm_start_round_charges_every_silo_and_leaves_the_global_model(led
     assert torch.equal(globals_after[0], initial)  # round 0: collected, not aggregated
     assert not torch.equal(globals_after[1], initial) and not torch.equal(globals_after[2], globals_after[1])
     for silo in silos:
-        reserves = [e for e in silo.client.history(silo.silo_id) if e["event"] == "reserve"]
-        assert [(e["round"], e["mechanism"]["type"], e["mechanism"]["steps"]) for e in reserves] == [
+        reserves = [e for e in silo.client.history(silo.silo_id) if e.event == "reserve"]
+        assert [(e.round, e.mechanism["type"], e.mechanism["steps"]) for e in reserves if e.mechanism] == [
             (0, "dpsgd", CONFIG.local_steps), (1, "dpsgd", CONFIG.local_steps), (2, "dpsgd", CONFIG.local_steps)
         ]
-        assert silo.client.silo(silo.silo_id)["epsilon_committed"] > 0.0
+        assert silo.client.silo(silo.silo_id).epsilon_committed > 0.0
 
 
 def test_groups_come_from_the_ledger_and_the_coordinator_sees_no_budget(ledger: str, coordinator: LedgerClient) -> None:
@@ -168,8 +168,8 @@ def test_fedhdp_quantile_query_is_charged_as_its_own_mechanism(ledger: str, coor
     result, silos = run(ledger, coordinator, algorithm, "hdp-quantile", rounds=3)
     assert result.run is not None and result.run.approved_rounds() == [3] * len(NOISE)
     for silo in silos:
-        reserves = [e for e in silo.client.history(silo.silo_id) if e["event"] == "reserve"]
-        mechanisms = [e["mechanism"] for e in reserves]
+        reserves = [e for e in silo.client.history(silo.silo_id) if e.event == "reserve"]
+        mechanisms = [e.mechanism for e in reserves]
         assert mechanisms[0]["type"] == "dpsgd"  # warm-start round: no aggregation, no query
         for m in mechanisms[1:]:
             assert m["type"] == "composed"

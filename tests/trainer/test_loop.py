@@ -41,7 +41,7 @@ def register(url: str, algorithm: MRMTL, budgets: list[float], prefix: str) -> l
             admin.create_silo(name=f"{prefix}-{k}", epsilon=b, delta=1e-5, dataset_size=algorithm.train.sizes[k])
             for k, b in enumerate(budgets)
         ]
-    return [GatedSilo(c["id"], LedgerClient(url, c["api_key"])) for c in created]
+    return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
 def epsilon_after(rounds: int, *, q: float) -> float:
@@ -71,11 +71,11 @@ def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> Non
     assert run.stopped == [True, False, False]
     assert torch.equal(algorithm.personal[0], frozen_at[0])
     history = silos[0].client.history(silos[0].silo_id)
-    assert [e["event"] for e in history].count("reserve") == k_rounds
-    assert all(e["event"] != "release" for e in history)
+    assert [e.event for e in history].count("reserve") == k_rounds
+    assert all(e.event != "release" for e in history)
     spent = silos[0].client.silo(silos[0].silo_id)
-    assert spent["epsilon_committed"] == pytest.approx(budgets[0], rel=1e-9)
-    assert spent["epsilon_spent"] <= budgets[0] * (1 + 1e-9)
+    assert spent.epsilon_committed == pytest.approx(budgets[0], rel=1e-9)
+    assert spent.epsilon_spent <= budgets[0] * (1 + 1e-9)
 
 
 def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
@@ -110,15 +110,15 @@ def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str,
     config.write_text(
         f'url = "{ledger}"\njob_id = "toml-job"\nalgorithm = "ditto"\nrounds = 2\n'
         "[data]\nsilos = 2\n[dpsgd]\nlocal_steps = 2\n"
-        + "".join(f'[[silos]]\nid = {c["id"]}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
+        + "".join(f'[[silos]]\nid = {c.id}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
     )
     for k, c in enumerate(created):
-        monkeypatch.setenv(f"KEY_{k}", c["api_key"])
+        monkeypatch.setenv(f"KEY_{k}", c.api_key)
     assert main(["train", str(config)]) == 0
-    with LedgerClient(ledger, created[0]["api_key"]) as silo:
-        history = silo.history(created[0]["id"])
-    reserves = [e for e in history if e["event"] == "reserve"]
-    assert [(e["job_id"], e["round"], e["mechanism"]["steps"]) for e in reserves] == [
+    with LedgerClient(ledger, created[0].api_key) as silo:
+        history = silo.history(created[0].id)
+    reserves = [e for e in history if e.event == "reserve"]
+    assert [(e.job_id, e.round, e.mechanism["steps"] if e.mechanism else None) for e in reserves] == [
         ("toml-job", 0, 2 + 5),
         ("toml-job", 1, 2 + 5),
     ]

@@ -188,7 +188,7 @@ def gated_silos(url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: f
             admin.create_silo(name=f"{prefix}-{k}", epsilon=epsilon, delta=DELTA, dataset_size=n)
             for k, n in enumerate(algorithm.train.sizes)
         ]
-    return [GatedSilo(c["id"], LedgerClient(url, c["api_key"])) for c in created]
+    return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
 def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, rounds: int, epsilon: float = 1e3):
@@ -317,12 +317,12 @@ def test_train_runs_warm_started_mrmtl_and_charges_selection_only_while_clusteri
     config.write_text(
         f'url = "{ledger}"\njob_id = "warm"\nalgorithm = "ifca_mrmtl"\nrounds = 3\nclusters = 2\ncluster_fraction = 0.5\n'
         "[data]\nsilos = 2\n[dpsgd]\nlocal_steps = 2\n"
-        + "".join(f'[[silos]]\nid = {c["id"]}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
+        + "".join(f'[[silos]]\nid = {c.id}\nkey_env = "KEY_{k}"\n' for k, c in enumerate(created))
     )
     for k, c in enumerate(created):
-        monkeypatch.setenv(f"KEY_{k}", c["api_key"])
+        monkeypatch.setenv(f"KEY_{k}", c.api_key)
     assert main(["train", str(config)]) == 0
-    with LedgerClient(ledger, created[0]["api_key"]) as silo:
-        history = silo.history(created[0]["id"])
-    kinds = [e["mechanism"]["type"] for e in history if e["event"] == "reserve"]
+    with LedgerClient(ledger, created[0].api_key) as silo:
+        history = silo.history(created[0].id)
+    kinds = [e.mechanism["type"] for e in history if e.event == "reserve" and e.mechanism]
     assert kinds == ["composed", "composed", "dpsgd"]  # ⌈0.5·3⌉ = 2 selecting rounds, then MR-MTL

@@ -11,6 +11,7 @@ import torch
 
 from dpledger.trainer.aggregation._checks import check_positive, check_updates
 from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
+from dpledger.trainer.dpsgd.clip import clip_rows
 
 
 def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
@@ -20,8 +21,7 @@ def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
     clipped row exceed C by rounding."""
     check_updates(updates)
     c = check_positive(clip_norm, name="clip_norm")
-    norms: torch.Tensor = torch.linalg.vector_norm(updates, dim=1, keepdim=True)
-    return updates * (c / norms.clamp(min=c))
+    return clip_rows(updates, max_grad_norm=c)
 
 
 class QuantileClipUpdate(NamedTuple):

@@ -2,11 +2,11 @@
 
 Public API:
 
-- `clip_factors(norms, *, max_grad_norm) -> Tensor`: min(1, C/||g_i||), 1 for a zero gradient.
+- `clip_factors` (from `trainer.dpsgd.clip`): min(1, C/||g_i||), 1 for a zero gradient.
 - `clipped_grad_sum(model, loss_fn, x, y, *, max_grad_norm) -> ClippedGradSum`: Σ_i c_i·g_i for
   every trainable parameter, and the per-sample norms it clipped, without per-sample gradients
   wherever a ghost rule exists (see `trainer.dpsgd.norms`).
-- `add_gaussian_noise(grads, *, std, generator) -> list[Tensor]`: grads + N(0, std²) per coordinate.
+- `add_gaussian_noise` (from `trainer.dpsgd.noise`): grads + N(0, std²) per coordinate.
 - `dp_sgd_step(model, loss_fn, x, y, *, max_grad_norm, noise_multiplier, expected_batch_size,
   generator, optimizer) -> StepStats`: the phases above, then division by the expected batch size
   and `optimizer.step()`.
@@ -25,7 +25,14 @@ import torch
 from torch import Tensor, nn
 
 from dpledger.trainer.dpsgd.capture import LossFn, trainable_parameters
+from dpledger.trainer.dpsgd.clip import clip_factors
+from dpledger.trainer.dpsgd.noise import add_gaussian_noise
 from dpledger.trainer.dpsgd.norms import layer_grads, norms_from_layers
+
+__all__ = [
+    "ClippedGradSum", "PrivateGradient", "StepStats", "add_gaussian_noise", "clip_factors", "clipped_grad_sum",
+    "dp_sgd_step", "private_gradient",
+]
 
 
 @dataclass(frozen=True)
@@ -62,23 +69,6 @@ def _model_device(params: Sequence[nn.Parameter]) -> torch.device:
     return params[0].device
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    # torch.device("cuda") and torch.device("cuda:0") name the same device when index is unset.
-    if a.type != b.type:
-        return False
-    return a.index is None or b.index is None or a.index == b.index
-
-
-def clip_factors(norms: Tensor, *, max_grad_norm: float) -> Tensor:
-    """min(1, C/||g_i||) for each example.
-
-    Written as C / max(||g_i||, C): identical to the min, and a zero norm gives C/C = 1 instead of
-    C/0, so no epsilon in the denominator is needed and no NaN can appear.
-    """
-    _require_finite_positive("max_grad_norm", max_grad_norm)
-    return max_grad_norm / norms.clamp(min=max_grad_norm)
-
-
 def clipped_grad_sum(
     model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, *, max_grad_norm: float
 ) -> ClippedGradSum:
@@ -99,21 +89,39 @@ def clipped_grad_sum(
     return ClippedGradSum(params=params, grads=grads, norms=norms)
 
 
-def add_gaussian_noise(grads: Sequence[Tensor], *, std: float, generator: torch.Generator) -> list[Tensor]:
-    """grads + N(0, std²) on every coordinate, drawn from `generator` in the order given."""
-    if not (math.isfinite(std) and std >= 0):
-        raise ValueError(f"std must be finite and >= 0. Found {std}.")
-    noisy: list[Tensor] = []
-    # One stream, drawn serially (on CPU, the largest cost of the step left over the non-private
-    # one). Splitting it over child generators seeded from this one would parallelize, but torch
-    # seeds a CPU generator from 32 bits only: over ~10^5 child seeds two chunks of different
-    # steps would likely get the same seed, and so the same noise.
-    for g in grads:
-        if not _same_device(generator.device, g.device):
-            raise ValueError(f"generator is on {generator.device} but the gradients are on {g.device}.")
-        noise = torch.empty_like(g, memory_format=torch.contiguous_format).normal_(0.0, std, generator=generator)
-        noisy.append(noise.add_(g))
-    return noisy
+@dataclass(frozen=True)
+class PrivateGradient:
+    """(Σ_i c_i·g_i + N(0, σ²C²)) / B for each trainable parameter, aligned with `params`, and the
+    pre-clip norms of the batch (local diagnostics only)."""
+
+    params: list[nn.Parameter]
+    grads: list[Tensor]
+    norms: Tensor
+
+
+def private_gradient(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> PrivateGradient:
+    """Clip, sum, add N(0, σ²C²) in one draw from `generator`, divide by the expected batch size.
+
+    `x` is a Poisson-sampled batch and may be empty (the gradient is then noise only). Dividing by
+    the expected batch size q·n rather than the realized one keeps the sensitivity of the average
+    at C/(q·n) whatever batch was drawn; the realized size depends on the data and is not private.
+    """
+    _require_finite_positive("expected_batch_size", expected_batch_size)
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0. Found {noise_multiplier}.")
+    clipped = clipped_grad_sum(model, loss_fn, x, y, max_grad_norm=max_grad_norm)
+    noisy = add_gaussian_noise(clipped.grads, std=noise_multiplier * max_grad_norm, generator=generator)
+    return PrivateGradient(params=clipped.params, grads=[g.div_(expected_batch_size) for g in noisy], norms=clipped.norms)
 
 
 def dp_sgd_step(
@@ -128,23 +136,17 @@ def dp_sgd_step(
     generator: torch.Generator,
     optimizer: torch.optim.Optimizer,
 ) -> StepStats:
-    """Clip, sum, add N(0, σ²C²), divide by the expected batch size, and step the optimizer.
-
-    `x` is a Poisson-sampled batch and may be empty (the update is then noise only). Dividing by
-    the expected batch size q·n rather than the realized one keeps the sensitivity of the average
-    at C/(q·n) whatever batch was drawn; the realized size depends on the data and is not private.
-    """
-    _require_finite_positive("expected_batch_size", expected_batch_size)
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0. Found {noise_multiplier}.")
-    clipped = clipped_grad_sum(model, loss_fn, x, y, max_grad_norm=max_grad_norm)
-    noisy = add_gaussian_noise(clipped.grads, std=noise_multiplier * max_grad_norm, generator=generator)
-    for param, value in zip(clipped.params, noisy, strict=True):
-        param.grad = value.div_(expected_batch_size)
-    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in noisy]))
+    """`private_gradient`, written into every trainable parameter's `.grad`, then `optimizer.step()`."""
+    private = private_gradient(
+        model, loss_fn, x, y, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size, generator=generator,
+    )
+    for param, value in zip(private.params, private.grads, strict=True):
+        param.grad = value
+    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in private.grads]))
     optimizer.step()
-    batch_size = int(clipped.norms.shape[0])
-    clipped_count = (clipped.norms > max_grad_norm).sum()
+    batch_size = int(private.norms.shape[0])
+    clipped_count = (private.norms > max_grad_norm).sum()
     # One host transfer for both numbers: each .item() would be its own device sync on CUDA.
     update_norm_value, clipped_count_value = torch.stack([update_norm.double(), clipped_count.double()]).tolist()
     return StepStats(

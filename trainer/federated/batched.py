@@ -7,7 +7,8 @@ paper 000 §5, "Federation as noise reduction", writes the same step with a nois
 
 The models here are small (at most a few thousand parameters), so per-sample gradients are
 materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (trainer/dpsgd/norms.py) is what
-larger models need. Silos are processed in chunks so that tensor stays under a memory cap.
+larger models need. Silos are processed in chunks so that tensor stays under a memory cap. The clip
+factor and the noise draw are the engine's own (`trainer.dpsgd.clip`, `trainer.dpsgd.noise`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch.func import grad, vmap
 
+from dpledger.trainer.dpsgd import noise
+from dpledger.trainer.dpsgd.clip import clip_factors
 from dpledger.trainer.federated.config import Task
 from dpledger.trainer.federated.models import FlatModel
 
@@ -107,13 +110,13 @@ def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor
 def clip_and_sum(grads: torch.Tensor, mask: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
     """Σ_i clip_C(g_i) over the unmasked examples of each silo ([A, b, P] → [A, P]).
 
-    C / max(‖g‖, C) is 1 for ‖g‖ ≤ C and C/‖g‖ above: exact (no ε added to the norm) and safe at
-    ‖g‖ = 0. The mask is folded into the per-example factors so the clipped sum is one batched
-    matrix product (one pass over the [A, b, P] tensor). That is safe because padding slots point at
-    a real record (index 0), so their gradients are finite whenever the real ones are.
+    The clip factor is the engine's (`trainer.dpsgd.clip.clip_factors`). The mask is folded into
+    the per-example factors so the clipped sum is one batched matrix product (one pass over the
+    [A, b, P] tensor). That is safe because padding slots point at a real record (index 0), so their
+    gradients are finite whenever the real ones are.
     """
     norms = torch.linalg.vector_norm(grads, dim=-1)
-    factors = torch.where(mask, clip_norm / norms.clamp(min=clip_norm), 0.0)
+    factors = torch.where(mask, clip_factors(norms, max_grad_norm=clip_norm), 0.0)
     return torch.einsum("abp,ab->ap", grads, factors)
 
 
@@ -122,7 +125,7 @@ def gaussian_noise(
 ) -> torch.Tensor:
     """[A, size] noise, row a drawn from generators[a]: each silo privatises its own sum with its
     own randomness (paper 000 §3: no trusted server, and §5 fn. 4: noise independent across silos)."""
-    return torch.stack([torch.randn(size, generator=g, device=device) for g in generators]) * std
+    return torch.stack([noise.gaussian_noise((size,), std=1.0, generator=g, device=device) for g in generators]) * std
 
 
 def noisy_clipped_gradient(

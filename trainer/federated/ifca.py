@@ -37,6 +37,7 @@ from typing import Any, Unpack
 import torch
 from torch.func import vmap
 
+from dpledger.trainer.dpsgd.clip import clip_factors
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
@@ -171,7 +172,7 @@ class IFCA(FederatedAlgorithm):
         with torch.no_grad():
             losses = vmap(per_cluster, in_dims=(None, 0, 0))(self.cluster_models, x, y).transpose(1, 2)  # [A, b, k]
             clip = self.selection.loss_clip
-            factors = torch.where(mask, clip / torch.linalg.vector_norm(losses, dim=-1).clamp(min=clip), 0.0)
+            factors = torch.where(mask, clip_factors(torch.linalg.vector_norm(losses, dim=-1), max_grad_norm=clip), 0.0)
             sums = torch.einsum("abk,ab->ak", losses, factors)
             noise = gaussian_noise(
                 [self.selection_generators[k] for k in silo_list], size=self.clusters, std=1.0, device=self.device

@@ -16,7 +16,6 @@ from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.trial_counts import (
     MAX_MEAN_TRIALS,
-    DistributionKind,
     TrialDistribution,
     distribution,
 )
@@ -26,6 +25,7 @@ from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import Search, SearchStatus
 from dpledger.wire.mechanisms import Mechanism, SelfComposed, check_nesting
 from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
+from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted, TrialReport
 
 router = APIRouter(tags=["searches"])
 
@@ -64,31 +64,6 @@ class SearchRequest(_WithTrial):
 
     def law(self) -> TrialDistribution:
         return distribution(self.distribution.kind, mean=self.mean_trials, shape=self.distribution.shape)
-
-
-class SearchStarted(BaseModel):
-    search_id: int
-    trials: int = Field(description="K, drawn by the service: run exactly this many trials")
-    charge_id: int
-    epsilon_spent: float = Field(description="the silo's ε right after the search was approved")
-
-
-class SearchDetail(BaseModel):
-    search_id: int
-    silo_id: int
-    charge_id: int
-    trial: dict[str, Any]
-    distribution: DistributionKind
-    shape: float | Literal["infinity"]
-    mean_trials: float
-    trials: int
-    trials_reported: int
-    best_score: float | None
-    status: SearchStatus
-
-
-class TrialReport(_Request):
-    score: Annotated[float, Field(allow_inf_nan=False, description="higher is better (e.g. accuracy)")]
 
 
 class SearchQuoteRequest(_WithTrial):

@@ -15,6 +15,8 @@ from dpledger.service.ledger import charges, jobs, silos
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import (
     HistoryEntry,
+    SiloCalibrateRequest,
+    SiloCalibration,
     SiloCreated,
     SiloCreateRequest,
     SiloDetail,
@@ -67,6 +69,24 @@ def get_silo(silo_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> Silo
         epsilon_remaining=budget.epsilon_remaining,
         rho=budget.rho,
         order=budget.order,
+    )
+
+
+@router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
+def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, factory: FactoryDep) -> SiloCalibration:
+    """The noise multiplier that lets `rounds` more rounds of DP-SGD fit what this silo has LEFT.
+
+    Only the silo's own key and admins: the answer is a function of the silo's budget, which the
+    coordinator (and auditors' dashboards aside) must not learn. q is batch_size over the registered
+    dataset_size, as the charge will be; nothing is reserved."""
+    caller.require_silo(silo_id, also=(Role.admin,))
+    with factory() as session:
+        silo = silos.get(session, silo_id)
+    plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round)
+    return SiloCalibration(
+        noise_multiplier=plan.noise_multiplier, sampling_rate=plan.sampling_rate, rounds=body.rounds,
+        steps_per_round=body.steps_per_round, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
+        epsilon_after=plan.epsilon_after, epsilon=silo.epsilon,
     )
 
 
