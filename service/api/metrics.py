@@ -89,8 +89,7 @@ class Metrics:
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         combined = CollectorRegistry()
-        # prometheus_client leaves this constructor unannotated.
-        multiprocess.MultiProcessCollector(combined, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        multiprocess.MultiProcessCollector(combined, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]  # unannotated upstream
         return generate_latest(combined)
 
 

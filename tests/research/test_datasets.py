@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,9 +28,9 @@ def assert_same_dataset(a: FederatedDataset, b: FederatedDataset) -> None:
 
 
 def test_mean_estimation_shapes_determinism_and_model() -> None:
-    kwargs = dict(n_silos=400, n_per_silo=50, data_variance=4.0, heterogeneity=0.5, seed=7, n_test_per_silo=30)
-    data = make_mean_estimation(meta_center=3.0, **kwargs)  # type: ignore[arg-type]
-    again = make_mean_estimation(meta_center=3.0, **kwargs)  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = dict(n_silos=400, n_per_silo=50, data_variance=4.0, heterogeneity=0.5, seed=7, n_test_per_silo=30)
+    data = make_mean_estimation(meta_center=3.0, **kwargs)
+    again = make_mean_estimation(meta_center=3.0, **kwargs)
     assert_same_dataset(data.dataset, again.dataset)
     assert torch.equal(data.silo_centers, again.silo_centers)
     silo = data.dataset[0]
