@@ -1,4 +1,6 @@
-"""The research data generators: paper 000 §6's mean estimation and paper 002 §6's additive model."""
+"""The research data generators: mean estimation
+("On Privacy and Personalization in Cross-Silo Federated Learning", §6) and the additive model
+("Personalization Improves Privacy-Accuracy Tradeoffs in Federated Learning", §6)."""
 
 from __future__ import annotations
 

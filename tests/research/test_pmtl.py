@@ -1,4 +1,4 @@
-"""PMTL's noisy global learner (paper 004 Alg. 1), research code no algorithm runs."""
+"""PMTL's noisy global learner ("Private Multi-Task Learning", Alg. 1), research code no algorithm runs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Server-side aggregation: PFA (paper 001 Alg. 1), FedHDP's two-step average and ratio (paper 003
 §3.1.2, Lemma 1), and adaptive clipping by a noisy
-quantile (paper 003 Alg. 2). PMTL (paper 004 Alg. 1) is research code: tests/research/test_pmtl.py."""
+quantile (paper 003 Alg. 2). PMTL ("Private Multi-Task Learning", Alg. 1) is research code:
+tests/research/test_pmtl.py."""
 
 from __future__ import annotations
 

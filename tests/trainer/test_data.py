@@ -1,5 +1,6 @@
 """The federated data sources: containers, rotated & masked digits (paper 000 §5), user .npz
-folders, and paper 001 Table 1 budgets. The research generators: tests/research/test_datasets.py."""
+folders, and paper 001 Table 1 budgets. The research generators are tested in
+tests/research/test_datasets.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@
 
 Aggregating already-private updates is post-processing (DESIGN.md, "The privacy model"); only the
 quantile query is a mechanism, and it returns what it must be charged as. (PMTL's noisy global
-learner, paper 004 Alg. 1, lives in the repository's research/ folder: no algorithm runs it.)
+learner, "Private Multi-Task Learning" Alg. 1, lives in the repository's research/ folder: no
+algorithm runs it.)
 """
 
 from dpledger.trainer.aggregation.clipping import (

@@ -4,8 +4,10 @@ Every source returns a `FederatedDataset`: a tuple of per-silo `SiloData`, each 
 train/test split, because in cross-silo FL each silo evaluates its own (possibly personalized)
 model on its own local distribution (paper 000 §3).
 
-Sources (the research generators, paper 000 §6's means and paper 002 §6's additive model, live
-in the repository's research/ folder):
+Sources (the research generators, the means of
+"On Privacy and Personalization in Cross-Silo Federated Learning" §6 and the additive model of
+"Personalization Improves Privacy-Accuracy Tradeoffs in Federated Learning" §6, live in the
+repository's research/ folder):
 - `make_rotated_masked_digits`: sklearn's 8×8 digits in the spirit of paper 000 §5's rotated and
   masked MNIST.
 - `load_npz_folder`: a user's own data, one `.npz` per silo.
