@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from dpledger.trainer.data import (
     load_npz_folder,
     make_rotated_masked_digits,
 )
+from dpledger.trainer.data.budgets import MixtureName
 
 # Two-sided 5 standard errors: a correct generator fails one such check ~6e-7 of the time.
 Z = 5.0
@@ -166,7 +168,7 @@ def test_digits_refuses_bad_arguments() -> None:
 @pytest.mark.parametrize("mixture", ["MixGauss1", "MixGauss2", "MixGauss3"])
 def test_mixgauss_draws_match_table_1(mixture: str) -> None:
     n = 200_000
-    draw = draw_budgets(mixture, n_silos=n, seed=1)  # type: ignore[arg-type]
+    draw = draw_budgets(cast(MixtureName, mixture), n_silos=n, seed=1)
     assert draw.epsilons.shape == (n,) and draw.components.shape == (n,)
     assert np.all(draw.epsilons > 0.0)
     for index, component in enumerate(MIXGAUSS_TABLE[mixture]):
@@ -195,7 +197,7 @@ def test_mixgauss_table_and_draw_properties() -> None:
     clipped = draw_budgets("MixGauss1", n_silos=1000, seed=0, min_epsilon=0.5)
     assert np.all(clipped.epsilons[clipped.components == 0] == 0.5)
     with pytest.raises(ValueError, match="mixture must be one of"):
-        draw_budgets("MixGauss4", n_silos=3, seed=0)  # type: ignore[arg-type]
+        draw_budgets("MixGauss4", n_silos=3, seed=0)  # type: ignore[arg-type]  # a name outside the Literal, on purpose
 
 
 # --- user .npz folders --------------------------------------------------------------------------
@@ -212,7 +214,7 @@ def test_npz_round_trip_with_test_arrays(tmp_path: Path) -> None:
             "y_test": rng.integers(0, 4, size=5),
             "group": np.array(group),
         }
-        np.savez(tmp_path / f"{name}.npz", **arrays)  # type: ignore[arg-type]
+        np.savez(tmp_path / f"{name}.npz", **arrays)  # type: ignore[arg-type]  # numpy types **kwds narrower than arrays
         written[name] = arrays
     dataset = load_npz_folder(tmp_path, seed=0)
     assert dataset.task == "classification" and dataset.n_features == 6
