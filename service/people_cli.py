@@ -43,6 +43,10 @@ def _get(path: str, params: dict[str, Any] | None = None) -> httpx.Response:
     return _request("GET", path, params=params)
 
 
+def _post(path: str, body: Any) -> httpx.Response:
+    return _request("POST", path, body=body)
+
+
 def _request(method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None) -> httpx.Response:
     url = os.environ.get("DPLEDGER_URL", DEFAULT_URL).rstrip("/")
     key = os.environ.get("DPLEDGER_KEY")
@@ -182,7 +186,11 @@ def history(args: argparse.Namespace) -> int:
 
 
 @_reports_errors
-def verify(_: argparse.Namespace) -> int:
+def verify(args: argparse.Namespace) -> int:
+    if getattr(args, "receipts", None) is not None:
+        from dpledger.service import transparency_cli
+
+        return transparency_cli.verify_receipts_command(args)
     report: dict[str, Any] = _get("/v1/audit/verify").json()
     if report["ok"]:
         print(f"ok: {report['entries']} entries, every hash recomputes")
@@ -224,5 +232,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page")
     hist.set_defaults(run=history)
 
-    check = commands.add_parser("verify", help="recompute the audit chain; exit 1 if broken (over HTTP)", description=env_note)
+    check = commands.add_parser("verify", help="recompute the audit chain, or check held receipts; exit 1 if broken (over HTTP)",
+                                description=env_note)
     check.set_defaults(run=verify)
+
+    from dpledger.service import transparency_cli  # the log's commands: `verify --receipts`, `audit`, `pubkey`
+
+    transparency_cli.add_commands(commands, check)

@@ -55,7 +55,11 @@ class ReplayedCharge(LedgerError):
 
 
 class DeclaresDpSgd(Protocol):
-    """A sampler that draws the batches and declares the mechanism they imply."""
+    """A sampler that draws the batches and declares the mechanism they imply. `kind` names how it
+    samples ("poisson": each record independently with q), which is what the `dpsgd` charge means."""
+
+    @property
+    def kind(self) -> str: ...
 
     @property
     def dataset_size(self) -> int: ...
@@ -114,6 +118,7 @@ class RoundResult:
     steps_taken: int
     noise_multiplier: float
     status: ChargeStatus
+    sampler: str  # how the round's batches were drawn ("poisson"), as the charged mechanism assumes
     epsilon_spent: float | None  # the silo's ε after the settlement; None where an earlier attempt had settled it
     error: str | None = None  # the body's exception, where it raised
 
@@ -126,6 +131,8 @@ class RoundGate:
         # A fresh job id per gate unless one is given: re-running a script with the same job_id
         # replays its rounds (and trains on none of them); a new one asks for new rounds.
         self.job_id = job_id if job_id is not None else f"gate-{secrets.token_hex(6)}"
+        if sampler.kind != "poisson":
+            raise ValueError(f"the sampler samples {sampler.kind!r}; a dpsgd charge means Poisson sampling, so it is refused")
         self.registered: SiloDetail = client.silo(silo_id)
         if self.registered.dataset_size != sampler.dataset_size:
             raise ValueError(
@@ -214,6 +221,6 @@ class RoundGate:
             spent = self.client.commit(permit.charge_id)
         self.results.append(RoundResult(
             round=permit.round, charge_id=permit.charge_id, steps_reserved=permit.steps, steps_taken=permit.steps_taken,
-            noise_multiplier=permit.noise_multiplier, status=status, epsilon_spent=spent,
+            noise_multiplier=permit.noise_multiplier, status=status, sampler=self.sampler.kind, epsilon_spent=spent,
             error=None if error is None else f"{type(error).__name__}: {error}",
         ))

@@ -111,7 +111,6 @@ class OpacusGate(RoundGate):
             )
         self.accountant: LedgerAccountant = accountant
         self.optimizer = optimizer
-        self.sampler_kind = POISSON
         super().__init__(client, silo_id=silo_id, sampler=OpacusPoissonSampler(data_loader), job_id=job_id)
         # The model running inside a round reads the silo's data: from then on the round's charge
         # is committed even if the body raises before a step.

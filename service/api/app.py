@@ -14,12 +14,14 @@ from dpledger.service.api.routes import (
     dashboard,
     jobs,
     keys,
+    log,
     quote,
     searches,
     silos,
 )
 from dpledger.service.ledger import keys as ledger_keys
 from dpledger.service.ledger.db import make_engine, make_session_factory
+from dpledger.service.ledger.signer import load_signer
 from dpledger.service.settings import Settings, get_settings
 
 DOCS_ASSETS = "/docs-assets"
@@ -43,6 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Swagger UI would otherwise fetch a validity badge from validator.swagger.io.
         swagger_ui_parameters={"validatorUrl": None},
     )
+    # Before the database: a configured key that cannot be read stops the start (never a new key).
+    app.state.signer = load_signer(settings)
     engine = make_engine(settings.database_url)
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
@@ -52,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     errors.install(app)
     metrics.install(app)
-    for module in (silos, charges, jobs, audit, quote, keys, searches, dashboard):
+    for module in (silos, charges, jobs, audit, quote, keys, searches, log, dashboard):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"], name="healthz")

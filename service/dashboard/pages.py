@@ -123,7 +123,22 @@ def problem(title: str, message: str, *, signed_in: bool) -> str:
     return _document(title, f'<p class="message" role="alert">{escape(message)}</p>', signed_in=signed_in)
 
 
-def overview(rows: Sequence[SiloRow], *, entries: int, refusals_since: datetime) -> str:
+@dataclass(frozen=True)
+class LogView:
+    """The transparency log as the overview shows it: its size now, and the last head an auditor verified."""
+
+    size: int
+    root_hash: str
+    verified_size: int | None
+    verified_root: str | None
+    verified_signed_at: str | None  # ISO, UTC
+    verified_at: str | None
+    still_extends: bool | None
+
+
+def overview(
+    rows: Sequence[SiloRow], *, entries: int, refusals_since: datetime, log: LogView | None = None
+) -> str:
     body_rows = "".join(_silo_row(r) for r in rows)
     table = (
         '<table id="silos"><thead><tr><th>name</th><th>id</th><th>ε budget</th><th>δ</th><th>ε spent</th>'
@@ -146,7 +161,26 @@ def overview(rows: Sequence[SiloRow], *, entries: int, refusals_since: datetime)
         f'<p class="note">refused: over-budget requests answered by this server process since {_time(refusals_since)}; '
         "a refusal writes nothing to the ledger, so it is counted, not stored.</p>"
     )
-    return _document("privacy budgets", chain + caption + table, signed_in=True)
+    log_part = "" if log is None else _log(log)
+    return _document("privacy budgets", chain + caption + table + log_part, signed_in=True)
+
+
+def _log(log: LogView) -> str:
+    now = f"{log.size} entries, root {escape(log.root_hash[:16])}…"
+    if log.verified_size is None:
+        last = ('<p id="last-verified" data-verified-size="">No auditor has verified a head yet '
+                "(<code>dpledger audit --since HEAD_FILE</code>).</p>")
+    else:
+        state = ('<span class="ok">today\'s log still starts with it</span>' if log.still_extends
+                 else '<span class="failed">today\'s log does NOT start with it: the log was rewritten</span>')
+        last = (
+            f'<p id="last-verified" data-verified-size="{log.verified_size}" '
+            f'data-still-extends="{str(log.still_extends).lower()}">'
+            f"Last head verified by an auditor: {log.verified_size} entries, root {escape((log.verified_root or '')[:16])}…, "
+            f"signed {escape(log.verified_signed_at or '')}, verified {escape(log.verified_at or '')}; {state}.</p>"
+        )
+    return f'<h2>Transparency log</h2><p id="log-size" data-size="{log.size}">Now: {now}.</p>{last}'
+
 
 
 def _silo_row(row: SiloRow) -> str:

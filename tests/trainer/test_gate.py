@@ -97,8 +97,8 @@ def test_a_user_cnn_trains_through_the_gate_and_the_ledger_charges_exactly_the_s
             for _ in range(permit.steps):
                 engine.step(permit)
     assert not same(start, parameters(engine.model))
-    expected = [(i, steps, ChargeStatus.committed) for i in range(rounds)]
-    assert [(r.round, r.steps_taken, r.status) for r in gate.results] == expected
+    expected = [(i, steps, ChargeStatus.committed, "poisson") for i in range(rounds)]
+    assert [(r.round, r.steps_taken, r.status, r.sampler) for r in gate.results] == expected
     ran = [(r.noise_multiplier, r.steps_taken) for r in gate.results]
     spent = client.silo(silo_id).epsilon_spent
     assert spent == pytest.approx(dp_accounting_epsilon(ran), rel=1e-9)

@@ -22,6 +22,8 @@ class PoissonSampler:
     assumes (Abadi et al. 2016; dp-accounting's PoissonSampledDpEvent).
     """
 
+    kind = "poisson"
+
     def __init__(self, *, dataset_size: int, batch_size: int, generator: torch.Generator) -> None:
         if dataset_size <= 0:
             raise ValueError(f"dataset_size must be positive. Found {dataset_size}.")

@@ -4,6 +4,7 @@ calls as the JSON API. Left out of the OpenAPI document, which describes the JSO
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Annotated
 from urllib.parse import parse_qs
 
@@ -14,7 +15,7 @@ from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.dashboard import pages, series
 from dpledger.service.dashboard.parameters import parameters
-from dpledger.service.ledger import audit, charges, keys, silos
+from dpledger.service.ledger import audit, charges, keys, silos, transparency
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
@@ -111,7 +112,8 @@ def _row(silo: Silo, *, chain_ok: bool = True, refusals: int = 0) -> pages.SiloR
 
 
 def _refusals(request: Request) -> RefusalLog:
-    return request.app.state.refusals  # type: ignore[no-any-return]
+    refusals: RefusalLog = request.app.state.refusals
+    return refusals
 
 
 @router.get("", name="dashboard_overview")
@@ -128,7 +130,24 @@ def overview(request: Request, reader: ReaderDep, factory: FactoryDep) -> Respon
             entries += report.entries
             refused = log.of(silo.id)
             rows.append(_row(silo, chain_ok=report.ok, refusals=0 if refused is None else refused.count))
-    return _html(pages.overview(rows, entries=entries, refusals_since=log.since))
+        log_view = _log_view(transparency.summary(session))
+    return _html(pages.overview(rows, entries=entries, refusals_since=log.since, log=log_view))
+
+
+def _log_view(summary: transparency.LogSummary) -> pages.LogView:
+    last = summary.last_verified
+
+    def iso(value: datetime) -> str:
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC).isoformat(timespec="seconds")
+
+    return pages.LogView(
+        size=summary.size, root_hash=summary.root_hash,
+        verified_size=None if last is None else last.tree_size,
+        verified_root=None if last is None else last.root_hash,
+        verified_signed_at=None if last is None else iso(datetime.fromtimestamp(last.signed_at / 1000, UTC)),
+        verified_at=None if last is None else iso(last.verified_at),
+        still_extends=summary.still_extends,
+    )
 
 
 @router.get("/silos/{silo_id}", name="dashboard_silo")

@@ -131,6 +131,18 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
                 "/v1/searches/quote",
                 {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5},
             )
+        case "log_public_key":
+            return "GET", "/v1/log/public-key", None
+        case "log_head":
+            return "GET", "/v1/log/head", None
+        case "log_inclusion_proof":  # log index 0 is the own silo's create entry (it was registered first)
+            return "GET", "/v1/log/proofs/inclusion?index=0", None
+        case "log_consistency_proof":
+            return "GET", "/v1/log/proofs/consistency?first=1", None
+        case "log_leaves":
+            return "GET", "/v1/log/leaves", None
+        case "log_record_verified_head":
+            return "POST", "/v1/log/verified", world.client.get("/v1/log/head", headers=ADMIN).json()  # type: ignore[attr-defined]
     raise AssertionError(route)
 
 
@@ -161,6 +173,14 @@ EXPECTED = {
     "get_search":       [200, 200, 403, 200, 403, *A],
     "report_trial":     [403, 200, 403, 403, 403, *A],
     "quote_search":     [200, 200, 200, 200, 200, *A],
+    # The transparency log: hashes for every silo, records and proofs of its own entries; the
+    # coordinator only the public key (the log's size counts approvals, which depend on budgets).
+    "log_public_key":   [200, 200, 200, 200, 200, *A],
+    "log_head":         [200, 200, 200, 200, 403, *A],
+    "log_inclusion_proof": [200, 200, 403, 200, 403, *A],
+    "log_consistency_proof": [200, 200, 200, 200, 403, *A],
+    "log_leaves":       [200, 200, 200, 200, 403, *A],
+    "log_record_verified_head": [201, 403, 403, 201, 403, *A],
 }
 
 
