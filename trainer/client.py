@@ -19,6 +19,7 @@ settlement.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -242,13 +243,11 @@ class LedgerClient:
             raise self._denied_or_rejected(response)
         data = ChargeReserved.model_validate_json(response.content)
         self._keep(data.receipt)
-        replayed = (
-            response.status_code == 200
-            or response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            or bool(getattr(data, "replayed", False))
-        )
+        replayed = data.replayed or response.status_code == 200
+        # null is an infinite ε (JSON has no infinity): only a replay of a charge settled long ago can say so.
+        spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
-            charge_id=data.charge_id, epsilon_spent=data.epsilon_spent, epsilon_remaining=data.epsilon_remaining,
+            charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
             status=ChargeStatus(data.status), replayed=replayed, own_retry=answer.retried,
         )
 
