@@ -10,17 +10,21 @@ before it is sent); answers are parsed into the wire's response models. Errors f
   then the caller stops without spending more.
 
 Retrying a reservation is safe because it carries an idempotency key; the answer then says whether
-it replayed an earlier request (`Reservation.replayed`) and, when it did, whether that replay
-answers this call's own lost attempt (`Reservation.fresh`): only a fresh reservation may train.
+it replayed an earlier request (`Reservation.replayed`) and whether this call retried
+(`own_retry`). Only a fresh reservation lets a round touch the data (`Reservation.fresh`): a 201, or
+the replay that answers this very call's own retry after its first attempt got no answer.
 Retrying a commit is made safe by the service's machine-readable `charge_status` on a second
 settlement.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -28,6 +32,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dpledger.wire.enums import ChargeStatus, Role
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
+from dpledger.wire.receipts import Receipt
 from dpledger.wire.schemas import (
     CalibrateResponse,
     ChargeReserved,
@@ -36,7 +41,9 @@ from dpledger.wire.schemas import (
     HistoryEntry,
     JobCreated,
     KeyCreated,
+    KeyInfo,
     OverBudgetResponse,
+    QuoteResponse,
     SiloCalibration,
     SiloCreated,
     SiloDetail,
@@ -46,6 +53,13 @@ from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted
 _MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
 _HISTORY: TypeAdapter[list[HistoryEntry]] = TypeAdapter(list[HistoryEntry])
 ModelT = TypeVar("ModelT", bound=BaseModel)
+RECEIPTS_FILE = "receipts.jsonl"
+
+
+def default_receipts_dir() -> Path:
+    """Where receipts are kept unless told otherwise: $DPLEDGER_RECEIPTS, else
+    ~/.local/share/dpledger/receipts (`dpledger verify --receipts DIR` reads every *.jsonl there)."""
+    return Path(os.environ.get("DPLEDGER_RECEIPTS") or Path.home() / ".local/share/dpledger/receipts").expanduser()
 
 
 class LedgerError(Exception):
@@ -86,8 +100,8 @@ class Reservation:
 
     `status` is the charge's real state as the service answered it (a replay of a settled charge
     says committed or released); `replayed` is true when the key named an earlier request;
-    `fresh` is true when this call created the charge, or when the replay answers this very call's
-    own earlier attempt (sent, then lost in transport). Only a fresh, reserved charge may train.
+    `own_retry` is true when this call retried after an attempt that got no answer (a transport
+    error or a 5xx), so a replay may be the answer to this very call's first attempt.
     """
 
     charge_id: int
@@ -95,11 +109,12 @@ class Reservation:
     epsilon_remaining: float
     status: ChargeStatus = ChargeStatus.reserved
     replayed: bool = False
-    fresh: bool = True
+    own_retry: bool = False
 
     @property
-    def may_train(self) -> bool:
-        return self.fresh and self.status is ChargeStatus.reserved
+    def fresh(self) -> bool:
+        """A new approval this call may spend: never a replay of a charge settled or held elsewhere."""
+        return self.status is ChargeStatus.reserved and (not self.replayed or self.own_retry)
 
 
 @dataclass(frozen=True)
@@ -125,13 +140,27 @@ def as_mechanism(mechanism: AnyMechanism | Mapping[str, Any]) -> AnyMechanism:
 
 class LedgerClient:
     def __init__(self, base_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None,
-                 retry: Retry = Retry(), timeout: float = 30.0, http: httpx.Client | None = None) -> None:
+                 retry: Retry = Retry(), timeout: float = 30.0, http: httpx.Client | None = None,
+                 receipts: Path | bool = True) -> None:
         """`http`: an httpx client to send through instead of a new one (e.g. an in-process app's
-        test client); the key is sent with every request either way."""
+        test client); the key is sent with every request either way. `receipts`: the directory to
+        keep the ledger's receipts in (one JSON line each), True for `default_receipts_dir()`,
+        False for none."""
         self._owns_http = http is None
         self._http = http if http is not None else httpx.Client(base_url=base_url, transport=transport, timeout=timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._retry = retry
+        self.receipts_file = None if receipts is False else (
+            (default_receipts_dir() if receipts is True else Path(receipts)) / RECEIPTS_FILE
+        )
+
+    def _keep(self, receipt: Receipt | None) -> None:
+        # Appended before the answer is used: a receipt is the silo's evidence against the ledger.
+        if receipt is None or self.receipts_file is None:
+            return
+        self.receipts_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.receipts_file.open("a") as out:
+            out.write(receipt.model_dump_json() + "\n")
 
     def close(self) -> None:
         if self._owns_http:
@@ -213,14 +242,13 @@ class LedgerClient:
         if response.status_code not in (200, 201):
             raise self._denied_or_rejected(response)
         data = ChargeReserved.model_validate_json(response.content)
-        replayed = (
-            response.status_code == 200
-            or response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            or bool(getattr(data, "replayed", False))
-        )
+        self._keep(data.receipt)
+        replayed = data.replayed or response.status_code == 200
+        # null is an infinite ε (JSON has no infinity): only a replay of a charge settled long ago can say so.
+        spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
-            charge_id=data.charge_id, epsilon_spent=data.epsilon_spent, epsilon_remaining=data.epsilon_remaining,
-            status=ChargeStatus(data.status), replayed=replayed, fresh=not replayed or answer.retried,
+            charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
+            status=ChargeStatus(data.status), replayed=replayed, own_retry=answer.retried,
         )
 
     def commit(self, charge_id: int) -> float | None:
@@ -239,7 +267,9 @@ class LedgerClient:
             raise Rejected(409, body)
         if response.status_code != 200:
             raise Rejected(response.status_code, self._body(response))
-        return ChargeSettled.model_validate_json(response.content).epsilon_spent
+        settled = ChargeSettled.model_validate_json(response.content)
+        self._keep(settled.receipt)
+        return settled.epsilon_spent
 
     def calibrate_silo(self, silo_id: int, *, batch_size: int, steps_per_round: int, rounds: int) -> SiloCalibration:
         """σ such that `rounds` more rounds fit what this silo has left (its key or an admin's)."""
@@ -257,7 +287,9 @@ class LedgerClient:
         response = self._send("POST", f"/v1/silos/{silo_id}/searches", body).response
         if response.status_code != 201:
             raise self._denied_or_rejected(response)
-        return SearchStarted.model_validate_json(response.content)
+        started = SearchStarted.model_validate_json(response.content)
+        self._keep(started.receipt)
+        return started
 
     def report_trial(self, search_id: int, *, score: float) -> SearchDetail:
         return self._expect(self._send("POST", f"/v1/searches/{search_id}/trials", {"score": score}), SearchDetail, 200)
@@ -276,6 +308,27 @@ class LedgerClient:
         return self._expect(self._send("GET", f"/v1/jobs/{job_id}/rounds/{round}/groups"), GroupsResponse, 200).groups
 
     # --- anyone ------------------------------------------------------------------------------------
+    def who_am_i(self) -> KeyInfo:
+        """The key's id, role and silo (GET /v1/keys/me)."""
+        return self._expect(self._send("GET", "/v1/keys/me"), KeyInfo, 200)
+
+    def history_page(self, silo_id: int, *, after_seq: int, limit: int) -> list[HistoryEntry]:
+        answer = self._send("GET", f"/v1/silos/{silo_id}/history?after_seq={after_seq}&limit={limit}")
+        if answer.response.status_code != 200:
+            raise Rejected(answer.response.status_code, self._body(answer.response))
+        return _HISTORY.validate_json(answer.response.content)
+
+    def quote(self, mechanism: AnyMechanism | Mapping[str, Any], *, silo_id: int | None = None,
+              delta: float | None = None) -> QuoteResponse:
+        """What `mechanism` costs alone, and (with silo_id) the silo's ε if it were added: the
+        service's own accounting, so a plan and an approval agree."""
+        body: dict[str, Any] = {"mechanism": as_mechanism(mechanism).model_dump(mode="json", exclude_none=True)}
+        if silo_id is not None:
+            body["silo_id"] = silo_id
+        if delta is not None:
+            body["delta"] = delta
+        return self._expect(self._send("POST", "/v1/quote", body), QuoteResponse, 200)
+
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
         return self._expect(self._send("POST", "/v1/calibrate", body), CalibrateResponse, 200).noise_multiplier

@@ -1,17 +1,21 @@
 """`dpledger train`: a configured job against any ledger, from a TOML file or flags.
 
 Each silo is named by its ledger id and its own key (given inline or, better, by the name of an
-environment variable holding it), in the order of the data's silos.
+environment variable holding it), in the order of the data's silos. The job file is checked by
+`job_config` and the ledger's view of every silo by `preflight`, both before this module (and so
+torch) is imported.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import torch
 
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
@@ -25,75 +29,11 @@ from dpledger.trainer.federated import (
     clustering_rounds,
     registry,
 )
-from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.job_config import DataConfig, DpSgdSettings, JobConfig, SiloKey, silo_key
+from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
+from dpledger.trainer.preflight import LedgerSilo
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DataConfig(_Strict):
-    source: Literal["digits", "npz"] = "digits"
-    path: Path | None = Field(None, description="folder of one .npz per silo (source = npz)")
-    silos: Annotated[int, Field(ge=1)] = 10
-    seed: int = 0
-    mask_probability: Annotated[float, Field(ge=0, le=1)] = 0.1
-
-    @model_validator(mode="after")
-    def _path_for_npz(self) -> DataConfig:
-        if self.source == "npz" and self.path is None:
-            raise ValueError("data.path is required when data.source is 'npz'")
-        return self
-
-
-class DpSgdSettings(_Strict):
-    lr: Annotated[float, Field(gt=0)] = 0.5
-    clip_norm: Annotated[float, Field(gt=0)] = 1.0
-    noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
-    batch_size: Annotated[int, Field(ge=1)] = 16
-    local_steps: Annotated[int, Field(ge=1)] = 10
-    seed: int = 0
-
-
-class SiloKey(_Strict):
-    id: int
-    key: str | None = None
-    key_env: str | None = None
-
-    @model_validator(mode="after")
-    def _one_key(self) -> SiloKey:
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError(f"silo {self.id}: give exactly one of key and key_env")
-        return self
-
-
-class JobConfig(_Strict):
-    url: str
-    job_id: str = "job"
-    algorithm: str = Field("mrmtl", description="the `name` of an algorithm of trainer.federated.registry.standalone()")
-    rounds: Annotated[int, Field(ge=1)] = 20
-    lam: Annotated[float, Field(ge=0)] = 1.0
-    personal_steps: Annotated[int, Field(ge=1)] = 5
-    alpha: Annotated[float, Field(gt=0)] = 1.0
-    client_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
-    federated_rounds: Annotated[int, Field(ge=0)] = 10
-    clusters: Annotated[int, Field(ge=1)] = 4
-    cluster_fraction: Annotated[float, Field(gt=0, le=1)] | None = Field(
-        None, description="IFCA selects in the first ⌈fraction·rounds⌉ rounds only (ifca_mrmtl: default 0.1)"
-    )
-    selection_noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
-    device: str = "cpu"
-    data: DataConfig = DataConfig()
-    dpsgd: DpSgdSettings = DpSgdSettings()
-    silos: list[SiloKey]
-
-    @field_validator("algorithm")
-    @classmethod
-    def _known_algorithm(cls, value: str) -> str:
-        known = registry.standalone()
-        if value not in known:
-            raise ValueError(f"algorithm must be one of {', '.join(known)}; found {value!r}")
-        return value
+__all__ = ["JOB_FIELDS", "DataConfig", "DpSgdSettings", "JobConfig", "SiloKey", "build", "load_data", "run_job"]
 
 
 # The job file's settings, by the constructor argument each fills (see `options`); an algorithm takes
@@ -133,8 +73,8 @@ def algorithm_args(
     }
 
 
-def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
-    common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device)
+def build(job: JobConfig, dataset: FederatedDataset, *, device: str | None = None) -> FederatedAlgorithm:
+    common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=device or job.device or "cpu")
     return registry.build(job.algorithm, common, settings(job))
 
 
@@ -166,19 +106,69 @@ def algorithms_markdown() -> str:
     return "\n".join(lines)
 
 
-def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
-    dataset = load_data(job.data)
-    if len(job.silos) != len(dataset.silos):
-        raise ValueError(f"silos lists {len(job.silos)} ledger silos for {len(dataset.silos)} data silos")
-    keys = []
-    for silo in job.silos:
-        key = silo.key if silo.key is not None else environ.get(silo.key_env or "")
-        if not key:
-            raise ValueError(f"silo {silo.id}: environment variable {silo.key_env} is not set")
-        keys.append(key)
-    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys, strict=True)]
+def run_job(
+    job: JobConfig,
+    algorithm: FederatedAlgorithm,
+    silos: Sequence[LedgerSilo],
+    *,
+    environ: Mapping[str, str],
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> JobRun:
+    gated = [GatedSilo(s.id, LedgerClient(job.url, silo_key(entry, environ))) for s, entry in zip(silos, job.silos, strict=True)]
     try:
-        return run_gated(build(job, dataset), gated, rounds=job.rounds, job_id=job.job_id)
+        return run_gated(algorithm, gated, rounds=job.rounds, job_id=job.job_id, on_round=on_round)
     finally:
-        for member in gated:
-            member.client.close()
+        for silo in gated:
+            silo.client.close()
+
+
+def write_outputs(
+    out: Path, job: JobConfig, algorithm: FederatedAlgorithm, run: JobRun, silos: Sequence[LedgerSilo],
+    after: Sequence[LedgerSilo | None],
+) -> None:
+    """models.pt (every silo's deployed model by ledger id, and the algorithm's whole state),
+    metrics.jsonl (a line per round and silo) and summary.json (the job, the stop, per silo)."""
+    out.mkdir(parents=True, exist_ok=True)
+    deployed = algorithm.deployed_parameters().detach().cpu()
+    torch.save(
+        {
+            "algorithm": job.algorithm,
+            "silo_ids": [s.id for s in silos],
+            "deployed": {s.id: deployed[k].clone() for k, s in enumerate(silos)},
+            "state": {name: t.detach().cpu() for name, t in algorithm.state().items()},
+        },
+        out / "models.pt",
+    )
+    with (out / "metrics.jsonl").open("w") as metrics:
+        for record in run.rounds:
+            for k, silo in enumerate(silos):
+                metrics.write(json.dumps({
+                    "round": record.round_index, "silo_id": silo.id, "silo": silo.name,
+                    "approved": record.approved[k], "refused": record.refused[k],
+                    "epsilon_spent": record.epsilon_spent[k], "metric": _finite(record.metric[k]),
+                    "update_norm": _finite(record.update_norms[k]),
+                }) + "\n")
+    summary = {
+        "job": json.loads(job.model_dump_json(exclude={"silos"})) | {"silos": [s.id for s in job.silos]},
+        "rounds_run": len(run.rounds),
+        "stop_reason": run.stop_reason,
+        "silos": [silo_summary(run, k, s, after[k]) for k, s in enumerate(silos)],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def silo_summary(run: JobRun, k: int, silo: LedgerSilo, after: LedgerSilo | None) -> dict[str, Any]:
+    """`after`: the silo as the ledger shows it once the run ended (None if it could not be asked)."""
+    refusal = run.refusals.get(k)
+    return {
+        "silo_id": silo.id, "name": silo.name, "budget": silo.epsilon,
+        "epsilon_spent_before": silo.epsilon_spent, "epsilon_spent_after": None if after is None else after.epsilon_spent,
+        "rounds_approved": run.approved_rounds()[k], "rounds_refused": run.refused_rounds()[k],
+        "final_metric": _finite(run.rounds[-1].metric[k]) if run.rounds else None,
+        "refused_at_round": None if refusal is None else refusal.round_index,
+        "epsilon_if_approved": None if refusal is None else refusal.epsilon_if_approved,
+    }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

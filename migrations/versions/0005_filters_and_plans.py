@@ -4,11 +4,12 @@ Silos registered before this revision get a filter now, recorded in a new `filte
 of their chain (their create entries stay as they were hashed): a silo that holds charges gets the
 union bound over every order the old rule could approve at, with δ split evenly (the orders it was
 gated on); one with no charge yet gets the filter it would get if registered now. Downgrade drops the
-columns and the filter and plan entries; chains of silos registered under this revision then no
-longer verify under the old code, since their create entries cover the filter.
+columns where no filter or plan entry exists yet (the transparency log is append-only); chains of
+silos registered under this revision would no longer verify under the old code, since their create
+entries cover the filter.
 
 Revision ID: 0005
-Revises: 0003
+Revises: 0004
 Create Date: 2026-11-24 08:00:00.000000
 """
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0005'
-down_revision = '0003'
+down_revision = '0004'
 branch_labels = None
 depends_on = None
 
@@ -28,7 +29,8 @@ _silos = sa.table(
     sa.column('chain_head', sa.String), sa.column('filter_spec', sa.Text), sa.column('filter_seq', sa.Integer),
 )
 _entries = sa.table(
-    'ledger_entries', sa.column('silo_id', sa.Integer), sa.column('seq', sa.Integer), sa.column('event', sa.String),
+    'ledger_entries', sa.column('id', sa.Integer), sa.column('silo_id', sa.Integer), sa.column('seq', sa.Integer),
+    sa.column('event', sa.String),
     sa.column('charge_id', sa.Integer), sa.column('epsilon_spent', sa.Float), sa.column('created_at', sa.DateTime(timezone=True)),
     sa.column('prev_hash', sa.String), sa.column('hash', sa.String),
 )
@@ -37,9 +39,11 @@ _charges = sa.table('charges', sa.column('id', sa.Integer), sa.column('silo_id',
 
 def upgrade() -> None:
     # Imported here: the revision file is loaded by Alembic for every command, the math only on upgrade.
+    from sqlalchemy.orm import Session
+
     from dpledger.service.accounting import filter as rdp_filter
     from dpledger.service.accounting.running_sum import RunningSum
-    from dpledger.service.ledger import chain
+    from dpledger.service.ledger import chain, transparency
 
     with op.batch_alter_table('silos') as batch:
         batch.add_column(sa.Column('filter_spec', sa.Text(), nullable=True))
@@ -48,6 +52,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column('plan_used', sa.Integer(), nullable=False, server_default='0'))
 
     connection = op.get_bind()
+    session = Session(bind=connection)  # transparency.append runs its statements through a session
     now = datetime.now(UTC)
     for silo in connection.execute(sa.select(_silos).order_by(_silos.c.id)).all():
         holds_charges = connection.execute(sa.select(_charges.c.id).where(_charges.c.silo_id == silo.id).limit(1)).first()
@@ -63,8 +68,12 @@ def upgrade() -> None:
         )
         # chain.filter_fields' subject; entry_hash reads only these attributes, so a namespace stands in
         # for the ORM row (the migration writes through SQL, not the models).
-        digest = chain.entry_hash(entry, subject={"silo_id": silo.id, "filter": spec_json})  # type: ignore[arg-type]
-        connection.execute(_entries.insert().values(hash=digest, **vars(entry)))
+        subject = {"silo_id": silo.id, "filter": spec_json}
+        digest = chain.entry_hash(entry, subject=subject)  # type: ignore[arg-type]
+        inserted = _entries.insert().values(hash=digest, **vars(entry)).returning(_entries.c.id)
+        entry.id = connection.execute(inserted).scalar_one()
+        entry.hash = digest
+        transparency.append(session, entry, subject=subject)  # type: ignore[arg-type]  # the log's next leaf
         connection.execute(
             _silos.update().where(_silos.c.id == silo.id)
             .values(filter_spec=spec_json, filter_seq=entry.seq, chain_seq=entry.seq, chain_head=digest)
@@ -76,16 +85,14 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # Back to the old chain: filter and plan entries go, and each head returns to its last other entry.
+    # The transparency log is append-only: filter and plan entries in it cannot be taken out, so a
+    # ledger that has any refuses to go back (a fresh one, or one with none, downgrades cleanly).
     connection = op.get_bind()
-    connection.execute(_entries.delete().where(_entries.c.event.in_(['filter', 'plan'])))
-    for (silo_id,) in connection.execute(sa.select(_silos.c.id)).all():
-        last = connection.execute(
-            sa.select(_entries.c.seq, _entries.c.hash).where(_entries.c.silo_id == silo_id)
-            .order_by(_entries.c.seq.desc()).limit(1)
-        ).first()
-        if last is not None:
-            connection.execute(_silos.update().where(_silos.c.id == silo_id).values(chain_seq=last.seq, chain_head=last.hash))
+    count = connection.execute(
+        sa.select(sa.func.count()).select_from(_entries).where(_entries.c.event.in_(['filter', 'plan']))
+    ).scalar_one()
+    if count:
+        raise RuntimeError(f"{count} filter/plan entries are in the append-only transparency log: not downgrading 0005")
     with op.batch_alter_table('silos') as batch:
         batch.drop_column('plan_used')
         batch.drop_column('plan')

@@ -44,16 +44,25 @@ def reading(silo: Silo, running: RunningSum) -> rdp_filter.Reading:
     return rdp_filter.Reading(0.0 if _is_empty(running) else declared.epsilon, by_filter.order)
 
 
+def follow_plan(silo: Silo, mechanism: AnyMechanism) -> None:
+    """On a silo with a declared plan: the charge must be the plan's next units (which it then
+    takes), else PlanDeviation. Nothing on a silo without a plan. The caller holds the silo's lock."""
+    declared = plan(silo)
+    if declared is None:
+        return
+    try:
+        taken = plans.consume(list(declared.segments), used=silo.plan_used, charge=plans.segments(mechanism))
+    except plans.PlanMismatch as error:
+        raise PlanDeviation(f"departs from the silo's declared plan: {error}") from error
+    silo.plan_used += taken
+
+
 def admit(silo: Silo, *, spent: RunningSum, candidate: RunningSum, mechanism: AnyMechanism) -> float:
     """Approves the step (advancing the silo's plan, if any) and returns the silo's proven ε with it,
     or raises OverBudget / PlanDeviation. The caller holds the silo's lock."""
     declared = plan(silo)
     if declared is not None:
-        try:
-            taken = plans.consume(list(declared.segments), used=silo.plan_used, charge=plans.segments(mechanism))
-        except plans.PlanMismatch as error:
-            raise PlanDeviation(f"departs from the silo's declared plan: {error}") from error
-        silo.plan_used += taken
+        follow_plan(silo, mechanism)
         return declared.epsilon
     approved, after = rdp_filter.approves(spec(silo), candidate.curve(), delta=silo.delta, budget=silo.epsilon)
     if not approved:

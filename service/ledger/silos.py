@@ -7,17 +7,18 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain, gate
-from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger import chain, gate, transparency
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
 from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
+from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
 
 
@@ -45,7 +46,7 @@ def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyM
 
 
 def register(
-    factory: sessionmaker[Session], *, name: str, epsilon: float, delta: float, dataset_size: int,
+    db: Database, *, name: str, epsilon: float, delta: float, dataset_size: int, relation: Relation = Relation.add_remove,
     horizon: AnyMechanism | None = None,
 ) -> tuple[Silo, str]:
     """Creates the silo with its filter, its chain's genesis entry (covering both) and its first key,
@@ -54,9 +55,9 @@ def register(
     empty = RunningSum.empty(len(rdp.ORDERS)).to_json()
     now = datetime.now(UTC)
     try:
-        with write_transaction(factory) as session:
+        with db.write() as session:
             silo = Silo(
-                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size,
+                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size, relation=relation,
                 rdp_spent=empty, rdp_committed=empty, chain_seq=0, chain_head=chain.GENESIS, created_at=now,
                 filter_spec=spec.to_json(), filter_seq=1, plan=None, plan_used=0,
             )
@@ -71,17 +72,21 @@ def register(
 
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
-) -> LedgerEntry:
-    """Appends one entry to the silo's chain; the caller holds the silo's lock."""
+) -> transparency.Position:
+    """Appends one entry to the silo's chain and, in the same transaction, to the transparency log
+    over all silos; the caller holds the silo's lock. Returns the entry's place in the log."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
     )
-    entry.hash = chain.entry_hash(entry, subject=chain.subject(event, silo, charge))
+    subject = chain.subject(event, silo, charge)
+    entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
-    return entry
+    # The leaf row names the entry's id; flushed after the silo's changes, so its row is written once.
+    session.flush()
+    return transparency.append(session, entry, subject=subject)
 
 
 def get(session: Session, silo_id: int) -> Silo:
@@ -128,9 +133,9 @@ def epsilon_spent(silo: Silo) -> float:
     return gate.reading(silo, RunningSum.from_json(silo.rdp_spent)).epsilon
 
 
-def declare_plan(factory: sessionmaker[Session], *, silo_id: int, mechanism: AnyMechanism) -> plans.Plan:
+def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plans.Plan:
     """Fixes the silo's plan: only before its first charge, once, and only if its PLD ε fits."""
-    with factory() as session:
+    with db.read() as session:
         silo = get(session, silo_id)
         dataset_size, delta, budget = silo.dataset_size, silo.delta, silo.epsilon
     try:
@@ -142,7 +147,7 @@ def declare_plan(factory: sessionmaker[Session], *, silo_id: int, mechanism: Any
     if not rdp.within_budget(price.epsilon, budget=budget):
         raise OverBudget(budget=budget, epsilon_spent=0.0, epsilon_if_approved=price.epsilon)
     declared = plans.Plan(mechanism=resolved.model_dump_json(), segments=tuple(segments), epsilon=price.epsilon)
-    with write_transaction(factory) as session:
+    with db.write() as session:
         silo = lock(session, silo_id)
         if silo.plan is not None:
             raise Conflict(f"silo {silo_id} has declared its plan already; a plan is fixed once")
@@ -164,6 +169,10 @@ class NoisePlan:
 def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
     what the silo has left (reserved charges count as spent). Reserves nothing."""
+    if silo.relation != Relation.add_remove:
+        raise InvalidRequest(
+            "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}"
+        )
     if batch_size > silo.dataset_size:
         raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
     sampling_rate = batch_size / silo.dataset_size

@@ -7,10 +7,10 @@ from sqlalchemy import select
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
-from dpledger.service.accounting.events import MechanismError, resolve
+from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
-from dpledger.service.ledger import gate, silos
+from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
+from dpledger.service.ledger import charges, gate
 from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import Charge
 from dpledger.wire.mechanisms import AnyMechanism
@@ -26,41 +26,40 @@ router = APIRouter(prefix="/v1", tags=["quotes"])
 
 
 @router.post("/quote", response_model=QuoteResponse, name="quote")
-def quote(body: QuoteRequest, caller: PrincipalDep, factory: FactoryDep) -> QuoteResponse:
-    silo, holds_charges = None, False
+def quote(body: QuoteRequest, caller: PrincipalDep, db: DbDep) -> QuoteResponse:
+    """What the mechanism costs alone (RDP, and PLD where within bounds), and with `silo_id` what
+    approving it would leave that silo at: the same preview a reservation decides on."""
+    preview = None
     if body.silo_id is not None:
         caller.require_silo(body.silo_id, also=READERS)  # a silo's spend is a budget: coordinators may not see it
-        with factory() as session:
-            silo = silos.get(session, body.silo_id)
-            holds_charges = session.scalars(select(Charge.id).where(Charge.silo_id == silo.id)).first() is not None
-    delta = body.delta if body.delta is not None else (silo.delta if silo is not None else None)
+        preview = charges.preview(db, silo_id=body.silo_id, mechanism=body.mechanism, charged=False)
+        priced = preview.priced
+    else:
+        priced = charges.price(body.mechanism, silo=None, charged=False)
+    delta = body.delta if body.delta is not None else (preview.silo.delta if preview is not None else None)
     if delta is None:
         raise InvalidRequest("delta", "is required when no silo_id is given")
-    try:
-        mechanism = resolve(body.mechanism, dataset_size=None if silo is None else silo.dataset_size)
-        curve = rdp.rdp_curve(mechanism)
-        certified = rdp.certified_curve(mechanism)
-    except MechanismError as error:
-        raise InvalidRequest(error.field, error.message) from error
-    alone = rdp.guarantee(curve, delta=delta)
-    pld = reports.pld_epsilon(mechanism, delta=delta)
+    alone = rdp.guarantee(priced.curve, delta=delta)
+    pld = reports.pld_epsilon(priced.mechanism, delta=delta, skip_reason=priced.pld_skip_reason)
     answer = QuoteResponse(
         epsilon=finite_or_none(alone.epsilon), order=alone.order, rho=alone.rho,
         epsilon_pld=pld.epsilon, pld_note=pld.unsupported_reason, delta=delta,
     )
-    _plan_price(answer, mechanism, delta=delta, silo_has_plan=silo is not None and silo.plan is not None,
-                holds_charges=holds_charges)
-    if silo is None:
-        _, best = rdp.epsilon(certified, delta=delta)
+    if preview is None:
+        _plan_price(answer, priced.mechanism, delta=delta, silo_has_plan=False, holds_charges=False)
+        _, best = rdp.epsilon(priced.curve, delta=delta)
         spec = rdp_filter.spread_spec(best, source="horizon")
-        answer.epsilon_rdp_proven = finite_or_none(rdp_filter.read(spec, certified, delta=delta).epsilon)
+        answer.epsilon_rdp_proven = finite_or_none(rdp_filter.read(spec, priced.curve, delta=delta).epsilon)
         return answer
-    # The silo's own gate, on the same running sum and curve a charge would use.
-    spent = RunningSum.from_json(silo.rdp_spent)
-    answer.silo_epsilon_spent = finite_or_none(gate.reading(silo, spent).epsilon)
-    answer.epsilon_if_approved = finite_or_none(gate.reading(silo, spent.add(certified)).epsilon)
-    proven = rdp_filter.read(gate.spec(silo), spent.add(certified).curve(), delta=silo.delta)
-    answer.epsilon_rdp_proven = finite_or_none(proven.epsilon)
+    silo = preview.silo
+    with db.read() as session:
+        holds_charges = session.scalars(select(Charge.id).where(Charge.silo_id == silo.id)).first() is not None
+    _plan_price(answer, priced.mechanism, delta=delta, silo_has_plan=silo.plan is not None, holds_charges=holds_charges)
+    answer.silo_epsilon_spent = finite_or_none(preview.check.epsilon_spent)
+    answer.epsilon_if_approved = finite_or_none(preview.check.epsilon_if_approved)
+    # The silo's own filter on the same running sum and curve a charge would use.
+    candidate = RunningSum.from_json(silo.rdp_spent).add(priced.curve)
+    answer.epsilon_rdp_proven = finite_or_none(rdp_filter.read(gate.spec(silo), candidate.curve(), delta=silo.delta).epsilon)
     answer.gated_on = "rdp_filter" if silo.plan is None else "plan"
     return answer
 
@@ -81,11 +80,9 @@ def _plan_price(
 
 @router.post("/calibrate", response_model=CalibrateResponse, name="calibrate")
 def calibrate(body: CalibrateRequest, caller: PrincipalDep) -> CalibrateResponse:
-    """The smallest DP-SGD noise multiplier whose ε at δ never exceeds the target."""
-    try:
-        sigma, eps = reports.calibrate_dpsgd_noise(
-            epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
-        )
-    except MechanismError as error:
-        raise InvalidRequest(error.field, error.message) from error
+    """The smallest DP-SGD noise multiplier whose ε at δ stays within the target, with a margin so
+    that a plan calibrated to a silo's whole budget still passes the ledger's exact gate."""
+    sigma, eps = reports.calibrate_dpsgd_noise(
+        epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
+    )
     return CalibrateResponse(noise_multiplier=sigma, epsilon=eps)

@@ -172,7 +172,8 @@ def test_a_retried_start_returns_the_same_search_and_k(client, make_silo) -> Non
     silo = make_silo(epsilon=100.0)
     first = start(client, silo, "same", kind="poisson")
     again = start(client, silo, "same", kind="poisson")
-    assert again.status_code == 201 and again.headers.get("Idempotent-Replayed") == "true"
+    assert first.status_code == 201
+    assert again.status_code == 200 and again.headers.get("Idempotent-Replayed") == "true"
     assert again.json() == first.json()
     assert events(client, silo).count("reserve") == 1
 
@@ -195,7 +196,8 @@ def test_the_quote_puts_the_naive_search_beside_each_random_one(client, make_sil
     naive = rdp_lib.RdpAccountant()
     naive.compose(de.SelfComposedDpEvent(trial_event(), 10))
     assert quote["naive_grid_size"] == 10
-    assert quote["naive_epsilon"] == pytest.approx(naive.get_epsilon(1e-5), rel=1e-9)
+    # The ledger's curves are certified at fractional orders: below dp-accounting's by < 1e-8 here.
+    assert quote["naive_epsilon"] == pytest.approx(naive.get_epsilon(1e-5), rel=1e-8)
     got = {(d["kind"], d["shape"]): d["epsilon"] for d in quote["distributions"]}
     for (kind, shape), eps in got.items():
         value = math.inf if shape == "infinity" else float(shape)

@@ -1,4 +1,5 @@
-"""Revision 0005 on a ledger written before filters existed: a silo that holds charges moves to the
+"""Revision 0005 on a ledger written before filters existed (at revision 0004, with its transparency
+log): a silo that holds charges moves to the
 union bound over every order the old rule gated it on (δ split evenly), one without charges gets the
 filter it would get today, each recorded in a new `filter` entry, and the audit still verifies."""
 
@@ -12,11 +13,12 @@ from alembic import command
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger import chain
+from dpledger.service.ledger import chain, transparency
 from dpledger.service.ledger.db import alembic_config
 from dpledger.service.settings import Settings
 from dpledger.wire.mechanisms import DpSgd
@@ -27,8 +29,9 @@ STEP = DpSgd(noise_multiplier=1.0, steps=50, sampling_rate=0.02)
 
 
 def write_old_ledger(url: str) -> dict[str, int]:
-    """Two silos as revision 0003's code wrote them: 'old' with one committed charge, 'fresh' with
-    none; ids come from the database (so PostgreSQL's sequences stay right), hashes from chain.py."""
+    """Two silos as revision 0004's code wrote them: 'old' with one committed charge, 'fresh' with
+    none; ids come from the database (so PostgreSQL's sequences stay right), hashes from chain.py,
+    every entry appended to the transparency log by transparency.append."""
     now = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
     curve = rdp.rdp_curve(STEP)  # what the old ledger stored: dp-accounting's curve
     spent = RunningSum.empty(len(rdp.ORDERS)).add(curve).to_json()
@@ -36,13 +39,15 @@ def write_old_ledger(url: str) -> dict[str, int]:
     ids: dict[str, int] = {}
     engine = create_engine(url)
     with engine.begin() as connection:
+        log = Session(bind=connection)
         for name, running, with_charge in (("old", spent, True), ("fresh", empty, False)):
             silo_id = connection.execute(text(
                 "INSERT INTO silos (name, epsilon, delta, dataset_size, rdp_spent, rdp_committed, chain_seq, chain_head, "
                 "created_at) VALUES (:name, 10.0, 1e-5, 1000, :s, :s, 0, :h, :t) RETURNING id"),
                 {"name": name, "s": running, "h": chain.GENESIS, "t": now}).scalar_one()
             ids[name] = silo_id
-            silo = SimpleNamespace(id=silo_id, name=name, epsilon=10.0, delta=1e-5, dataset_size=1000, created_at=now)
+            silo = SimpleNamespace(id=silo_id, name=name, epsilon=10.0, delta=1e-5, dataset_size=1000, created_at=now,
+                                   relation="add_remove")
             entries = [SimpleNamespace(silo_id=silo_id, seq=1, event="create", charge_id=None, epsilon_spent=0.0,
                                        created_at=now, prev_hash=chain.GENESIS)]
             entries[0].hash = chain.entry_hash(entries[0], subject=chain.silo_fields(silo))  # type: ignore[arg-type]
@@ -64,9 +69,12 @@ def write_old_ledger(url: str) -> dict[str, int]:
                     entry.hash = chain.entry_hash(entry, subject=chain.charge_fields(charge))  # type: ignore[arg-type]
                     entries.append(entry)
             for e in entries:
-                connection.execute(text(
+                e.id = connection.execute(text(
                     "INSERT INTO ledger_entries (silo_id, seq, event, charge_id, epsilon_spent, created_at, prev_hash, hash) "
-                    "VALUES (:silo_id, :seq, :event, :charge_id, :epsilon_spent, :created_at, :prev_hash, :hash)"), vars(e))
+                    "VALUES (:silo_id, :seq, :event, :charge_id, :epsilon_spent, :created_at, :prev_hash, :hash) RETURNING id"),
+                    vars(e)).scalar_one()
+                subject = chain.silo_fields(silo) if e.charge_id is None else chain.charge_fields(charge)  # type: ignore[arg-type]
+                transparency.append(log, e, subject=subject)  # type: ignore[arg-type]
             connection.execute(text("UPDATE silos SET chain_seq = :n, chain_head = :h WHERE id = :i"),
                                {"n": len(entries), "h": entries[-1].hash, "i": silo_id})
     engine.dispose()
@@ -76,7 +84,7 @@ def write_old_ledger(url: str) -> dict[str, int]:
 @pytest.fixture
 def migrated(database_url: str):  # type: ignore[no-untyped-def]
     config = alembic_config(database_url)
-    command.downgrade(config, "0003")
+    command.downgrade(config, "0004")
     ids = write_old_ledger(database_url)
     command.upgrade(config, "head")
     application = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
@@ -107,7 +115,7 @@ def test_a_migrated_silo_is_gated_by_its_filter_and_an_edited_filter_is_caught(m
     client, ids = migrated
     key = client.post("/v1/keys", json={"role": "silo", "silo_id": ids["old"]}, headers=ADMIN).json()["api_key"]
     response = client.post(f"/v1/silos/{ids['old']}/charges", headers={"Authorization": f"Bearer {key}"},
-                           json={"mechanism": {"type": "dpsgd", "sampling_rate": 0.02, "noise_multiplier": 1.0, "steps": 50},
+                           json={"mechanism": {"type": "dpsgd", "batch_size": 20, "noise_multiplier": 1.0, "steps": 50},
                                  "idempotency_key": "after"})
     assert response.status_code == 201, response.text
     detail = client.get(f"/v1/silos/{ids['old']}", headers=ADMIN).json()
