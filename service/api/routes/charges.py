@@ -11,8 +11,6 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
-from dpledger.service.api.receipts import SignerDep, receipt
-from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import OverBudget
 from dpledger.service.ledger.models import Role
@@ -67,10 +65,6 @@ def reserve_charge(
             job_id=body.job_id, round=body.round, key_id=caller.key_id,
         )
     except OverBudget as refusal:
-        request.app.state.refusals.record(silo_id, Refusal(
-            at=datetime.now(UTC), job_id=body.job_id, round=body.round,
-            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
-        ))
         request.app.state.refusals.record(silo_id, Refusal(
             at=datetime.now(UTC), job_id=body.job_id, round=body.round,
             epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
