@@ -18,6 +18,7 @@ settlement.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -243,10 +244,12 @@ class LedgerClient:
         replayed = (
             response.status_code == 200
             or response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            or bool(getattr(data, "replayed", False))
+            or data.replayed
         )
+        # null is the API's infinite ε (beyond the RDP orders): the privacy-safe reading.
+        spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
-            charge_id=data.charge_id, epsilon_spent=data.epsilon_spent, epsilon_remaining=data.epsilon_remaining,
+            charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
             status=ChargeStatus(data.status), replayed=replayed, fresh=not replayed or answer.retried,
         )
 

@@ -62,7 +62,7 @@ def test_only_the_silo_and_admins_may_calibrate_and_bad_plans_are_422s(client, m
     coordinator = client.post("/v1/keys", json={"role": "coordinator"}, headers=ADMIN).json()["api_key"]
     plan = {"batch_size": BATCH, "steps_per_round": 10, "rounds": 2}
     path = f"/v1/silos/{silo.id}/calibrate"
-    assert client.post(path, json=plan, headers=bearer(coordinator)).status_code == 404  # a budget stays invisible: not its to see
+    assert client.post(path, json=plan, headers=bearer(coordinator)).status_code == 404  # not its to see
     assert client.post(path, json=plan, headers=other.headers).status_code == 404
     assert client.post(path, json=plan, headers=ADMIN).status_code == 200
     too_big = client.post(path, json={**plan, "batch_size": SIZE + 1}, headers=silo.headers)
