@@ -145,8 +145,12 @@ def calibrate_remaining(
     if low > SIGMA_FLOOR:
         # ε(σ) is continuous and non-increasing: Brent's method finds the crossing in ~10 curves
         # where plain bisection needs ~25 (each a dp-accounting evaluation of ~50 ms).
-        root = optimize.brentq(lambda sigma: epsilon_after(sigma) - budget, low, high, rtol=SIGMA_RELATIVE_TOLERANCE)
-        sigma = float(root)
+        # An infinite ε (the spent curve may hold orders at ∞) is capped so the secant steps stay finite.
+        try:
+            sigma = float(optimize.brentq(lambda s: min(epsilon_after(s), 1e300) - budget, low, high,
+                                          rtol=SIGMA_RELATIVE_TOLERANCE))
+        except (ValueError, RuntimeError):
+            sigma = high  # no crossing found: keep the feasible end of the bracket
         while sigma < high and epsilon_after(sigma) > budget:
             sigma *= 1 + SIGMA_RELATIVE_TOLERANCE  # round up until it fits: costs noise, never privacy
         high = min(sigma, high)

@@ -62,9 +62,10 @@ def append_entry(
     subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
-    session.flush()  # the leaf row names the entry's id
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
+    # The leaf row names the entry's id; flushed after the silo's changes, so its row is written once.
+    session.flush()
     return transparency.append(session, entry, subject=subject)
 
 
@@ -116,7 +117,7 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     what the silo has left (reserved charges count as spent). Reserves nothing."""
     if silo.relation != Relation.add_remove:
         raise InvalidRequest(
-            "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation.value}"
+            "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}"
         )
     if batch_size > silo.dataset_size:
         raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
