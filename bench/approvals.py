@@ -50,18 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 import numpy as np
 from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.ledger import audit, charges, silos
-from dpledger.service.ledger.db import (
-    make_engine,
-    make_session_factory,
-    migrate,
-    write_transaction,
-)
+from dpledger.service.ledger.db import Database, make_engine, migrate
 from dpledger.service.ledger.models import (
     Charge,
     ChargeStatus,
@@ -116,26 +111,26 @@ def _allocate_charge_ids(session: Session, count: int) -> list[int]:
 _EPSILON_PATHS: dict[tuple[str, float, int, int, int], list[float]] = {}
 
 
-def seed_bulk(factory: sessionmaker[Session], silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:
+def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:
     """Appends `count` reserved charges to the silo, `batch` per transaction: exactly what
-    `charges.reserve(factory, silo_id=…, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}",
+    `charges.reserve(db, silo_id=…, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}",
     job_id="seed", round=i)` would append one by one (same fields, curves, ε after, hash chain).
 
     What depends only on the pair (its curve and their JSON) is computed once per pair, and the path
     of ε after each charge once per starting sum (a second database with the same history reuses it)."""
-    with factory() as session:
+    with db.read() as session:
         pairs = {}
-        for k, sigma in enumerate(SEED_SIGMAS):
-            resolved, curve = charges.prepare(session, silo_id, seed_mechanism(k))
-            pairs[sigma] = (curve, resolved.model_dump_json(), curve_to_json(curve))
         silo = silos.get(session, silo_id)
+        for k, sigma in enumerate(SEED_SIGMAS):
+            priced = charges.price(seed_mechanism(k), silo=silo, charged=True)
+            pairs[sigma] = (priced.curve, priced.mechanism.model_dump_json(), curve_to_json(priced.curve))
         path_key = (silo.rdp_spent, silo.delta, silo.dataset_size, start, count)
     path = _EPSILON_PATHS.get(path_key)
     fresh_path: list[float] = []
     done = 0
     while done < count:
         k = min(batch, count - done)
-        with write_transaction(factory) as session:
+        with db.write() as session:
             silo = silos.lock(session, silo_id)
             spent = RunningSum.from_json(silo.rdp_spent)
             ids = _allocate_charge_ids(session, k)
@@ -180,17 +175,15 @@ def check_bulk_seeding(count: int = 25) -> str:
         url = f"sqlite:///{tmp}/check.db"
         migrate(url)
         engine = make_engine(url)
-        factory = make_session_factory(engine)
-        a, _ = silos.register(factory, name="by-reserve", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
-        b, _ = silos.register(factory, name="by-bulk", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+        db = Database(engine)
+        a, _ = silos.register(db, name="by-reserve", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+        b, _ = silos.register(db, name="by-bulk", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
         for i in range(count):
-            charges.reserve(
-                factory, silo_id=a.id, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}", job_id="seed", round=i
-            )
-        seed_bulk(factory, b.id, count, batch=10)
+            charges.reserve(db, silo_id=a.id, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}", job_id="seed", round=i)
+        seed_bulk(db, b.id, count, batch=10)
         charge_cols = ("idempotency_key", "request_hash", "mechanism", "rdp", "order_grid", "conversion", "status",
                        "job_id", "round", "epsilon_spent_after")
-        with factory() as session:
+        with db.read() as session:
             def state(silo_id: int) -> tuple[Any, ...]:
                 silo = session.get(Silo, silo_id)
                 cs = session.scalars(select(Charge).where(Charge.silo_id == silo_id).order_by(Charge.id)).all()
@@ -418,11 +411,11 @@ def postgres_answers(url: str) -> str | None:
 def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.Namespace, sigmas: Sigmas) -> dict[str, Any]:
     migrate(url)
     engine = make_engine(url)
-    factory = make_session_factory(engine)
-    big_silo, big_key = silos.register(factory, name=f"{kind}-big", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+    db = Database(engine)
+    big_silo, big_key = silos.register(db, name=f"{kind}-big", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
     log(f"{kind}: seeding {args.history} charges into silo {big_silo.id} …")
     t0 = time.perf_counter()
-    seed_bulk(factory, big_silo.id, args.history)
+    seed_bulk(db, big_silo.id, args.history)
     seed_s = time.perf_counter() - t0
     if kind == "sqlite":
         with engine.connect() as connection:
@@ -433,7 +426,7 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
     log(f"{kind}: seeded {args.history} charges in {seed_s:.1f} s ({seed_s / max(args.history, 1) * 1e6:.0f} µs/charge)")
 
     def history_count(silo_id: int) -> int:
-        with factory() as session:
+        with db.read() as session:
             return int(session.get(Silo, silo_id).chain_seq) - 1  # minus the genesis entry; = reservations
 
     out: dict[str, Any] = {"seed_charges": args.history, "seed_s": seed_s, "runs": {}}
@@ -448,7 +441,7 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
             out["runs"][str(workers)] = asyncio.run(run_config(server_url, big, args, label, sigmas, history_count))
     if args.verify:
         t0 = time.perf_counter()
-        with factory() as session:
+        with db.read() as session:
             report = audit.verify(session, [big_silo.id])
         out["verify_big_silo"] = {"ok": report.ok, "entries": report.entries, "seconds": time.perf_counter() - t0,
                                   "problems": report.problems[:3]}
