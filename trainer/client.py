@@ -19,6 +19,7 @@ settlement.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -242,14 +243,11 @@ class LedgerClient:
             raise self._denied_or_rejected(response)
         data = ChargeReserved.model_validate_json(response.content)
         self._keep(data.receipt)
-        replayed = (
-            response.status_code == 200
-            or response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            or bool(getattr(data, "replayed", False))
-        )
+        # JSON has no infinity: a null ε spent means an infinite one (the safe reading).
+        spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
-            charge_id=data.charge_id, epsilon_spent=data.epsilon_spent, epsilon_remaining=data.epsilon_remaining,
-            status=ChargeStatus(data.status), replayed=replayed, own_retry=answer.retried,
+            charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
+            status=data.status, replayed=response.status_code == 200 or data.replayed, own_retry=answer.retried,
         )
 
     def commit(self, charge_id: int) -> float | None:

@@ -116,7 +116,9 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
     what the silo has left (reserved charges count as spent). Reserves nothing."""
     if silo.relation != Relation.add_remove:
-        raise InvalidRequest("silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}")
+        raise InvalidRequest(
+            "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}"
+        )
     if batch_size > silo.dataset_size:
         raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
     sampling_rate = batch_size / silo.dataset_size
