@@ -243,11 +243,12 @@ class LedgerClient:
             raise self._denied_or_rejected(response)
         data = ChargeReserved.model_validate_json(response.content)
         self._keep(data.receipt)
-        # JSON has no infinity: a null ε spent means an infinite one (the safe reading).
+        replayed = data.replayed or response.status_code == 200
+        # null is an infinite ε (JSON has no infinity): only a replay of a charge settled long ago can say so.
         spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
             charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
-            status=data.status, replayed=response.status_code == 200 or data.replayed, own_retry=answer.retried,
+            status=ChargeStatus(data.status), replayed=replayed, own_retry=answer.retried,
         )
 
     def commit(self, charge_id: int) -> float | None:

@@ -30,7 +30,7 @@ class SearchStatus(enum.StrEnum):
     done = "done"  # K trials reported; the search's charge is committed
 
 
-class Relation(str, enum.Enum):
+class Relation(enum.StrEnum):
     """A silo's neighbouring relation: what "one person's data" changes between neighbouring
     datasets. Add/remove-one hides whether a record is there at all (the default; Poisson sampling
     and DP-SGD are analysed under it); replace-one hides only which record it is, so the dataset's

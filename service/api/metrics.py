@@ -92,8 +92,7 @@ class Metrics:
         source: CollectorRegistry = self.registry
         if self.multiprocess_dir is not None:
             source = CollectorRegistry()
-            # prometheus_client leaves this constructor unannotated.
-            multiprocess.MultiProcessCollector(source, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+            multiprocess.MultiProcessCollector(source, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]  # unannotated upstream
         if with_decisions:
             return generate_latest(source)
         return generate_latest(_Without(source, DECISIONS))  # duck-typed: generate_latest only calls collect()

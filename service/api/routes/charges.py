@@ -11,8 +11,6 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
-from dpledger.service.api.receipts import SignerDep, receipt
-from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import OverBudget
 from dpledger.service.ledger.models import Role

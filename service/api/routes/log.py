@@ -15,7 +15,6 @@ from fastapi import APIRouter, HTTPException, Query, status
 from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
 from dpledger.service.api.receipts import SignerDep
 from dpledger.service.ledger import transparency
-
 from dpledger.wire.enums import Role
 from dpledger.wire.receipts import (
     ConsistencyProof,

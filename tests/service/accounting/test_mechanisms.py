@@ -150,7 +150,8 @@ BAD: list[tuple[dict[str, Any], tuple[Any, ...], str]] = [
     ({"type": "dpsgd", "batch_size": True, "noise_multiplier": 1, "steps": 1}, ("dpsgd", "batch_size"), "int_type"),
     ({"type": "repeat_and_select", "mean": 2, "event": G1}, ("repeat_and_select", "shape"), "missing"),
     ({"type": "dpsgd", "noise_multiplier": 1, "sampling_rate": 0.1}, ("dpsgd", "steps"), "missing"),
-    ({"type": "gaussian", "noise_multiplier": "loud"}, ("gaussian", "noise_multiplier"), "float_type"),  # strict: no string is a number
+    # strict: no string is a number
+    ({"type": "gaussian", "noise_multiplier": "loud"}, ("gaussian", "noise_multiplier"), "float_type"),
     ({"type": "gaussian", "noise_multiplier": None}, ("gaussian", "noise_multiplier"), "float_type"),
     ({"type": "self_composed", "count": 2.5, "event": G1}, ("self_composed", "count"), "int_type"),
     ({"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "batch_size": "ten"}, ("dpsgd", "batch_size"), "int_type"),
