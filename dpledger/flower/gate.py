@@ -21,7 +21,7 @@ from dpledger.flower.local import load_silo_file, round_mechanism
 from dpledger.flower.settings import SettingsError, SiloSettings
 from dpledger.trainer.client import Denied, LedgerClient, LedgerError
 
-log = logging.getLogger("dpledger.flower.silo")
+log = logging.getLogger("flwr.dpledger.silo")
 
 
 def idempotency_key(job_id: int, round_index: int, silo_id: int) -> str:

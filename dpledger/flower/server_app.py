@@ -22,7 +22,8 @@ from dpledger.flower.local import template
 from dpledger.flower.settings import RunSettings
 from dpledger.trainer.client import LedgerClient
 
-log = logging.getLogger("dpledger.flower.server")
+# Under "flwr", so the lines reach the SuperLink log and `flwr run --stream` like Flower's own.
+log = logging.getLogger("flwr.dpledger.server")
 app = ServerApp()
 NODE_WAIT_SECONDS = 120.0
 

@@ -86,13 +86,20 @@ class Federation:
             silo.log,
         )
 
-    def run(self, *, timeout: float, **config: object) -> subprocess.CompletedProcess[str]:
-        """`flwr run` of the app with run-config overrides; waits for the run to finish."""
+    @staticmethod
+    def run_command(config: dict[str, object]) -> list[str]:
+        """`flwr run` of the app with run-config overrides, its logs streamed."""
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in config.items())
-        return subprocess.run(
-            [str(BIN / "flwr"), "run", str(APP_DIR), "local", "--stream", "--run-config", overrides],
-            env=self.env(), capture_output=True, text=True, timeout=timeout, check=False,
-        )
+        return [str(BIN / "flwr"), "run", str(APP_DIR), "local", "--stream", "--run-config", overrides]
+
+    def run(self, *, timeout: float, **config: object) -> subprocess.CompletedProcess[str]:
+        """Runs the app and waits for the run to finish."""
+        return subprocess.run(self.run_command(config), env=self.env(), capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    def start_run(self, log: Path, **config: object) -> subprocess.Popen[bytes]:
+        """Starts the app's run and returns at once (its output goes to `log`)."""
+        return self.start(self.run_command(config), log)
 
     def ledger(self) -> LedgerClient:
         return LedgerClient(self.ledger_url, self.admin_key)
