@@ -290,7 +290,7 @@ def synchronize(device: str) -> None:
 def measure_k(k: int, *, rounds: int, thread_configs: list[int], seed: int, device: str) -> list[Cell]:
     demo = DemoConfig(silos=k, rounds=1 + rounds, seed=seed, progress=False, device=device)
     dataset = make_rotated_masked_digits(n_silos=k, seed=seed, mask_probability=demo.mask_probability)
-    budgets = [float(e) for e in draw_budgets(demo.mixture, n_silos=k, seed=seed).epsilons]
+    budgets = [float(e) for e in draw_budgets("MixGauss1", n_silos=k, seed=seed).epsilons]
     dpsgd = DPSGDConfig(seed=seed)
     admin_key = secrets.token_urlsafe(32)
     sizes = [s.n_train for s in dataset.silos]

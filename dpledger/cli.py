@@ -4,14 +4,20 @@ and are imported only when asked for, so the service never loads torch."""
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import logging.config
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dpledger.service import people_cli
 from dpledger.service.logging_setup import FORMATS, logging_config
+
+if TYPE_CHECKING:
+    from dpledger.service.settings import Settings
 
 WORKER_COMMANDS = ("demo", "train", "tune")
 
@@ -27,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpledger", description=__doc__)
-    commands = parser.add_subparsers(required=True, metavar="command")
+    commands = parser.add_subparsers(required=True, metavar="command", dest="command")
 
     serve = commands.add_parser("serve", help="migrate the database to head, then serve the API")
     serve.add_argument("--host", default="127.0.0.1")
@@ -38,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
 
     migrate = commands.add_parser("migrate", help="migrate the database to head and stop")
     migrate.set_defaults(run=_migrate)
+
+    init = commands.add_parser(
+        "init", help="first start: migrate the database and print its first admin key (stdout), once",
+        description="Refuses when the database already has an admin key: create more with `keys create --role admin`.",
+    )
+    init.set_defaults(run=_init)
 
     keys = commands.add_parser("keys", help="manage API keys directly in the database")
     key_commands = keys.add_subparsers(required=True, metavar="action")
@@ -57,32 +69,115 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class StartupError(Exception):
+    """A settings or database problem found before serving: one line, exit 2, no traceback."""
+
+
+def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], int]:
+    """Settings and database errors of the service's own commands as one line on stderr, exit 2."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from pydantic import ValidationError
+        from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+        from dpledger.service.ledger.errors import LedgerError
+
+        try:
+            return int(command(args) or 0)
+        except ValidationError as error:  # Settings: the variable's name and what is wrong with it
+            problems = "; ".join(f"{_variable(e['loc'])}{e['msg'].removeprefix('Value error, ')}" for e in error.errors())
+            message = f"settings: {problems}"
+        except ArgumentError as error:
+            message = f"DATABASE_URL is not a database URL SQLAlchemy understands: {error}"
+        except SQLAlchemyError as error:
+            message = f"the database (DATABASE_URL) refused: {str(error).splitlines()[0]}"
+        except (StartupError, LedgerError, OSError) as error:
+            message = str(error)
+        print(f"dpledger {args.command}: {message}", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def _variable(location: tuple[int | str, ...]) -> str:
+    named = [str(part) for part in location if str(part) != "__root__"]
+    return f"DPLEDGER_{named[0].upper()}: " if named else ""
+
+
+def _settings() -> Settings:
+    """The service's settings, imported late so that `dpledger --help` stays light."""
+    from dpledger.service.settings import get_settings
+
+    return get_settings()
+
+
+@_one_line
 def _serve(args: argparse.Namespace) -> None:
     from dpledger.service.ledger.db import migrate
     from dpledger.service.serving import serve
-    from dpledger.service.settings import get_settings
 
+    settings = _settings()  # first: a settings error is said before anything is logged
+    _check_port_free(args.host, args.port)
     log_config = logging_config(args.log_format)
     logging.config.dictConfig(log_config)  # the migration's lines too, before uvicorn starts
-    migrate(get_settings().database_url)
+    migrate(settings.database_url)
     # Each worker process re-applies log_config; uvicorn's own access line is replaced by dpledger.access.
     serve(host=args.host, port=args.port, workers=args.workers, log_config=log_config, access_log=False)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """uvicorn reports a taken port as a logged traceback; this says it in one line first."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        except OSError as error:
+            raise StartupError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+@_one_line
 def _migrate(_: argparse.Namespace) -> None:
     from dpledger.service.ledger.db import migrate
-    from dpledger.service.settings import get_settings
 
-    migrate(get_settings().database_url)
+    migrate(_settings().database_url)
 
 
+@_one_line
+def _init(args: argparse.Namespace) -> None:
+    from sqlalchemy import select
+
+    from dpledger.service.ledger.db import make_engine, make_session_factory, migrate, write_transaction
+    from dpledger.service.ledger.keys import create_key
+    from dpledger.service.ledger.models import ApiKey, Role
+
+    url = _settings().database_url
+    migrate(url)
+    engine = make_engine(url)
+    try:
+        with write_transaction(make_session_factory(engine)) as session:
+            admins = select(ApiKey.id).where(ApiKey.role == Role.admin, ApiKey.revoked_at.is_(None))
+            if session.scalars(admins).first() is not None:
+                raise StartupError(
+                    f"{engine.url.render_as_string(hide_password=True)} has an admin key already; "
+                    "`dpledger keys create --role admin` makes another"
+                )
+            _, raw = create_key(session, role=Role.admin, silo_id=None)
+    finally:
+        engine.dispose()
+    print(raw)  # alone on stdout, so that `export DPLEDGER_KEY=$(dpledger init)` works
+    print("dpledger init: database migrated; the admin key above is shown once (stored as its SHA-256)", file=sys.stderr)
+
+
+@_one_line
 def _create_key(args: argparse.Namespace) -> None:
     from dpledger.service.ledger.db import make_engine, make_session_factory, migrate
     from dpledger.service.ledger.keys import create_key
     from dpledger.service.ledger.models import Role
-    from dpledger.service.settings import get_settings
 
-    url = get_settings().database_url
+    url = _settings().database_url
     migrate(url)
     with make_session_factory(make_engine(url))() as session:
         key, raw = create_key(session, role=Role(args.role), silo_id=args.silo_id)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from dpledger.demo import DemoConfig, run_demo
+from dpledger.trainer.job_config import ALGORITHMS  # pydantic only: the parser loads no torch
 
 
 def main(argv: list[str]) -> int:
@@ -21,8 +21,12 @@ def main(argv: list[str]) -> int:
     demo.add_argument("--rounds", type=int, default=20, help="rounds R (default 20)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", type=Path, default=Path("dpledger-report"), help="report folder")
-    demo.add_argument("--mixture", default="MixGauss1", choices=["MixGauss1", "MixGauss2", "MixGauss3"])
-    demo.add_argument("--lam", type=float, default=1.0, help="MR-MTL λ")
+    demo.add_argument("--budgets", default="ladder", choices=["ladder", "MixGauss1", "MixGauss2", "MixGauss3"],
+                      help="ladder: ε from 3 to 12 (default); MixGauss1-3: drawn from those mixtures")
+    demo.add_argument("--noise-multiplier", type=float, default=1.2, help="every silo's DP-SGD σ (default 1.2)")
+    demo.add_argument("--calibrate", action="store_true",
+                      help="instead: each silo's σ from the service, so that all rounds spend exactly its budget")
+    demo.add_argument("--lam", type=float, default=0.1, help="MR-MTL λ (default 0.1)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(run=_demo)
@@ -30,10 +34,18 @@ def main(argv: list[str]) -> int:
     train = commands.add_parser("train", help="run a configured job against any ledger URL")
     train.add_argument("config", type=Path, nargs="?", help="a TOML file (see README)")
     train.add_argument("--url", help="the ledger's base URL")
-    train.add_argument("--algorithm", choices=["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"])
+    train.add_argument("--algorithm", choices=ALGORITHMS)
+    train.add_argument("--algorithms", action="store_true", help="print the table of algorithms and stop")
     train.add_argument("--rounds", type=int)
     train.add_argument("--job-id")
     train.add_argument("--device", default=None)
+    train.add_argument("--out", type=Path, default=None, help="folder for models.pt, metrics.jsonl, summary.json "
+                       "(default dpledger-job-JOB_ID)")
+    train.add_argument("--plan", action="store_true",
+                       help="train nothing: print each silo's ε per round and how many rounds its remaining budget buys")
+    train.add_argument("--calibrate", action="store_true",
+                       help="with --plan: also the σ at which each silo's remaining budget buys all the job's rounds")
+    train.add_argument("--no-progress", action="store_true")
     train.set_defaults(run=_train)
 
     tune = commands.add_parser("tune", help="privately tune MR-MTL's λ with a ledger-drawn number of trials")
@@ -63,30 +75,184 @@ def default_device(requested: str | None) -> str:
 
 
 def _demo(args: argparse.Namespace) -> None:
+    from dpledger.demo import DemoConfig, run_demo
+
     config = DemoConfig(
-        silos=args.silos, rounds=args.rounds, seed=args.seed, out=args.out, mixture=args.mixture, lam=args.lam,
+        silos=args.silos, rounds=args.rounds, seed=args.seed, out=args.out, budgets=args.budgets, lam=args.lam,
+        noise_multiplier=args.noise_multiplier, calibrate=args.calibrate,
         device=default_device(args.device), progress=not args.no_progress,
     )
     table = run_demo(config)
     print(table)
-    print(f"\nreport: {config.out}/ (metrics.jsonl, accuracy.png, epsilon.png, table.txt)")
+    print(f"\nreport: {config.out}/ (settings.json, metrics.jsonl, accuracy.png, epsilon.png, table.txt)")
 
 
-def _train(args: argparse.Namespace) -> None:
-    from dpledger.trainer.job import JobConfig, run_job
+EXIT_NOTHING_TRAINED, EXIT_BAD_JOB, EXIT_LEDGER_FAILED = 1, 2, 3
+PLAN_HORIZON = 1000  # rounds a plan searches at most
 
-    settings: dict[str, Any] = tomllib.loads(args.config.read_text()) if args.config else {}
-    for flag in ("url", "algorithm", "rounds", "job_id"):
-        if getattr(args, flag) is not None:
-            settings[flag] = getattr(args, flag)
-    settings["device"] = default_device(args.device or settings.get("device"))
-    job = JobConfig.model_validate(settings)
-    run = run_job(job, environ=os.environ)
-    for k, (approved, refused) in enumerate(zip(run.approved_rounds(), run.refused_rounds(), strict=True)):
-        metric = run.rounds[-1].metric[k] if run.rounds else float("nan")
-        print(f"silo {k}: rounds approved {approved}, refused {refused}, final metric {metric:.4f}")
-    if run.stop_reason:
-        print(f"stopped: {run.stop_reason}", file=sys.stderr)
+
+def _say(message: str) -> None:
+    print(f"dpledger train: {message}", file=sys.stderr)
+
+
+def _train(args: argparse.Namespace) -> int:
+    """Exit 0: trained; 1: trained nothing (every silo refused at once); 2: the job file or the
+    ledger's view of its silos is wrong (nothing charged); 3: the ledger was down or rejected a
+    request (whatever ran is written out)."""
+    from dpledger.trainer.job_config import JobFileError, load_job
+    from dpledger.trainer.preflight import PreflightError, check_silos
+
+    if args.algorithms:
+        from dpledger.trainer.job import algorithms_markdown
+
+        print(algorithms_markdown())
+        return 0
+
+    overrides = {name: getattr(args, name) for name in ("url", "algorithm", "rounds", "job_id", "device")}
+    try:
+        job = load_job(args.config, overrides=overrides, environ=os.environ)
+        silos = check_silos(job, os.environ)
+    except JobFileError as error:
+        where = f"{args.config}: " if args.config else ""
+        for problem in error.problems:
+            _say(f"{where}{problem}")
+        return EXIT_BAD_JOB
+    except PreflightError as error:
+        for problem in error.problems:
+            _say(problem)
+        return EXIT_LEDGER_FAILED if error.unreachable else EXIT_BAD_JOB
+    names = ", ".join(s.label for s in silos)
+    _say(f"job {job.job_id!r}: {job.algorithm}, {job.rounds} rounds, {names}; keys and ledger checked")
+    return _train_checked(job, silos, args)
+
+
+def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dpledger.trainer.data.npz import SiloFileError
+    from dpledger.trainer.job import build, load_data, run_job, write_outputs
+    from dpledger.trainer.preflight import check_sizes
+
+    try:
+        dataset = load_data(job.data)
+    except SiloFileError as error:
+        _say(f"data.path: {error}")
+        return EXIT_BAD_JOB
+    mismatched = check_sizes(silos, [s.n_train for s in dataset.silos])
+    if mismatched:
+        for problem in mismatched:
+            _say(problem)
+        return EXIT_BAD_JOB
+    algorithm = build(job, dataset, device=default_device(job.device))
+    if args.plan:
+        return _plan(job, silos, algorithm, calibrate=args.calibrate)
+
+    bar = tqdm(total=job.rounds, desc=job.job_id, unit="round", file=sys.stderr, disable=args.no_progress)
+
+    def progress(record: Any) -> None:
+        approved = sum(record.approved)
+        bar.set_postfix_str(f"approved {approved}/{len(silos)}, max ε spent {max(record.epsilon_spent):.3g}")
+        bar.update()
+
+    try:
+        run = run_job(job, algorithm, silos, environ=os.environ, on_round=progress)
+    finally:
+        bar.close()
+    after = _ledger_after(job, silos)
+    out = args.out or Path(f"dpledger-job-{job.job_id}")
+    write_outputs(out, job, algorithm, run, silos, after)
+    print(_summary_table(run, silos, after))
+    for k, refusal in sorted(run.refusals.items()):
+        would = "∞" if refusal.epsilon_if_approved is None else f"{refusal.epsilon_if_approved:.4g}"
+        spent = "∞" if refusal.epsilon_spent is None else f"{refusal.epsilon_spent:.4g}"
+        _say(f"{silos[k].label}: refused at round {refusal.round_index}: it would have reached ε = {would} "
+             f"> budget {refusal.budget:.4g} (ε spent {spent})")
+    _say(f"wrote {out}/ (models.pt, metrics.jsonl, summary.json)")
+    if run.failed:
+        _say(f"stopped: {run.stop_reason}")
+        return EXIT_LEDGER_FAILED
+    if not any(run.approved_rounds()):
+        _say("nothing trained: the ledger refused every silo's first round (see `dpledger train --plan`)")
+        return EXIT_NOTHING_TRAINED
+    return 0
+
+
+def _ledger_after(job: Any, silos: list[Any]) -> list[Any]:
+    """Each silo as the ledger shows it now, for the summary; None where the ledger is silent."""
+    from dpledger.trainer.client import LedgerClient, LedgerError
+    from dpledger.trainer.job_config import silo_key
+    from dpledger.trainer.preflight import PREFLIGHT_RETRY, LedgerSilo, ledger_silo
+
+    after: list[LedgerSilo | None] = []
+    for silo, entry in zip(silos, job.silos, strict=True):
+        with LedgerClient(job.url, silo_key(entry, os.environ), retry=PREFLIGHT_RETRY, timeout=10.0) as client:
+            try:
+                after.append(ledger_silo(client.silo(silo.id)))
+            except LedgerError:
+                after.append(None)
+    return after
+
+
+def _summary_table(run: Any, silos: list[Any], after: list[Any]) -> str:
+    header = ("silo", "name", "ε budget", "ε spent", "approved", "refused", "final metric")
+    rows = []
+    for k, silo in enumerate(silos):
+        now = after[k]
+        spent = "?" if now is None else ("inf" if now.epsilon_spent is None else f"{now.epsilon_spent:.4g}")
+        metric = f"{run.rounds[-1].metric[k]:.4f}" if run.rounds else "—"
+        rows.append((str(silo.id), silo.name, f"{silo.epsilon:.4g}", spent, str(run.approved_rounds()[k]),
+                     str(run.refused_rounds()[k]), metric))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])
+
+
+def _declared(declared: list[list[dict[str, Any] | None]], k: int, round_index: int) -> dict[str, Any] | None:
+    return declared[round_index][k]
+
+
+def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int:
+    from dpledger.trainer.client import LedgerClient, LedgerError
+    from dpledger.trainer.job_config import silo_key
+    from dpledger.trainer.preflight import format_plan, plan_silo, sigma_up
+
+    horizon = max(job.rounds, PLAN_HORIZON)
+    declared = [algorithm.round_mechanisms(r) for r in range(horizon)]
+    plans, sigmas = [], []
+    for k, (silo, entry) in enumerate(zip(silos, job.silos, strict=True)):
+        with LedgerClient(job.url, silo_key(entry, os.environ)) as client:
+            try:
+                plans.append(plan_silo(client, silo, functools.partial(_declared, declared, k), horizon=horizon))
+                if calibrate:
+                    sigmas.append(_calibrated(client, silo.id, [declared[r][k] for r in range(job.rounds)], rounds=job.rounds))
+            except LedgerError as error:
+                _say(f"{silo.label}: the ledger could not quote its rounds: {error}")
+                return EXIT_LEDGER_FAILED
+    print(f"plan of job {job.job_id!r}: {job.algorithm}, {job.rounds} rounds, noise_multiplier "
+          f"{job.dpsgd.noise_multiplier}, batch_size {job.dpsgd.batch_size}, local_steps {job.dpsgd.local_steps}; "
+          "ε from the ledger's own quotes at each silo's δ")
+    print(format_plan(plans, rounds=job.rounds, sigmas=sigmas if calibrate else None))
+    for plan in plans:
+        if plan.affordable_rounds < job.rounds:
+            print(f"{plan.silo.label}: its budget stops it after {plan.affordable_rounds} of {job.rounds} rounds; "
+                  "raise dpsgd.noise_multiplier or lower rounds to train them all")
+    if calibrate:
+        known = [s for s in sigmas if s is not None]
+        if len(known) == len(sigmas):
+            print(f"every silo trains all {job.rounds} rounds at dpsgd.noise_multiplier = {sigma_up(max(known))} "
+                  "(the largest σ above: one σ serves every silo of a job)")
+        else:
+            print("σ is calibrated only where every round is plain DP-SGD of one shape (— elsewhere)")
+    return 0
+
+
+def _calibrated(client: Any, silo_id: int, mechanisms: list[dict[str, Any] | None], *, rounds: int) -> float | None:
+    """The ledger's σ for `rounds` more rounds of this silo (POST /v1/silos/{id}/calibrate), where
+    every round is the same plain DP-SGD; None where a round also queries otherwise (IFCA's selection)."""
+    first = mechanisms[0]
+    if first is None or first.get("type") != "dpsgd" or any(m != first for m in mechanisms):
+        return None
+    plan = client.calibrate_silo(silo_id, batch_size=int(first["batch_size"]), steps_per_round=int(first["steps"]), rounds=rounds)
+    return float(plan.noise_multiplier)
 
 
 def _tune(args: argparse.Namespace) -> None:

@@ -33,22 +33,36 @@ def _detail(response: httpx.Response) -> str:
         detail = response.json().get("detail")
     except (ValueError, AttributeError):
         return response.text.strip()[:200]
+    if isinstance(detail, list) and all(isinstance(d, dict) and "loc" in d for d in detail):
+        # FastAPI's validation errors: the field and the reason, not the JSON
+        return "; ".join(f"{'.'.join(str(p) for p in d['loc'] if p != 'body')}: {d.get('msg', '')}" for d in detail)
     return detail if isinstance(detail, str) else json.dumps(detail)
 
 
 def _get(path: str, params: dict[str, Any] | None = None) -> httpx.Response:
+    return _request("GET", path, params=params)
+
+
+def _post(path: str, body: Any) -> httpx.Response:
+    return _request("POST", path, body=body)
+
+
+def _request(method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None) -> httpx.Response:
     url = os.environ.get("DPLEDGER_URL", DEFAULT_URL).rstrip("/")
     key = os.environ.get("DPLEDGER_KEY")
     if not key:
         raise CliError("DPLEDGER_KEY is not set: export an admin, auditor or silo API key")
     try:
-        response = httpx.get(f"{url}{path}", params=params, headers={"Authorization": f"Bearer {key}"}, timeout=30.0)
+        response = httpx.request(
+            method, f"{url}{path}", params=params, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30.0
+        )
     except httpx.HTTPError as error:
         raise CliError(f"cannot reach the ledger at {url} (DPLEDGER_URL): {error}") from None
+    verb = "read" if method == "GET" else "write"
     if response.status_code == 401:
         raise CliError(f"401 unauthorized: DPLEDGER_KEY was refused ({_detail(response)})")
     if response.status_code == 403:
-        raise CliError(f"403 forbidden: this key may not read {path} ({_detail(response)})")
+        raise CliError(f"403 forbidden: this key may not {verb} {path} ({_detail(response)})")
     if response.status_code >= 400:
         raise CliError(f"HTTP {response.status_code} from {path}: {_detail(response)}")
     return response
@@ -107,6 +121,22 @@ DETAIL_FIELDS = (
 
 
 @_reports_errors
+def silos_create(args: argparse.Namespace) -> int:
+    body = {"name": args.name, "epsilon": args.epsilon, "delta": args.delta, "dataset_size": args.dataset_size}
+    silo: dict[str, Any] = _request("POST", "/v1/silos", body=body).json()
+    if args.json:
+        print(json.dumps(silo, indent=2))
+        return 0
+    print(silo["api_key"])  # alone on stdout, so that `export SILO1_KEY=$(dpledger silos create …)` works
+    print(
+        f"silo {silo['id']} {silo['name']!r} created: ε = {number(silo['epsilon'])}, δ = {number(silo['delta'])}, "
+        f"dataset_size = {silo['dataset_size']}; its key (above, on stdout) is shown once",
+        file=sys.stderr,
+    )
+    return 0
+
+
+@_reports_errors
 def silos_show(args: argparse.Namespace) -> int:
     silo: dict[str, Any] = _get(f"/v1/silos/{args.silo_id}").json()
     if args.json:
@@ -156,7 +186,11 @@ def history(args: argparse.Namespace) -> int:
 
 
 @_reports_errors
-def verify(_: argparse.Namespace) -> int:
+def verify(args: argparse.Namespace) -> int:
+    if getattr(args, "receipts", None) is not None:
+        from dpledger.service import transparency_cli
+
+        return transparency_cli.verify_receipts_command(args)
     report: dict[str, Any] = _get("/v1/audit/verify").json()
     if report["ok"]:
         print(f"ok: {report['entries']} entries, every hash recomputes")
@@ -178,6 +212,16 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     listing = actions.add_parser("list", help="a table of every silo: budget, δ, ε spent, remaining")
     listing.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
     listing.set_defaults(run=silos_list)
+    create = actions.add_parser(
+        "create", help="register a silo (admin key) and print its own key once",
+        description=f"{env_note} The silo's key alone goes to stdout, a summary to stderr.",
+    )
+    create.add_argument("name")
+    create.add_argument("--epsilon", type=float, required=True, help="the silo's ε budget")
+    create.add_argument("--delta", type=float, required=True, help="the silo's δ")
+    create.add_argument("--dataset-size", type=int, required=True, help="records the silo trains on (q = B / this)")
+    create.add_argument("--json", action="store_true", help="the API's JSON (key included) instead")
+    create.set_defaults(run=silos_create)
     show = actions.add_parser("show", help="one silo's budget in detail")
     show.add_argument("silo_id", type=int, metavar="ID")
     show.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
@@ -188,5 +232,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page")
     hist.set_defaults(run=history)
 
-    check = commands.add_parser("verify", help="recompute the audit chain; exit 1 if broken (over HTTP)", description=env_note)
+    check = commands.add_parser("verify", help="recompute the audit chain, or check held receipts; exit 1 if broken (over HTTP)",
+                                description=env_note)
     check.set_defaults(run=verify)
+
+    from dpledger.service import transparency_cli  # the log's commands: `verify --receipts`, `audit`, `pubkey`
+
+    transparency_cli.add_commands(commands, check)

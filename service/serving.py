@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import socket
 from typing import Any
 
@@ -31,8 +32,23 @@ class _NoDelayConfig(uvicorn.Config):
         return sock
 
 
+def share_development_key() -> None:
+    """Without a configured signing key (development only), every worker would make up its own and
+    sign heads under different keys: make one here, for all of them, through the environment."""
+    from dpledger.service.ledger.signer import ephemeral_seed, log
+    from dpledger.service.settings import get_settings
+
+    settings = get_settings()
+    if settings.signing_key_file is None and settings.signing_key is None and settings.env == "development":
+        os.environ["DPLEDGER_SIGNING_KEY"] = ephemeral_seed()
+        get_settings.cache_clear()
+        log.warning("no DPLEDGER_SIGNING_KEY_FILE: this server's workers sign tree heads with an ephemeral key that "
+                    "dies with it; receipts cannot be checked after a restart (development only)")
+
+
 def serve(*, host: str, port: int, workers: int, **options: Any) -> None:
     """uvicorn.run's own dispatch for an import string, with the listener above."""
+    share_development_key()
     config = _NoDelayConfig(APP, factory=True, host=host, port=port, workers=workers, **options)
     if config.workers > 1:
         supervisor: Any = Multiprocess  # its signature depends on the installed uvicorn, see _supervisor_args

@@ -97,3 +97,10 @@ def make_silo(client: TestClient):  # type: ignore[no-untyped-def]
         return SiloHandle(data["id"], bearer(data["api_key"]), epsilon, delta, dataset_size)
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _receipts_in_tmp(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The trainer's client keeps receipts by default (in $DPLEDGER_RECEIPTS): in the test's own
+    folder, never in the home directory of whoever runs the tests."""
+    monkeypatch.setenv("DPLEDGER_RECEIPTS", str(tmp_path / "receipts"))

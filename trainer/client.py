@@ -18,9 +18,11 @@ settlement.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -28,6 +30,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dpledger.wire.enums import ChargeStatus, Role
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
+from dpledger.wire.receipts import Receipt
 from dpledger.wire.schemas import (
     CalibrateResponse,
     ChargeReserved,
@@ -36,7 +39,9 @@ from dpledger.wire.schemas import (
     HistoryEntry,
     JobCreated,
     KeyCreated,
+    KeyInfo,
     OverBudgetResponse,
+    QuoteResponse,
     SiloCalibration,
     SiloCreated,
     SiloDetail,
@@ -46,6 +51,13 @@ from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted
 _MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
 _HISTORY: TypeAdapter[list[HistoryEntry]] = TypeAdapter(list[HistoryEntry])
 ModelT = TypeVar("ModelT", bound=BaseModel)
+RECEIPTS_FILE = "receipts.jsonl"
+
+
+def default_receipts_dir() -> Path:
+    """Where receipts are kept unless told otherwise: $DPLEDGER_RECEIPTS, else
+    ~/.local/share/dpledger/receipts (`dpledger verify --receipts DIR` reads every *.jsonl there)."""
+    return Path(os.environ.get("DPLEDGER_RECEIPTS") or Path.home() / ".local/share/dpledger/receipts").expanduser()
 
 
 class LedgerError(Exception):
@@ -125,13 +137,27 @@ def as_mechanism(mechanism: AnyMechanism | Mapping[str, Any]) -> AnyMechanism:
 
 class LedgerClient:
     def __init__(self, base_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None,
-                 retry: Retry = Retry(), timeout: float = 30.0, http: httpx.Client | None = None) -> None:
+                 retry: Retry = Retry(), timeout: float = 30.0, http: httpx.Client | None = None,
+                 receipts: Path | bool = True) -> None:
         """`http`: an httpx client to send through instead of a new one (e.g. an in-process app's
-        test client); the key is sent with every request either way."""
+        test client); the key is sent with every request either way. `receipts`: the directory to
+        keep the ledger's receipts in (one JSON line each), True for `default_receipts_dir()`,
+        False for none."""
         self._owns_http = http is None
         self._http = http if http is not None else httpx.Client(base_url=base_url, transport=transport, timeout=timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"}
         self._retry = retry
+        self.receipts_file = None if receipts is False else (
+            (default_receipts_dir() if receipts is True else Path(receipts)) / RECEIPTS_FILE
+        )
+
+    def _keep(self, receipt: Receipt | None) -> None:
+        # Appended before the answer is used: a receipt is the silo's evidence against the ledger.
+        if receipt is None or self.receipts_file is None:
+            return
+        self.receipts_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.receipts_file.open("a") as out:
+            out.write(receipt.model_dump_json() + "\n")
 
     def close(self) -> None:
         if self._owns_http:
@@ -213,6 +239,7 @@ class LedgerClient:
         if response.status_code not in (200, 201):
             raise self._denied_or_rejected(response)
         data = ChargeReserved.model_validate_json(response.content)
+        self._keep(data.receipt)
         replayed = (
             response.status_code == 200
             or response.headers.get("Idempotent-Replayed", "").lower() == "true"
@@ -239,7 +266,9 @@ class LedgerClient:
             raise Rejected(409, body)
         if response.status_code != 200:
             raise Rejected(response.status_code, self._body(response))
-        return ChargeSettled.model_validate_json(response.content).epsilon_spent
+        settled = ChargeSettled.model_validate_json(response.content)
+        self._keep(settled.receipt)
+        return settled.epsilon_spent
 
     def calibrate_silo(self, silo_id: int, *, batch_size: int, steps_per_round: int, rounds: int) -> SiloCalibration:
         """σ such that `rounds` more rounds fit what this silo has left (its key or an admin's)."""
@@ -257,7 +286,9 @@ class LedgerClient:
         response = self._send("POST", f"/v1/silos/{silo_id}/searches", body).response
         if response.status_code != 201:
             raise self._denied_or_rejected(response)
-        return SearchStarted.model_validate_json(response.content)
+        started = SearchStarted.model_validate_json(response.content)
+        self._keep(started.receipt)
+        return started
 
     def report_trial(self, search_id: int, *, score: float) -> SearchDetail:
         return self._expect(self._send("POST", f"/v1/searches/{search_id}/trials", {"score": score}), SearchDetail, 200)
@@ -276,6 +307,27 @@ class LedgerClient:
         return self._expect(self._send("GET", f"/v1/jobs/{job_id}/rounds/{round}/groups"), GroupsResponse, 200).groups
 
     # --- anyone ------------------------------------------------------------------------------------
+    def who_am_i(self) -> KeyInfo:
+        """The key's id, role and silo (GET /v1/keys/me)."""
+        return self._expect(self._send("GET", "/v1/keys/me"), KeyInfo, 200)
+
+    def history_page(self, silo_id: int, *, after_seq: int, limit: int) -> list[HistoryEntry]:
+        answer = self._send("GET", f"/v1/silos/{silo_id}/history?after_seq={after_seq}&limit={limit}")
+        if answer.response.status_code != 200:
+            raise Rejected(answer.response.status_code, self._body(answer.response))
+        return _HISTORY.validate_json(answer.response.content)
+
+    def quote(self, mechanism: AnyMechanism | Mapping[str, Any], *, silo_id: int | None = None,
+              delta: float | None = None) -> QuoteResponse:
+        """What `mechanism` costs alone, and (with silo_id) the silo's ε if it were added: the
+        service's own accounting, so a plan and an approval agree."""
+        body: dict[str, Any] = {"mechanism": as_mechanism(mechanism).model_dump(mode="json", exclude_none=True)}
+        if silo_id is not None:
+            body["silo_id"] = silo_id
+        if delta is not None:
+            body["delta"] = delta
+        return self._expect(self._send("POST", "/v1/quote", body), QuoteResponse, 200)
+
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
         return self._expect(self._send("POST", "/v1/calibrate", body), CalibrateResponse, 200).noise_multiplier

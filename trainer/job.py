@@ -1,97 +1,56 @@
 """`dpledger train`: a configured job against any ledger, from a TOML file or flags.
 
 Each silo is named by its ledger id and its own key (given inline or, better, by the name of an
-environment variable holding it), in the order of the data's silos.
+environment variable holding it), in the order of the data's silos. The job file is checked by
+`job_config` and the ledger's view of every silo by `preflight`, both before this module (and so
+torch) is imported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import inspect
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import torch
 
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.data.npz import load_npz_folder
 from dpledger.trainer.federated import (
-    IFCA,
-    MRMTL,
-    PPSGD,
     AlgorithmArgs,
-    ClusteredMRMTL,
     ClusterSelection,
-    Ditto,
     DPSGDConfig,
-    FedAvg,
     FederatedAlgorithm,
-    Finetuning,
-    LocalTraining,
     clustering_rounds,
+    registry,
 )
-from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.trainer.job_config import DataConfig, DpSgdSettings, JobConfig, SiloKey, silo_key
+from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
+from dpledger.trainer.preflight import LedgerSilo
+
+__all__ = ["JOB_FIELDS", "DataConfig", "DpSgdSettings", "JobConfig", "SiloKey", "build", "load_data", "run_job"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class DataConfig(_Strict):
-    source: Literal["digits", "npz"] = "digits"
-    path: Path | None = Field(None, description="folder of one .npz per silo (source = npz)")
-    silos: Annotated[int, Field(ge=1)] = 10
-    seed: int = 0
-    mask_probability: Annotated[float, Field(ge=0, le=1)] = 0.1
-
-    @model_validator(mode="after")
-    def _path_for_npz(self) -> DataConfig:
-        if self.source == "npz" and self.path is None:
-            raise ValueError("data.path is required when data.source is 'npz'")
-        return self
-
-
-class DpSgdSettings(_Strict):
-    lr: Annotated[float, Field(gt=0)] = 0.5
-    clip_norm: Annotated[float, Field(gt=0)] = 1.0
-    noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
-    batch_size: Annotated[int, Field(ge=1)] = 16
-    local_steps: Annotated[int, Field(ge=1)] = 10
-    seed: int = 0
-
-
-class SiloKey(_Strict):
-    id: int
-    key: str | None = None
-    key_env: str | None = None
-
-    @model_validator(mode="after")
-    def _one_key(self) -> SiloKey:
-        if (self.key is None) == (self.key_env is None):
-            raise ValueError(f"silo {self.id}: give exactly one of key and key_env")
-        return self
-
-
-class JobConfig(_Strict):
-    url: str
-    job_id: str = "job"
-    algorithm: Literal["local", "fedavg", "mrmtl", "ditto", "ppsgd", "finetune", "ifca", "ifca_mrmtl"] = "mrmtl"
-    rounds: Annotated[int, Field(ge=1)] = 20
-    lam: Annotated[float, Field(ge=0)] = 1.0
-    personal_steps: Annotated[int, Field(ge=1)] = 5
-    alpha: Annotated[float, Field(gt=0)] = 1.0
-    client_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
-    federated_rounds: Annotated[int, Field(ge=0)] = 10
-    clusters: Annotated[int, Field(ge=1)] = 4
-    cluster_fraction: Annotated[float, Field(gt=0, le=1)] | None = Field(
-        None, description="IFCA selects in the first ⌈fraction·rounds⌉ rounds only (ifca_mrmtl: default 0.1)"
-    )
-    selection_noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
-    device: str = "cpu"
-    data: DataConfig = DataConfig()
-    dpsgd: DpSgdSettings = DpSgdSettings()
-    silos: list[SiloKey]
+# The job file's settings, by the constructor argument each fills (see `options`); an algorithm takes
+# those its constructor names. Listed once here, they also make the README's table of algorithms.
+JOB_FIELDS = {
+    "lam": "lam",
+    "personal_steps": "personal_steps",
+    "alpha": "alpha",
+    "client_rate": "client_rate",
+    "federated_rounds": "federated_rounds",
+    "clusters": "clusters",
+    "selection": "selection_noise_multiplier",
+    "selection_rounds": "cluster_fraction",
+}
+# A warm start that must end (ClusteredMRMTL's required selection_rounds) selects in the first 10% of
+# rounds unless cluster_fraction says otherwise ("IFCA 5%"/"10%" of the personalization benchmark).
+WARM_START_FRACTION = 0.1
 
 
 def load_data(config: DataConfig) -> FederatedDataset:
@@ -114,45 +73,102 @@ def algorithm_args(
     }
 
 
-def build(job: JobConfig, dataset: FederatedDataset) -> FederatedAlgorithm:
-    common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=job.device)
-    match job.algorithm:
-        case "local":
-            return LocalTraining(**common)
-        case "fedavg":
-            return FedAvg(**common)
-        case "mrmtl":
-            return MRMTL(lam=job.lam, **common)
-        case "ditto":
-            return Ditto(lam=job.lam, personal_steps=job.personal_steps, **common)
-        case "ppsgd":
-            return PPSGD(alpha=job.alpha, client_rate=job.client_rate, **common)
-        case "finetune":
-            return Finetuning(federated_rounds=job.federated_rounds, **common)
-        case "ifca" | "ifca_mrmtl":
-            selection = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
-            fraction = job.cluster_fraction if job.algorithm == "ifca" else job.cluster_fraction or 0.1
-            selecting = None if fraction is None else clustering_rounds(fraction, job.rounds)
-            if job.algorithm == "ifca":
-                return IFCA(clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
-            assert selecting is not None
-            return ClusteredMRMTL(lam=job.lam, clusters=job.clusters, selection=selection, selection_rounds=selecting, **common)
-    raise AssertionError(job.algorithm)
+def build(job: JobConfig, dataset: FederatedDataset, *, device: str | None = None) -> FederatedAlgorithm:
+    common = algorithm_args(dataset, config=DPSGDConfig(**job.dpsgd.model_dump()), device=device or job.device or "cpu")
+    return registry.build(job.algorithm, common, settings(job))
 
 
-def run_job(job: JobConfig, *, environ: Mapping[str, str]) -> JobRun:
-    dataset = load_data(job.data)
-    if len(job.silos) != len(dataset.silos):
-        raise ValueError(f"silos lists {len(job.silos)} ledger silos for {len(dataset.silos)} data silos")
-    keys = []
-    for silo in job.silos:
-        key = silo.key if silo.key is not None else environ.get(silo.key_env or "")
-        if not key:
-            raise ValueError(f"silo {silo.id}: environment variable {silo.key_env} is not set")
-        keys.append(key)
-    gated = [GatedSilo(s.id, LedgerClient(job.url, key)) for s, key in zip(job.silos, keys, strict=True)]
+def settings(job: JobConfig) -> dict[str, Any]:
+    """The job's settings as constructor arguments (JOB_FIELDS), for the algorithm it names."""
+    values: dict[str, Any] = {argument: getattr(job, field) for argument, field in JOB_FIELDS.items()}
+    values["selection"] = ClusterSelection(noise_multiplier=job.selection_noise_multiplier)
+    selection_rounds = registry.options(registry.standalone()[job.algorithm]).get("selection_rounds")
+    fraction = job.cluster_fraction
+    if fraction is None and selection_rounds is not None and selection_rounds.default is inspect.Parameter.empty:
+        fraction = WARM_START_FRACTION
+    # None: select in every round (IFCA's default).
+    values["selection_rounds"] = None if fraction is None else clustering_rounds(fraction, job.rounds)
+    return values
+
+
+def algorithms_markdown() -> str:
+    """The table of algorithms in the README (and `dpledger train --algorithms`), from the registry."""
+    lines = [
+        "| `algorithm` | class | job settings | per-round mechanism of silo k | deploys |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, cls in registry.algorithms().items():
+        if cls.coordinated:
+            used = "not a job: run with the coordinator of `trainer/grouped.py`"
+        else:
+            used = ", ".join(f"`{JOB_FIELDS[a]}`" for a in registry.options(cls) if a in JOB_FIELDS) or "-"
+        lines.append(f"| `{name}` | `{cls.__name__}` | {used} | {cls.cost} | {cls.deploys} |")
+    return "\n".join(lines)
+
+
+def run_job(
+    job: JobConfig,
+    algorithm: FederatedAlgorithm,
+    silos: Sequence[LedgerSilo],
+    *,
+    environ: Mapping[str, str],
+    on_round: Callable[[RoundRecord], None] | None = None,
+) -> JobRun:
+    gated = [GatedSilo(s.id, LedgerClient(job.url, silo_key(entry, environ))) for s, entry in zip(silos, job.silos, strict=True)]
     try:
-        return run_gated(build(job, dataset), gated, rounds=job.rounds, job_id=job.job_id)
+        return run_gated(algorithm, gated, rounds=job.rounds, job_id=job.job_id, on_round=on_round)
     finally:
-        for member in gated:
-            member.client.close()
+        for silo in gated:
+            silo.client.close()
+
+
+def write_outputs(
+    out: Path, job: JobConfig, algorithm: FederatedAlgorithm, run: JobRun, silos: Sequence[LedgerSilo],
+    after: Sequence[LedgerSilo | None],
+) -> None:
+    """models.pt (every silo's deployed model by ledger id, and the algorithm's whole state),
+    metrics.jsonl (a line per round and silo) and summary.json (the job, the stop, per silo)."""
+    out.mkdir(parents=True, exist_ok=True)
+    deployed = algorithm.deployed_parameters().detach().cpu()
+    torch.save(
+        {
+            "algorithm": job.algorithm,
+            "silo_ids": [s.id for s in silos],
+            "deployed": {s.id: deployed[k].clone() for k, s in enumerate(silos)},
+            "state": {name: t.detach().cpu() for name, t in algorithm.state().items()},
+        },
+        out / "models.pt",
+    )
+    with (out / "metrics.jsonl").open("w") as metrics:
+        for record in run.rounds:
+            for k, silo in enumerate(silos):
+                metrics.write(json.dumps({
+                    "round": record.round_index, "silo_id": silo.id, "silo": silo.name,
+                    "approved": record.approved[k], "refused": record.refused[k],
+                    "epsilon_spent": record.epsilon_spent[k], "metric": _finite(record.metric[k]),
+                    "update_norm": _finite(record.update_norms[k]),
+                }) + "\n")
+    summary = {
+        "job": json.loads(job.model_dump_json(exclude={"silos"})) | {"silos": [s.id for s in job.silos]},
+        "rounds_run": len(run.rounds),
+        "stop_reason": run.stop_reason,
+        "silos": [silo_summary(run, k, s, after[k]) for k, s in enumerate(silos)],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def silo_summary(run: JobRun, k: int, silo: LedgerSilo, after: LedgerSilo | None) -> dict[str, Any]:
+    """`after`: the silo as the ledger shows it once the run ended (None if it could not be asked)."""
+    refusal = run.refusals.get(k)
+    return {
+        "silo_id": silo.id, "name": silo.name, "budget": silo.epsilon,
+        "epsilon_spent_before": silo.epsilon_spent, "epsilon_spent_after": None if after is None else after.epsilon_spent,
+        "rounds_approved": run.approved_rounds()[k], "rounds_refused": run.refused_rounds()[k],
+        "final_metric": _finite(run.rounds[-1].metric[k]) if run.rounds else None,
+        "refused_at_round": None if refusal is None else refusal.round_index,
+        "epsilon_if_approved": None if refusal is None else refusal.epsilon_if_approved,
+    }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

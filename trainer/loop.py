@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpledger.trainer.client import Denied, LedgerClient, Unreachable
+from dpledger.trainer.client import Denied, LedgerClient, Rejected, Unreachable
 from dpledger.trainer.federated import FederatedAlgorithm
 
 
@@ -36,12 +36,24 @@ class RoundRecord:
     update_norms: list[float]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """The ledger's 409 for one silo: what it had spent and what the round would have made it."""
+
+    round_index: int
+    budget: float
+    epsilon_spent: float | None
+    epsilon_if_approved: float | None
+
+
 @dataclass
 class JobRun:
     job_id: str
     rounds: list[RoundRecord] = field(default_factory=list)
     stopped: list[bool] = field(default_factory=list)  # the silo was refused and spends no more
     stop_reason: str | None = None
+    refusals: dict[int, Refusal] = field(default_factory=dict)  # silo index → its refusal
+    failed: bool = False  # stopped by the ledger's silence or a rejected request, not by budgets
 
     def approved_rounds(self) -> list[int]:
         return [sum(r.approved[k] for r in self.rounds) for k in range(len(self.stopped))]
@@ -68,7 +80,8 @@ def run_gated(
     spent = [0.0] * len(silos)
     for round_index in range(rounds):
         if all(run.stopped):
-            run.stop_reason = "every silo's budget is spent"
+            if run.stop_reason is None:  # else it says why a silo stopped other than by its budget
+                run.stop_reason = "the ledger refused every silo's next round: it would exceed the silo's budget"
             break
         mechanisms = algorithm.round_mechanisms(round_index)
         charges: dict[int, int] = {}
@@ -82,14 +95,32 @@ def run_gated(
                         silo.silo_id, mechanism=mechanism, idempotency_key=idempotency_key(job_id, round_index, silo.silo_id),
                         job_id=job_id, round=round_index,
                     )
-                except Denied:
+                except Denied as denial:
                     run.stopped[k] = refused[k] = True
+                    run.refusals[k] = Refusal(round_index, denial.epsilon, denial.epsilon_spent, denial.epsilon_if_approved)
+                    continue
+                if not reservation.may_train:
+                    # A replay of an earlier run's reservation (the same job id again): that round may
+                    # have read the data already and is paid once; training it again would be unpaid.
+                    run.stopped[k] = True
+                    run.failed = True
+                    run.stop_reason = (
+                        f"silo {silo.silo_id}: round {round_index} of job {job_id!r} was reserved before (charge "
+                        f"{reservation.charge_id}, {reservation.status.value}); it is not trained again: use a new job id"
+                    )
                     continue
                 charges[k] = reservation.charge_id
                 spent[k] = reservation.epsilon_spent
         except Unreachable as error:
             _release_untouched(silos, charges)
             run.stop_reason = f"ledger unreachable before round {round_index}: {error}"
+            run.failed = True
+            break
+        except Rejected as error:
+            # A key revoked mid-run, say: this round's other reservations never touched the data.
+            _release_untouched(silos, charges)
+            run.stop_reason = f"the ledger rejected silo {silos[k].silo_id}'s reservation for round {round_index}: {error}"
+            run.failed = True
             break
 
         approved = torch.zeros(len(silos), dtype=torch.bool)
@@ -101,8 +132,9 @@ def run_gated(
                     silos[k].client.commit(charge_id)
                 else:
                     silos[k].client.release(charge_id)  # approved but never touched the data
-        except Unreachable as error:
-            run.stop_reason = f"ledger unreachable after round {round_index}; its charges stay reserved: {error}"
+        except (Unreachable, Rejected) as error:
+            run.stop_reason = f"the ledger did not settle round {round_index}'s charges; they stay reserved (spent): {error}"
+            run.failed = True
             break
 
         record = RoundRecord(
@@ -123,5 +155,5 @@ def _release_untouched(silos: Sequence[GatedSilo], charges: dict[int, int]) -> N
     for k, charge_id in charges.items():
         try:
             silos[k].client.release(charge_id)
-        except Unreachable:
+        except (Unreachable, Rejected):
             pass  # stays reserved: fail closed, an operator can release it once the service is back

@@ -1,38 +1,108 @@
-"""The run's report folder: metrics.jsonl, PNG plots (matplotlib, headless), and the printed table."""
+"""The demo's report folder: settings.json, metrics.jsonl, accuracy.png, epsilon.png, table.txt.
+
+Every number drawn or printed is a silo's own: its accuracy on its own test split, and the ε the
+ledger answered when it approved that silo's round (not a client-side estimate). The settings that
+produced them (σ, q, δ, seed, …) are written beside them and into every figure's title.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: the demo runs in CI and on servers
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.colors import Normalize
+from matplotlib.ticker import MaxNLocator
 
 from dpledger.trainer.loop import JobRun
 
 
 @dataclass(frozen=True)
-class SiloRow:
-    name: str
-    budget: float
+class DemoSettings:
+    silos: int
+    rounds: int
+    seed: int
+    budgets: str  # "ladder" or the mixture's name
+    epsilons: list[float]
+    delta: float
+    noise_multipliers: list[float]
+    calibrated: bool
+    sampling_rates: list[float]  # q_k = B / n_k, what the ledger computes from the registered size
+    dataset_sizes: list[int]
+    batch_size: int
+    local_steps: int
+    lr: float
+    clip_norm: float
+    lam: float
+    mask_probability: float
+    n_classes: int
+    device: str
+
+    @property
+    def chance(self) -> float:
+        """The accuracy of guessing among the classes; the demo's test splits are near-balanced."""
+        return 1.0 / self.n_classes if self.n_classes else float("nan")
+
+    def caption(self) -> str:
+        sigma = (
+            f"σ = {self.noise_multipliers[0]:g}" if len(set(self.noise_multipliers)) == 1
+            else f"σ_k calibrated, {min(self.noise_multipliers):.3g}–{max(self.noise_multipliers):.3g}"
+        )
+        low, high = f"{min(self.sampling_rates):.3g}", f"{max(self.sampling_rates):.3g}"
+        q = f"q = B/n_k = {low}" if low == high else f"q = B/n_k = {low}–{high}"
+        return (
+            f"{self.silos} silos, {sigma}, {q} ({self.local_steps} steps/round), δ = {self.delta:g}, "
+            f"budgets: {self.budgets}, seed {self.seed}"
+        )
+
+
+@dataclass(frozen=True)
+class SiloOutcome:
+    """One silo under one algorithm, at the end of the run."""
+
+    rounds_trained: int
+    refused_at: int | None  # the round the ledger refused, if it did
     epsilon_spent: float
-    approved: int
-    refused: int
-    final: dict[str, float]  # algorithm → final accuracy
+    accuracy: float
 
 
-def write_metrics(path: Path, runs: dict[str, JobRun], *, budgets: Sequence[float]) -> None:
+def outcomes(run: JobRun, silos: int) -> list[SiloOutcome]:
+    approved = run.approved_rounds()
+    result = []
+    for k in range(silos):
+        refusal = run.refusals.get(k)
+        spent = max((r.epsilon_spent[k] for r in run.rounds), default=0.0)
+        accuracy = run.rounds[-1].metric[k] if run.rounds else float("nan")
+        result.append(SiloOutcome(approved[k], None if refusal is None else refusal.round_index, spent, accuracy))
+    return result
+
+
+def write_report(out: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "settings.json").write_text(json.dumps(asdict(settings) | {"chance": settings.chance}, indent=2) + "\n")
+    write_metrics(out / "metrics.jsonl", runs, settings)
+    plot_accuracy(out / "accuracy.png", runs, settings)
+    plot_epsilon(out / "epsilon.png", runs, settings)
+    table = format_table(runs, settings)
+    (out / "table.txt").write_text(table + "\n")
+    return table
+
+
+def write_metrics(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> None:
     with path.open("w") as out:
         for algorithm, run in runs.items():
             for record in run.rounds:
-                for k, budget in enumerate(budgets):
+                for k, budget in enumerate(settings.epsilons):
                     out.write(json.dumps({
                         "algorithm": algorithm, "round": record.round_index, "silo": k, "budget": budget,
+                        "noise_multiplier": settings.noise_multipliers[k], "sampling_rate": settings.sampling_rates[k],
                         "epsilon_spent": record.epsilon_spent[k], "approved": record.approved[k],
                         "refused": record.refused[k], "accuracy": _finite(record.metric[k]),
                         "update_norm": _finite(record.update_norms[k]),
@@ -43,53 +113,99 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def plot_accuracy(path: Path, runs: dict[str, JobRun]) -> None:
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for algorithm, run in runs.items():
-        rounds = [r.round_index + 1 for r in run.rounds]
-        mean = [sum(r.metric) / len(r.metric) for r in run.rounds]
-        axis.plot(rounds, mean, marker="o", markersize=3, label=algorithm)
+def _budget_colours(settings: DemoSettings):  # type: ignore[no-untyped-def]  # matplotlib is untyped here
+    """A colour per silo from its budget, and the mappable for the colour bar."""
+    low, high = min(settings.epsilons), max(settings.epsilons)
+    norm = Normalize(vmin=low, vmax=high if high > low else low * 1.01)
+    cmap = plt.get_cmap("viridis")
+    mappable = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
+    return [cmap(norm(e)) for e in settings.epsilons], mappable
+
+
+def _round_axis(axis: Axes, rounds: int) -> None:
     axis.set_xlabel("round")
-    axis.set_ylabel("mean test accuracy over silos")
-    axis.set_title("Accuracy per round (every round approved by the ledger)")
+    axis.set_xlim(0.5, rounds + 0.5)
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=3))
     axis.grid(alpha=0.3)
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+
+
+def plot_accuracy(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> None:
+    """Per algorithm: every silo's own test accuracy per round (colour: its budget), ✕ where the
+    ledger refused it, the mean over silos, and the chance level."""
+    colours, mappable = _budget_colours(settings)
+    figure, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.6), sharey=True, squeeze=False)
+    for axis, (algorithm, run) in zip(axes[0], runs.items(), strict=True):
+        rounds = [r.round_index + 1 for r in run.rounds]
+        for k in range(settings.silos):
+            accuracy = [r.metric[k] for r in run.rounds]
+            axis.plot(rounds, accuracy, color=colours[k], linewidth=1.0, alpha=0.85)
+            refusal = run.refusals.get(k)
+            if refusal is not None and refusal.round_index < len(accuracy):
+                axis.plot(refusal.round_index + 1, accuracy[refusal.round_index], marker="x", color=colours[k], markersize=7)
+        mean = [sum(r.metric) / len(r.metric) for r in run.rounds]
+        axis.plot(rounds, mean, color="black", linewidth=2.4, label="mean over silos")
+        axis.axhline(settings.chance, color="tab:red", linestyle="--", linewidth=1.2, label=f"chance (1/{settings.n_classes})")
+        axis.plot([], [], marker="x", linestyle="none", color="grey", label="refused by the ledger")
+        axis.set_title(algorithm)
+        axis.set_ylim(0.0, 1.0)
+        _round_axis(axis, settings.rounds)
+    axes[0][0].set_ylabel("each silo's test accuracy (its own split)")
+    axes[0][0].legend(loc="upper left", fontsize=8)
+    figure.colorbar(mappable, ax=axes[0].tolist(), label="silo's budget ε", fraction=0.025, pad=0.01)
+    figure.suptitle(f"Accuracy per silo and round: {settings.caption()}", fontsize=10)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
-def plot_epsilon(path: Path, run: JobRun, *, budgets: Sequence[float], algorithm: str) -> None:
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    rounds = [r.round_index + 1 for r in run.rounds]
-    for k, budget in enumerate(budgets):
-        color = colors[k % len(colors)]
-        axis.plot(rounds, [r.epsilon_spent[k] for r in run.rounds], color=color, marker=".", label=f"silo {k}")
-        axis.axhline(budget, color=color, linestyle="--", linewidth=0.8)
-    axis.set_yscale("log")
-    axis.set_xlabel("round")
-    axis.set_ylabel("ε spent (solid) and budget (dashed)")
-    axis.set_title(f"{algorithm}: ε spent per round against each silo's budget")
-    axis.grid(alpha=0.3, which="both")
-    if len(budgets) <= 12:
-        axis.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+def plot_epsilon(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> None:
+    """Per algorithm: every silo's ε spent as the ledger answered it (solid) against its budget
+    (dashed, same colour); a silo's line ends, ✕, where the ledger refused its next round."""
+    colours, mappable = _budget_colours(settings)
+    figure, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.6), sharey=True, squeeze=False)
+    for axis, (algorithm, run) in zip(axes[0], runs.items(), strict=True):
+        for k, budget in enumerate(settings.epsilons):
+            trained = [(r.round_index + 1, r.epsilon_spent[k]) for r in run.rounds if r.approved[k]]
+            if trained:
+                axis.plot(*zip(*trained, strict=True), color=colours[k], marker=".", linewidth=1.2)
+            axis.axhline(budget, color=colours[k], linestyle="--", linewidth=0.9, alpha=0.9)
+            refusal = run.refusals.get(k)
+            if refusal is not None:
+                last = trained[-1][1] if trained else 0.0
+                axis.plot(refusal.round_index + 1, last, marker="x", color=colours[k], markersize=8)
+        axis.plot([], [], color="grey", marker=".", label="ε spent (ledger)")
+        axis.plot([], [], color="grey", linestyle="--", label="budget ε")
+        axis.plot([], [], color="grey", marker="x", linestyle="none", label="next round refused")
+        axis.set_title(algorithm)
+        axis.set_ylim(0.0, max(settings.epsilons) * 1.08)
+        _round_axis(axis, settings.rounds)
+    axes[0][0].set_ylabel("ε spent at δ, per silo")
+    axes[0][0].legend(loc="lower right", fontsize=8)
+    figure.colorbar(mappable, ax=axes[0].tolist(), label="silo's budget ε", fraction=0.025, pad=0.01)
+    figure.suptitle(f"ε spent against each silo's own budget: {settings.caption()}", fontsize=10)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
-def format_table(rows: Sequence[SiloRow], algorithms: Sequence[str]) -> str:
-    header = f"{'silo':<14}{'budget ε':>10}{'ε spent':>10}{'approved':>10}{'refused':>9}" + "".join(
-        f"{'acc ' + a:>13}" for a in algorithms
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row.name:<14}{row.budget:>10.4g}{row.epsilon_spent:>10.4g}{row.approved:>10}{row.refused:>9}"
-            + "".join(f"{row.final[a]:>13.3f}" for a in algorithms)
-        )
-    means = {a: sum(r.final[a] for r in rows) / len(rows) for a in algorithms}
-    lines.append("-" * len(header))
-    lines.append(f"{'mean':<53}" + "".join(f"{means[a]:>13.3f}" for a in algorithms))
+def format_table(runs: Mapping[str, JobRun], settings: DemoSettings) -> str:
+    """Per silo: its budget and q, then per algorithm the rounds it trained, its ε spent and its
+    final accuracy; every ε column is labelled with its algorithm."""
+    per = {a: outcomes(run, settings.silos) for a, run in runs.items()}
+    head = f"{'silo':<6}{'budget ε':>9}{'σ':>7}{'q':>7}"
+    for a in runs:
+        head += f" | {a + ' rounds':>14}{a + ' ε':>11}{a + ' acc':>12}"
+    lines = [settings.caption(), f"chance accuracy: {settings.chance:.3f} (1/{settings.n_classes})", "", head, "-" * len(head)]
+    for k in range(settings.silos):
+        line = f"{k:<6}{settings.epsilons[k]:>9.3g}{settings.noise_multipliers[k]:>7.3g}{settings.sampling_rates[k]:>7.3f}"
+        for a in runs:
+            o = per[a][k]
+            stopped = "" if o.refused_at is None else "*"
+            line += f" | {str(o.rounds_trained) + stopped:>14}{o.epsilon_spent:>11.3f}{o.accuracy:>12.3f}"
+        lines.append(line)
+    lines.append("-" * len(head))
+    mean = f"{'mean':<29}"
+    for a in runs:
+        accuracies = [o.accuracy for o in per[a]]
+        mean += f" | {'':>14}{'':>11}{sum(accuracies) / len(accuracies):>12.3f}"
+    lines.append(mean)
+    lines.append(f"* refused by the ledger: its next round would have exceeded the silo's budget (of {settings.rounds} rounds)")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ from pydantic import (
 )
 
 from dpledger.wire.enums import ChargeStatus, EntryEvent, Role
-from dpledger.wire.mechanisms import Mechanism, check_nesting
+from dpledger.wire.mechanisms import MAX_COUNT, Mechanism, check_nesting
+from dpledger.wire.receipts import RECEIPT_NOTE, Receipt
 
 Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
 Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]
@@ -111,6 +112,7 @@ class ChargeReserved(BaseModel):
     status: Literal["reserved"] = "reserved"
     epsilon_spent: float
     epsilon_remaining: float
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
 class OverBudgetResponse(BaseModel):
@@ -124,6 +126,7 @@ class ChargeSettled(BaseModel):
     charge_id: int
     status: ChargeStatus
     epsilon_spent: float | None
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
 class HistoryEntry(BaseModel):
@@ -183,8 +186,17 @@ class SiloCalibrateRequest(_Request):
     service computes q from the registered dataset_size, as for a charge."""
 
     batch_size: Annotated[int, Field(ge=1, le=10**12)]
-    steps_per_round: Annotated[int, Field(ge=1, le=10_000_000)]
-    rounds: Annotated[int, Field(ge=1, le=10_000_000)]
+    steps_per_round: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    rounds: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+
+    @model_validator(mode="after")
+    def _bounded_steps(self) -> SiloCalibrateRequest:
+        # The plan becomes one dpsgd of rounds × steps_per_round steps, bounded like any other.
+        if self.rounds * self.steps_per_round > MAX_COUNT:
+            raise ValueError(
+                f"rounds × steps_per_round must be at most {MAX_COUNT}. Found {self.rounds * self.steps_per_round}."
+            )
+        return self
 
 
 class SiloCalibration(BaseModel):
@@ -208,6 +220,12 @@ class KeyCreateRequest(_Request):
 class KeyCreated(BaseModel):
     key_id: int
     api_key: str
+
+
+class KeyInfo(BaseModel):
+    key_id: int
+    role: Role
+    silo_id: int | None = Field(description="the silo a silo key acts for; null for other roles")
 
 
 class LevelCreateRequest(_Request):

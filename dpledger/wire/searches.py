@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dpledger.wire.enums import SearchStatus
+from dpledger.wire.receipts import RECEIPT_NOTE, Receipt
 
 DistributionKind = Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"]
 
@@ -20,6 +21,7 @@ class SearchStarted(BaseModel):
     trials: int = Field(description="K, drawn by the service: run exactly this many trials")
     charge_id: int
     epsilon_spent: float = Field(description="the silo's ε right after the search was approved")
+    receipt: Receipt | None = Field(None, description=RECEIPT_NOTE + " (the search charge's reserve entry)")
 
 
 class SearchDetail(BaseModel):

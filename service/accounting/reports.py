@@ -10,6 +10,7 @@ from dp_accounting import dp_event as de
 from dp_accounting import mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import optimize
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError, to_dp_event
@@ -102,8 +103,8 @@ def calibrate_remaining(
 
     dp-accounting's `calibrate_dp_mechanism` composes from an empty accountant, and Opacus'
     `get_noise_multiplier` likewise assumes nothing was spent; a ledger calibrates what is LEFT, so
-    this bisects on σ over the running sum plus the planned steps. ε is non-increasing in σ, so the
-    bisection keeps `high` feasible throughout and returns it: rounding costs noise, never privacy.
+    this searches σ over the running sum plus the planned steps (a bracket, then Brent's method),
+    and returns a σ whose ε it has checked to fit: rounding costs noise, never privacy.
     """
     if not math.isfinite(budget) or budget <= 0:
         raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
@@ -126,11 +127,12 @@ def calibrate_remaining(
     low = high / 4.0
     while low > SIGMA_FLOOR and epsilon_after(low) <= budget:
         high, low = low, low / 4.0
-    # Invariant: epsilon_after(high) <= budget < epsilon_after(low), or low is at the floor.
-    while high / low > 1 + SIGMA_RELATIVE_TOLERANCE:
-        middle = math.sqrt(low * high)
-        if epsilon_after(middle) <= budget:
-            high = middle
-        else:
-            low = middle
+    if low > SIGMA_FLOOR:
+        # ε(σ) is continuous and non-increasing: Brent's method finds the crossing in ~10 curves
+        # where plain bisection needs ~25 (each a dp-accounting evaluation of ~50 ms).
+        root = optimize.brentq(lambda sigma: epsilon_after(sigma) - budget, low, high, rtol=SIGMA_RELATIVE_TOLERANCE)
+        sigma = float(root)
+        while sigma < high and epsilon_after(sigma) > budget:
+            sigma *= 1 + SIGMA_RELATIVE_TOLERANCE  # round up until it fits: costs noise, never privacy
+        high = min(sigma, high)
     return RemainingCalibration(noise_multiplier=high, epsilon_after=epsilon_after(high))

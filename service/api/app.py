@@ -4,21 +4,27 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
+from fastapi_offline import FastAPIOffline
 
 from dpledger.service.api import errors, metrics
+from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.api.routes import (
     audit,
     charges,
     dashboard,
     jobs,
     keys,
+    log,
     quote,
     searches,
     silos,
 )
 from dpledger.service.ledger import keys as ledger_keys
 from dpledger.service.ledger.db import make_engine, make_session_factory
+from dpledger.service.ledger.signer import load_signer
 from dpledger.service.settings import Settings, get_settings
+
+DOCS_ASSETS = "/docs-assets"
 
 
 def _operation_id(route: APIRoute) -> str:
@@ -28,21 +34,29 @@ def _operation_id(route: APIRoute) -> str:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(
+    # /docs and /redoc from assets shipped in the fastapi-offline package, not from a CDN: a ledger
+    # often runs where the internet is not reachable, and its docs page must not load a third party's script.
+    app: FastAPI = FastAPIOffline(
         title="dpledger",
         version="1",
         summary="Privacy budgets for cross-silo federated learning: RDP ledgers, spend approval, audit",
         generate_unique_id_function=_operation_id,
+        static_url=DOCS_ASSETS,
+        # Swagger UI would otherwise fetch a validity badge from validator.swagger.io.
+        swagger_ui_parameters={"validatorUrl": None},
     )
+    # Before the database: a configured key that cannot be read stops the start (never a new key).
+    app.state.signer = load_signer(settings)
     engine = make_engine(settings.database_url)
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.refusals = RefusalLog()
     if settings.admin_key:
         ledger_keys.ensure_admin_key(app.state.session_factory, settings.admin_key)
 
     errors.install(app)
     metrics.install(app)
-    for module in (silos, charges, jobs, audit, quote, keys, searches, dashboard):
+    for module in (silos, charges, jobs, audit, quote, keys, searches, log, dashboard):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"], name="healthz")

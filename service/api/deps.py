@@ -41,7 +41,9 @@ class Principal:
         if self.role is Role.silo and self.silo_id == silo_id:
             return
         if self.role is Role.silo:
-            raise HTTPException(status.HTTP_403_FORBIDDEN, "a silo key may act only on its own silo")
+            # Its own silo id is no secret to the key's holder, and it turns a typo'd id into a clear message.
+            message = f"a silo key may act only on its own silo: this key is silo {self.silo_id}'s, not silo {silo_id}'s"
+            raise HTTPException(status.HTTP_403_FORBIDDEN, message)
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"role '{self.role.value}' may not do this")
 
 

@@ -7,6 +7,7 @@ import base64
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from html import escape
 
 from dpledger.service.dashboard import svg
@@ -26,6 +27,8 @@ tr.bad td { background: #fdecea; }
 .ok { color: #1e8449; font-weight: 600; }
 .failed { color: #c0392b; font-weight: 600; }
 .message { color: #c0392b; }
+p.alert { background: #fdecea; border: 1px solid #c0392b; padding: 0.5rem 0.8rem; }
+.note { color: #555; font-size: 0.9rem; }
 form.login { background: #fff; padding: 1rem; display: inline-block; border: 1px solid #ddd; }
 form.login input[type=password] { width: 28rem; }
 """.strip()
@@ -48,6 +51,8 @@ class SiloRow:
     epsilon_spent: float | None  # None where the API sends null (an unbounded ε)
     epsilon_committed: float | None
     epsilon_remaining: float
+    chain_ok: bool = True  # the silo's hash chain and charges verify
+    refusals: int = 0  # refused requests seen by this server process
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,23 @@ class ChargeRow:
     round: int | None
     mechanism_type: str
     epsilon: float | None
+    created_at: datetime | None = None
+    noise_multiplier: float | None = None  # σ, where the mechanism has one
+    sampling_rate: float | None = None  # q, as the service computed it
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
+class RefusalSummary:
+    """Refusals of one silo seen by this server process since `since` (they are not stored)."""
+
+    since: datetime
+    count: int
+    last_at: datetime | None = None
+    last_job_id: str | None = None
+    last_round: int | None = None
+    epsilon_spent: float | None = None
+    epsilon_if_approved: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,21 +123,72 @@ def problem(title: str, message: str, *, signed_in: bool) -> str:
     return _document(title, f'<p class="message" role="alert">{escape(message)}</p>', signed_in=signed_in)
 
 
-def overview(rows: Sequence[SiloRow]) -> str:
+@dataclass(frozen=True)
+class LogView:
+    """The transparency log as the overview shows it: its size now, and the last head an auditor verified."""
+
+    size: int
+    root_hash: str
+    verified_size: int | None
+    verified_root: str | None
+    verified_signed_at: str | None  # ISO, UTC
+    verified_at: str | None
+    still_extends: bool | None
+
+
+def overview(
+    rows: Sequence[SiloRow], *, entries: int, refusals_since: datetime, log: LogView | None = None
+) -> str:
     body_rows = "".join(_silo_row(r) for r in rows)
     table = (
         '<table id="silos"><thead><tr><th>name</th><th>id</th><th>ε budget</th><th>δ</th><th>ε spent</th>'
-        "<th>ε committed</th><th>ε remaining</th><th>spent share</th></tr></thead>"
+        "<th>ε committed</th><th>ε remaining</th><th>spent share</th><th>hash chain</th><th>refused</th></tr></thead>"
         f"<tbody>{body_rows}</tbody></table>"
     )
-    caption = f"<p>{len(rows)} silo{'s' if len(rows) != 1 else ''}. ε spent counts committed and reserved charges.</p>"
-    return _document("privacy budgets", caption + table, signed_in=True)
+    broken = [r for r in rows if not r.chain_ok]
+    if broken:
+        named = ", ".join(f"{escape(r.name)} (silo {r.id})" for r in broken)
+        ids = ",".join(str(r.id) for r in broken)
+        chain = (
+            f'<p id="chain-status" class="alert failed" role="alert" data-ok="false" data-broken="{ids}">'
+            f"Verification FAILED for {len(broken)} silo{'s' if len(broken) != 1 else ''}: {named}. "
+            "Its ledger no longer matches its hash chain; open the silo for the problems.</p>"
+        )
+    else:
+        chain = f'<p id="chain-status" class="ok" data-ok="true">Every hash chain verified: {entries} entries recomputed.</p>'
+    caption = (
+        f"<p>{len(rows)} silo{'s' if len(rows) != 1 else ''}. ε spent counts committed and reserved charges.</p>"
+        f'<p class="note">refused: over-budget requests answered by this server process since {_time(refusals_since)}; '
+        "a refusal writes nothing to the ledger, so it is counted, not stored.</p>"
+    )
+    log_part = "" if log is None else _log(log)
+    return _document("privacy budgets", chain + caption + table + log_part, signed_in=True)
+
+
+def _log(log: LogView) -> str:
+    now = f"{log.size} entries, root {escape(log.root_hash[:16])}…"
+    if log.verified_size is None:
+        last = ('<p id="last-verified" data-verified-size="">No auditor has verified a head yet '
+                "(<code>dpledger audit --since HEAD_FILE</code>).</p>")
+    else:
+        state = ('<span class="ok">today\'s log still starts with it</span>' if log.still_extends
+                 else '<span class="failed">today\'s log does NOT start with it: the log was rewritten</span>')
+        last = (
+            f'<p id="last-verified" data-verified-size="{log.verified_size}" '
+            f'data-still-extends="{str(log.still_extends).lower()}">'
+            f"Last head verified by an auditor: {log.verified_size} entries, root {escape((log.verified_root or '')[:16])}…, "
+            f"signed {escape(log.verified_signed_at or '')}, verified {escape(log.verified_at or '')}; {state}.</p>"
+        )
+    return f'<h2>Transparency log</h2><p id="log-size" data-size="{log.size}">Now: {now}.</p>{last}'
+
 
 
 def _silo_row(row: SiloRow) -> str:
     spent = float("inf") if row.epsilon_spent is None else row.epsilon_spent
+    marked = "" if row.chain_ok else ' class="bad"'
+    chain = '<td class="ok" data-chain="ok">ok</td>' if row.chain_ok else '<td class="failed" data-chain="broken">BROKEN</td>'
     return (
-        f'<tr data-silo-id="{row.id}">'
+        f'<tr data-silo-id="{row.id}"{marked}>'
         f'<td data-name="{escape(row.name)}"><a href="/dashboard/silos/{row.id}">{escape(row.name)}</a></td>'
         f'<td class="num">{row.id}</td>'
         f'<td class="num" data-epsilon="{exact(row.epsilon)}">{shown(row.epsilon)}</td>'
@@ -123,20 +196,42 @@ def _silo_row(row: SiloRow) -> str:
         f'<td class="num" data-epsilon-spent="{exact(row.epsilon_spent)}">{_epsilon(row.epsilon_spent)}</td>'
         f'<td class="num" data-epsilon-committed="{exact(row.epsilon_committed)}">{_epsilon(row.epsilon_committed)}</td>'
         f'<td class="num" data-epsilon-remaining="{exact(row.epsilon_remaining)}">{shown(row.epsilon_remaining)}</td>'
-        f"<td>{svg.bar(spent=spent, budget=row.epsilon)}</td></tr>"
+        f"<td>{svg.bar(spent=spent, budget=row.epsilon)}</td>{chain}"
+        f'<td class="num" data-refusals="{row.refusals}">{row.refusals}</td></tr>'
     )
 
 
-def silo(row: SiloRow, points: Sequence[svg.Point], charges: Sequence[ChargeRow], verification: Verification) -> str:
+def silo(
+    row: SiloRow, points: Sequence[svg.Point], charges: Sequence[ChargeRow], verification: Verification, refusals: RefusalSummary
+) -> str:
     summary = (
         f'<p id="summary" data-silo-id="{row.id}">silo {row.id} · budget ε = {shown(row.epsilon)}, δ = {shown(row.delta)}'
         f" · spent {_epsilon(row.epsilon_spent)} · committed {_epsilon(row.epsilon_committed)}"
         f" · remaining {shown(row.epsilon_remaining)}</p>"
     )
     chart = f'<h2>ε after each ledger entry</h2><figure id="epsilon-chart">{svg.line_chart(points, budget=row.epsilon)}</figure>'
-    return _document(
-        f"silo {row.name}", summary + _verification(verification) + chart + _charges(charges, verification), signed_in=True
+    body = summary + _verification(verification) + _refusals(refusals) + chart + _charges(charges, verification)
+    return _document(f"silo {row.name}", body, signed_in=True)
+
+
+def _refusals(r: RefusalSummary) -> str:
+    since = f"since {_time(r.since)} (this server process; a refusal writes nothing to the ledger, so it is counted, not stored)"
+    if r.count == 0:
+        return f'<h2>Refusals</h2><p id="refusals" data-count="0">No request refused {since}.</p>'
+    where = "".join([
+        "" if r.last_job_id is None else f" of job {escape(r.last_job_id)}",
+        "" if r.last_round is None else f", round {r.last_round}",
+    ])
+    return (
+        f'<h2>Refusals</h2><p id="refusals" data-count="{r.count}">{r.count} request{"s" if r.count != 1 else ""} '
+        f"refused {since}. The last, at {_time(r.last_at)}{where}, would have taken ε from "
+        f'{_epsilon(r.epsilon_spent)} to <span data-epsilon-if-approved="{exact(r.epsilon_if_approved)}">'
+        f"{_epsilon(r.epsilon_if_approved)}</span>, over the budget.</p>"
     )
+
+
+def _time(value: datetime | None) -> str:
+    return "—" if value is None else escape(value.strftime("%Y-%m-%d %H:%M:%S %Z").strip())
 
 
 def _verification(v: Verification) -> str:
@@ -161,8 +256,9 @@ def _charges(charges: Sequence[ChargeRow], verification: Verification) -> str:
     bad = set(verification.bad_charge_ids)
     rows = "".join(_charge_row(c, bad=c.id in bad) for c in charges)
     return (
-        '<h2>Charges</h2><table id="charges"><thead><tr><th>id</th><th>status</th><th>job</th><th>round</th>'
-        f"<th>mechanism</th><th>ε of this charge alone</th></tr></thead><tbody>{rows}</tbody></table>"
+        '<h2>Charges</h2><table id="charges"><thead><tr><th>id</th><th>reserved at</th><th>status</th><th>job</th>'
+        "<th>round</th><th>mechanism</th><th>σ</th><th>q</th><th>steps</th><th>ε of this charge alone</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
     )
 
 
@@ -170,10 +266,15 @@ def _charge_row(c: ChargeRow, *, bad: bool) -> str:
     marked = ' class="bad"' if bad else ""
     return (
         f'<tr data-charge-id="{c.id}"{marked}>'
-        f'<td class="num">{c.id}</td><td data-status="{escape(c.status)}">{escape(c.status)}</td>'
+        f'<td class="num">{c.id}</td><td data-created-at="{"" if c.created_at is None else c.created_at.isoformat()}">'
+        f"{_time(c.created_at)}</td>"
+        f'<td data-status="{escape(c.status)}">{escape(c.status)}</td>'
         f"<td>{'—' if c.job_id is None else escape(c.job_id)}</td>"
         f'<td class="num">{"—" if c.round is None else c.round}</td>'
         f"<td>{escape(c.mechanism_type)}</td>"
+        f'<td class="num" data-sigma="{exact(c.noise_multiplier)}">{shown(c.noise_multiplier)}</td>'
+        f'<td class="num" data-q="{exact(c.sampling_rate)}">{shown(c.sampling_rate)}</td>'
+        f'<td class="num" data-steps="{"null" if c.steps is None else c.steps}">{"—" if c.steps is None else c.steps}</td>'
         f'<td class="num" data-epsilon="{exact(c.epsilon)}">{_epsilon(c.epsilon)}</td></tr>'
     )
 

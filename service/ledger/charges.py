@@ -23,7 +23,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import silos
+from dpledger.service.ledger import silos, transparency
 from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import (
     Conflict,
@@ -48,6 +48,7 @@ class Reservation:
     epsilon_spent: float
     epsilon_remaining: float
     replayed: bool
+    position: transparency.Position  # the reserve entry's place in the transparency log (the receipt)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Settlement:
     charge_id: int
     status: ChargeStatus
     epsilon_spent: float
+    position: transparency.Position
 
 
 def request_hash(*, mechanism: AnyMechanism, job_id: str | None, round: int | None) -> str:
@@ -97,7 +99,8 @@ def reserve(
             if earlier.request_hash != digest:
                 raise InvalidRequest("idempotency_key", "was already used for a different request to this silo")
             return Reservation(
-                earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after), True
+                earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after), True,
+                _reserve_position(session, earlier.id),
             )
 
         spent = RunningSum.from_json(silo.rdp_spent)
@@ -117,8 +120,17 @@ def reserve(
         session.add(charge)
         session.flush()
         silo.rdp_spent = candidate.to_json()
-        silos.append_entry(session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps_candidate, now=now)
-        return Reservation(charge.id, eps_candidate, max(0.0, silo.epsilon - eps_candidate), False)
+        position = silos.append_entry(
+            session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps_candidate, now=now
+        )
+        return Reservation(charge.id, eps_candidate, max(0.0, silo.epsilon - eps_candidate), False, position)
+
+
+def _reserve_position(session: Session, charge_id: int) -> transparency.Position:
+    entry = session.scalars(
+        select(LedgerEntry).where(LedgerEntry.charge_id == charge_id, LedgerEntry.event == EntryEvent.reserve)
+    ).one()
+    return transparency.position_of(session, entry)
 
 
 def silo_of_charge(session: Session, charge_id: int) -> int:
@@ -159,8 +171,8 @@ def _settle(factory: sessionmaker[Session], *, charge_id: int, event: EntryEvent
             charge.status = ChargeStatus.released
             silo.rdp_spent = RunningSum.from_json(silo.rdp_spent).subtract(curve).to_json()
         eps = silos.epsilon_spent(silo)
-        silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps, now=datetime.now(UTC))
-        return Settlement(charge_id, ChargeStatus(charge.status), eps)
+        position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps, now=datetime.now(UTC))
+        return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
 
 
 @dataclass(frozen=True)

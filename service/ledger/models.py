@@ -154,3 +154,55 @@ class Search(Base):
     best_score: Mapped[float | None] = mapped_column(Float)
     status: Mapped[SearchStatus] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LogLeaf(Base):
+    """The transparency log's leaves (RFC 9162), one per ledger entry of any silo, in append order.
+    The salt keeps a leaf hash from being inverted by guessing: a silo sees other silos' leaf hashes.
+    `entry_id` is no foreign key on purpose: a leaf is evidence and outlives a deleted entry, which
+    then shows as a leaf with nothing behind it."""
+
+    __tablename__ = "log_leaves"
+
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    entry_id: Mapped[int] = mapped_column(Integer, unique=True)
+    salt: Mapped[str] = mapped_column(String(32))
+    leaf_hash: Mapped[str] = mapped_column(String(64))
+
+
+class LogNode(Base):
+    """Every perfect, aligned subtree of width 2**level ≥ 2 that the log has completed: a root or a
+    proof then reads O(log n) rows, never the leaves."""
+
+    __tablename__ = "log_nodes"
+
+    level: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)  # start // 2**level
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class LogState(Base):
+    """One row: the log's size and frontier (the roots of the perfect subtrees it decomposes into,
+    left to right, hex JSON). Locked by every append: the one place where all silos' writes meet."""
+
+    __tablename__ = "log_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    size: Mapped[int] = mapped_column(BigInteger)
+    frontier: Mapped[str] = mapped_column(Text)
+
+
+class VerifiedHead(Base):
+    """A signed head that an auditor's `dpledger audit` verified, for the dashboard. Evidence lives
+    with the auditor (its head file); this row only says when someone last looked."""
+
+    __tablename__ = "verified_heads"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tree_size: Mapped[int] = mapped_column(BigInteger)
+    root_hash: Mapped[str] = mapped_column(String(64))
+    signed_at: Mapped[int] = mapped_column(BigInteger)  # the head's own timestamp, ms since the epoch
+    key_id: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[str] = mapped_column(String(200))
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id"))
+    verified_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

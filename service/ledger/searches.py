@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dpledger.service.accounting.trial_counts import TrialDistribution, draw_trials
-from dpledger.service.ledger import charges, silos
+from dpledger.service.ledger import charges, silos, transparency
 from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import Conflict, NotFound, SettledAlready
 from dpledger.service.ledger.models import Search, SearchStatus
@@ -29,6 +29,7 @@ class StartedSearch:
     search: Search
     epsilon_spent: float
     replayed: bool
+    position: transparency.Position  # the search charge's reserve entry in the transparency log
 
 
 def search_mechanism(trial: AnyMechanism, law: TrialDistribution) -> RepeatAndSelect:
@@ -50,7 +51,7 @@ def start(
     with factory() as session:
         earlier = _by_charge(session, reservation.charge_id)
     if earlier is not None:
-        return StartedSearch(earlier, reservation.epsilon_spent, True)
+        return StartedSearch(earlier, reservation.epsilon_spent, True, reservation.position)
 
     # Drawn only now that the charge is approved: a refused search never learns a K.
     trials = draw_trials(law)
@@ -69,12 +70,12 @@ def start(
         with factory() as session:
             winner = _by_charge(session, reservation.charge_id)
         assert winner is not None
-        return StartedSearch(winner, reservation.epsilon_spent, True)
+        return StartedSearch(winner, reservation.epsilon_spent, True, reservation.position)
     if trials == 0:
         # Poisson K = 0 (Papernot & Steinke, Thm 6): the search released "no result", and that
         # release is what the charge paid for; nothing is left to run.
         _commit(factory, reservation.charge_id)
-    return StartedSearch(search, reservation.epsilon_spent, reservation.replayed)
+    return StartedSearch(search, reservation.epsilon_spent, reservation.replayed, reservation.position)
 
 
 def get(session: Session, search_id: int) -> Search:

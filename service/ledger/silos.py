@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from dpledger.service.accounting import rdp, reports
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain
+from dpledger.service.ledger import chain, transparency
 from dpledger.service.ledger.db import write_transaction
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.keys import create_key
@@ -49,8 +49,9 @@ def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta
 
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
-) -> LedgerEntry:
-    """Appends one entry to the silo's chain; the caller holds the silo's lock."""
+) -> transparency.Position:
+    """Appends one entry to the silo's chain and, in the same transaction, to the transparency log
+    over all silos; the caller holds the silo's lock. Returns the entry's place in the log."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
@@ -58,9 +59,10 @@ def append_entry(
     subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
+    session.flush()  # the leaf row names the entry's id
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
-    return entry
+    return transparency.append(session, entry, subject=subject)
 
 
 def get(session: Session, silo_id: int) -> Silo:

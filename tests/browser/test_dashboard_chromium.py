@@ -6,11 +6,13 @@ Skipped where Debian's chromium or the playwright package is missing (.ci/run in
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, text
 
 from dpledger.harness import running_server
 from tests.conftest import ADMIN_KEY
@@ -27,8 +29,13 @@ SILOS = [("hospital-a", 4.0, 3, 2), ("bank-b", 8.0, 5, 3), ("school-c", 2.0, 0, 
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[str]:
-    with running_server(database_url=f"sqlite:///{tmp_path}/l.db", admin_key=ADMIN_KEY) as url:
+def database_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/l.db"
+
+
+@pytest.fixture
+def server(database_url: str) -> Iterator[str]:
+    with running_server(database_url=database_url, admin_key=ADMIN_KEY) as url:
         yield url
 
 
@@ -38,6 +45,8 @@ def populate(api: httpx.Client) -> list[int]:
         silo = api.post("/v1/silos", json={"name": name, "epsilon": epsilon, "delta": 1e-5, "dataset_size": 2000}, headers=ADMIN)
         assert silo.status_code == 201, silo.text
         own = {"Authorization": f"Bearer {silo.json()['api_key']}"}
+        if name == "school-c":
+            refuse_once(api, silo.json()["id"], silo.json()["api_key"])
         for i in range(rounds):
             body = {"mechanism": STEP, "idempotency_key": f"round-{i}", "job_id": "job-1", "round": i}
             reserved = api.post(f"/v1/silos/{silo.json()['id']}/charges", json=body, headers=own)
@@ -48,7 +57,15 @@ def populate(api: httpx.Client) -> list[int]:
     return ids
 
 
-def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server: str, tmp_path: Path) -> None:
+def refuse_once(api: httpx.Client, silo_id: int, key: str) -> None:
+    huge = {"type": "dpsgd", "batch_size": 1000, "noise_multiplier": 0.5, "steps": 1000}
+    body = {"mechanism": huge, "idempotency_key": "too-much", "job_id": "job-2", "round": 0}
+    assert api.post(f"/v1/silos/{silo_id}/charges", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 409
+
+
+def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server: str, database_url: str, tmp_path: Path) -> None:
+    # DPLEDGER_SCREENSHOTS=folder keeps the screenshots for a person to look at.
+    shots = Path(os.environ.get("DPLEDGER_SCREENSHOTS", tmp_path))
     with httpx.Client(base_url=server, timeout=30) as api:
         ids = populate(api)
         auditor_key = api.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
@@ -88,7 +105,9 @@ def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server:
             # The inline stylesheet applied: its CSP hash matches what the page sends.
             header_colour = page.locator("header").evaluate("element => getComputedStyle(element).backgroundColor")
             assert header_colour == "rgb(31, 45, 61)"
-            page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+            assert page.locator("#chain-status").get_attribute("data-ok") == "true"
+            assert [page.locator(f'tr[data-silo-id="{i}"] td[data-refusals]').inner_text() for i in ids] == ["0", "0", "1"]
+            page.screenshot(path=str(shots / "overview.png"), full_page=True)
 
             page.click("text=bank-b")
             page.wait_for_url(f"{server}/dashboard/silos/{ids[1]}")
@@ -104,11 +123,32 @@ def test_an_auditor_reads_the_apis_numbers_and_a_silos_chart_in_chromium(server:
             committed = [json.loads(c.get_attribute("data-epsilon") or "") for c in page.locator("circle.point-committed").all()]
             assert committed[-1] == pytest.approx(expected[ids[1]]["epsilon_committed"], rel=1e-12) and committed[-1] < drawn[-1]
             assert page.locator("tr[data-charge-id]").count() == 5
+            reserves = [entry for entry in history if entry["event"] == "reserve"]
+            for entry in reserves:  # time, σ, q (the service's B / n) and steps of every charge, as the API has them
+                row = page.locator(f'tr[data-charge-id="{entry["charge_id"]}"]')
+                created = row.locator("td[data-created-at]").get_attribute("data-created-at")
+                assert created == entry["created_at"].replace("Z", "+00:00")
+                assert row.locator("td[data-sigma]").inner_text() == "1"
+                q = json.loads(row.locator("td[data-q]").get_attribute("data-q") or "")
+                assert q == entry["mechanism"]["sampling_rate"] == 20 / 2000
+                assert row.locator("td[data-steps]").inner_text() == "10"
             assert page.locator("#verification").get_attribute("data-ok") == "true"
             assert page.locator("#verification").inner_text().startswith(f"verified: {len(history)} entries")
 
-            screenshot = tmp_path / "silo.png"
+            screenshot = shots / "silo.png"
             page.screenshot(path=str(screenshot), full_page=True)
+
+            # An edited charge: the overview, the first page an auditor sees, says so.
+            engine = create_engine(database_url)
+            with engine.begin() as connection:
+                connection.execute(text("UPDATE charges SET round = 99 WHERE id = :id"), {"id": reserves[0]["charge_id"]})
+            engine.dispose()
+            page.goto(f"{server}/dashboard")
+            alert = page.locator("#chain-status")
+            assert alert.get_attribute("data-ok") == "false" and alert.get_attribute("data-broken") == str(ids[1])
+            assert alert.is_visible() and alert.inner_text().startswith("Verification FAILED for 1 silo: bank-b")
+            assert page.locator(f'tr[data-silo-id="{ids[1]}"] td[data-chain]').inner_text() == "BROKEN"
+            page.screenshot(path=str(shots / "overview-broken.png"), full_page=True)
             assert console_errors == []
         finally:
             browser.close()

@@ -183,3 +183,28 @@ def test_a_missing_or_unknown_key_or_no_server_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.startswith("dpledger: cannot reach the ledger at http://127.0.0.1:9 (DPLEDGER_URL):")
     assert err.count("\n") == 1
+
+
+def test_silos_create_prints_the_new_silos_key_alone_and_that_key_reads_its_silo(
+    as_admin: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["silos", "create", "ward-9", "--epsilon", "3", "--delta", "1e-6", "--dataset-size", "450"]) == 0
+    out, err = capsys.readouterr()
+    key = out.strip()
+    assert out == key + "\n" and key.startswith("dpl_")
+    silo = httpx.get(f"{as_admin.url}/v1/silos", headers=ADMIN).json()[-1]
+    assert (silo["name"], silo["epsilon"], silo["delta"], silo["dataset_size"]) == ("ward-9", 3.0, 1e-6, 450)
+    assert err.startswith(f"silo {silo['id']} 'ward-9' created: ε = 3, δ = 1e-06, dataset_size = 450")
+    own = httpx.get(f"{as_admin.url}/v1/silos/{silo['id']}", headers={"Authorization": f"Bearer {key}"})
+    assert own.status_code == 200 and own.json()["epsilon_spent"] == 0.0
+
+    # A bad field is the API's 422 reduced to the field and the reason; nothing is created.
+    assert main(["silos", "create", "ward-10", "--epsilon", "-1", "--delta", "1e-6", "--dataset-size", "450"]) == 2
+    line = capsys.readouterr().err
+    assert line.startswith("dpledger: HTTP 422 from /v1/silos: epsilon:") and line.count("\n") == 1
+    assert [s["name"] for s in httpx.get(f"{as_admin.url}/v1/silos", headers=ADMIN).json()].count("ward-10") == 0
+
+    # Only an admin may register a silo.
+    monkeypatch.setenv("DPLEDGER_KEY", as_admin.silo_keys[1])
+    assert main(["silos", "create", "ward-11", "--epsilon", "1", "--delta", "1e-6", "--dataset-size", "10"]) == 2
+    assert capsys.readouterr().err.startswith("dpledger: 403 forbidden: this key may not write /v1/silos")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -155,3 +156,58 @@ def test_every_worker_connection_has_nagle_off() -> None:
 
     asyncio.run(accept_one())
     assert seen and seen[0] != 0
+
+
+def _dpledger(args: list[str], *, cwd, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DPLEDGER_") and k != "DATABASE_URL"}
+    return subprocess.run(
+        [sys.executable, "-m", "dpledger.cli", *args], cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_serve_settings_errors_are_one_line_and_exit_2(tmp_path) -> None:
+    weak = _dpledger(["serve"], cwd=tmp_path, DPLEDGER_ENV="production", DPLEDGER_ADMIN_KEY="short")
+    assert (weak.returncode, weak.stdout) == (2, "")
+    assert weak.stderr == "dpledger serve: settings: DPLEDGER_ADMIN_KEY must be at least 24 characters in production\n"
+
+    env = _dpledger(["serve"], cwd=tmp_path, DPLEDGER_ENV="staging")
+    assert env.returncode == 2 and env.stderr.startswith("dpledger serve: settings: DPLEDGER_ENV: Input should be")
+    assert env.stderr.count("\n") == 1
+
+    url = _dpledger(["serve"], cwd=tmp_path, DATABASE_URL="nonsense://x")
+    assert url.returncode == 2 and url.stderr.startswith("dpledger serve: DATABASE_URL is not a database URL")
+    assert url.stderr.count("\n") == 1
+
+    down = _dpledger(["migrate"], cwd=tmp_path, DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:9/x")
+    assert down.returncode == 2 and down.stderr.startswith("dpledger migrate: the database (DATABASE_URL) refused:")
+    assert down.stderr.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing was created on the way
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = _dpledger(["serve", "--port", str(port)], cwd=tmp_path)
+    assert busy.returncode == 2
+    assert busy.stderr == f"dpledger serve: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_init_prints_the_first_admin_key_once_and_refuses_a_second_time(tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    from dpledger.service.api.app import create_app
+    from dpledger.service.settings import Settings
+
+    first = _dpledger(["init"], cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    key = first.stdout.strip()
+    assert first.stdout == key + "\n" and key.startswith("dpl_")
+    again = _dpledger(["init"], cwd=tmp_path)
+    assert (again.returncode, again.stdout) == (2, "")
+    assert again.stderr == (
+        "dpledger init: sqlite:///./dpledger.db has an admin key already; `dpledger keys create --role admin` makes another\n"
+    )
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path}/dpledger.db", admin_key=None))
+    with TestClient(app) as client:
+        assert client.get("/v1/silos", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    app.state.engine.dispose()

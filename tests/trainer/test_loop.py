@@ -78,6 +78,22 @@ def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> Non
     assert spent.epsilon_spent <= budgets[0] * (1 + 1e-9)
 
 
+def test_a_second_run_under_the_same_job_id_trains_nothing_on_the_replayed_reservations(ledger: str) -> None:
+    algorithm = digits_mrmtl(2)
+    silos = register(ledger, algorithm, [1000.0, 1000.0], "replay")
+    first = run_gated(algorithm, silos, rounds=2, job_id="replay", on_round=None)
+    assert first.approved_rounds() == [2, 2] and not first.failed
+    again = digits_mrmtl(2)
+    second = run_gated(again, silos, rounds=2, job_id="replay")
+    assert second.failed and second.stopped == [True, True] and second.approved_rounds() == [0, 0]
+    assert "was reserved before" in (second.stop_reason or "") and "use a new job id" in (second.stop_reason or "")
+    assert all(torch.equal(t, again.state()[name]) for name, t in digits_mrmtl(2).state().items())  # untouched
+    spent = silos[0].client.silo(silos[0].silo_id)
+    assert [e.event for e in silos[0].client.history(silos[0].silo_id)].count("reserve") == 2  # charged once
+    q = algorithm.batch_sizes[0] / algorithm.train.sizes[0]
+    assert spent.epsilon_spent == pytest.approx(epsilon_after(2, q=q), rel=1e-9)
+
+
 def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
     records = []
     for attempt in range(2):
@@ -88,16 +104,61 @@ def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
     assert records[0] == records[1]
 
 
-def test_the_demo_writes_its_report(tmp_path) -> None:
-    table = run_demo(DemoConfig(silos=4, rounds=2, seed=1, out=tmp_path, progress=False))
-    assert {p.name for p in tmp_path.iterdir()} >= {"metrics.jsonl", "accuracy.png", "epsilon.png", "table.txt"}
+def demo_rounds_epsilon(rounds: int, *, q: float, sigma: float, steps: int = 10, delta: float = 1e-5) -> float:
+    accountant = rdp_lib.RdpAccountant()
+    accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), rounds * steps)
+    return float(accountant.get_epsilon(delta))
+
+
+def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(tmp_path) -> None:
+    """The default story: one σ for all, a ladder of budgets; each silo trains exactly as many rounds
+    as dp-accounting says its budget buys, and the report says so with σ, q, δ and the seed."""
+    sigma, rounds = 0.7, 3
+    table = run_demo(DemoConfig(silos=4, rounds=rounds, seed=1, out=tmp_path, noise_multiplier=sigma, progress=False))
+    assert {p.name for p in tmp_path.iterdir()} == {"settings.json", "metrics.jsonl", "accuracy.png", "epsilon.png", "table.txt"}
+    settings = json.loads((tmp_path / "settings.json").read_text())
+    assert settings["epsilons"] == [3.0, 4.8, 7.6, 12.0] and settings["noise_multipliers"] == [sigma] * 4
+    assert (settings["delta"], settings["seed"], settings["chance"], settings["calibrated"]) == (1e-5, 1, 0.1, False)
+    sizes = settings["dataset_sizes"]
+    assert settings["sampling_rates"] == [16 / n for n in sizes]
+
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 * 2 * 4  # algorithms × rounds × silos
+    assert len(lines) == 3 * rounds * 4  # algorithms × rounds × silos
+    bought = []
+    for k, budget in enumerate(settings["epsilons"]):
+        q = 16 / sizes[k]
+        expected = max([0, *(r for r in range(1, rounds + 1) if demo_rounds_epsilon(r, q=q, sigma=sigma) <= budget)])
+        bought.append(expected)
+        for algorithm in ("local", "fedavg", "mrmtl"):
+            mine = [m for m in lines if m["algorithm"] == algorithm and m["silo"] == k]
+            assert [m["approved"] for m in mine] == [r < expected for r in range(rounds)], (algorithm, k)
+            assert [m["refused"] for m in mine] == [r == expected for r in range(rounds)], (algorithm, k)
+            if expected:
+                assert mine[-1]["epsilon_spent"] == pytest.approx(demo_rounds_epsilon(expected, q=q, sigma=sigma), rel=1e-9)
+            assert mine[-1]["epsilon_spent"] <= budget
+    assert bought == [0, 1, 3, 3]  # refused at once, refused after one round, never refused (twice)
+
+    low, high = f"{16 / max(sizes):.3g}", f"{16 / min(sizes):.3g}"
+    q_range = low if low == high else f"{low}–{high}"
+    caption = f"4 silos, σ = {sigma}, q = B/n_k = {q_range} (10 steps/round), δ = 1e-05, budgets: ladder, seed 1"
+    assert table.splitlines()[0] == caption
+    assert table.splitlines()[1] == "chance accuracy: 0.100 (1/10)"
+    header = table.splitlines()[3].split()
+    assert header[:4] == ["silo", "budget", "ε", "σ"] and "mrmtl" in header and header.count("ε") == 4
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[5:9]}
+    assert rows["0"][5] == "0*" and rows["1"][5] == "1*" and rows["2"][5] == "3"
+    for png in ("accuracy.png", "epsilon.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
+
+
+def test_the_calibrated_demo_spends_each_budget_exactly(tmp_path) -> None:
+    run_demo(DemoConfig(silos=2, rounds=2, seed=1, out=tmp_path, calibrate=True, progress=False))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in lines if m["algorithm"] == "mrmtl" and m["round"] == 1]
     for m in last:
         assert m["approved"] and m["epsilon_spent"] <= m["budget"] * (1 + 1e-9)
         assert m["epsilon_spent"] == pytest.approx(m["budget"], rel=1e-6)  # noise calibrated to spend it exactly
-    assert "silo-3" in table
 
 
 def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str, tmp_path, monkeypatch) -> None:
@@ -114,7 +175,7 @@ def test_train_runs_a_configured_job_with_keys_from_the_environment(ledger: str,
     )
     for k, c in enumerate(created):
         monkeypatch.setenv(f"KEY_{k}", c.api_key)
-    assert main(["train", str(config)]) == 0
+    assert main(["train", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     with LedgerClient(ledger, created[0].api_key) as silo:
         history = silo.history(created[0].id)
     reserves = [e for e in history if e.event == "reserve"]

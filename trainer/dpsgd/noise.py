@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
+def same_device(a: torch.device, b: torch.device) -> bool:
     # torch.device("cuda") and torch.device("cuda:0") name the same device when index is unset.
     if a.type != b.type:
         return False
@@ -24,7 +24,7 @@ def gaussian_noise(
     """N(0, std²) on every coordinate, one draw from `generator`, which must live on `device`."""
     if not (math.isfinite(std) and std >= 0):
         raise ValueError(f"std must be finite and >= 0. Found {std}.")
-    if not _same_device(generator.device, device):
+    if not same_device(generator.device, device):
         raise ValueError(f"generator is on {generator.device} but the noise is wanted on {device}.")
     return torch.empty(tuple(shape), dtype=dtype, device=device).normal_(0.0, std, generator=generator)
 

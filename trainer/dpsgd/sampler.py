@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dpledger.wire.mechanisms import DpSgd
+
 
 class PoissonSampler:
     """Each record joins a batch independently with probability q = batch_size / dataset_size.
@@ -19,6 +21,8 @@ class PoissonSampler:
     Batch sizes vary and may be zero; that is what the Poisson-subsampled Gaussian accounting
     assumes (Abadi et al. 2016; dp-accounting's PoissonSampledDpEvent).
     """
+
+    kind = "poisson"
 
     def __init__(self, *, dataset_size: int, batch_size: int, generator: torch.Generator) -> None:
         if dataset_size <= 0:
@@ -38,12 +42,12 @@ class PoissonSampler:
         keep = torch.rand(self.dataset_size, generator=self.generator, device=self.generator.device)
         return torch.nonzero(keep < self.sampling_rate, as_tuple=False).flatten()
 
+    def dpsgd(self, *, noise_multiplier: float, steps: int) -> DpSgd:
+        """The `dpsgd` mechanism that `steps` batches of this sampler with Gaussian noise
+        `noise_multiplier` imply. It names batch_size, never q: the ledger divides by the silo's
+        registered dataset_size itself."""
+        return DpSgd(batch_size=self.batch_size, noise_multiplier=float(noise_multiplier), steps=int(steps))
+
     def mechanism(self, *, noise_multiplier: float, steps: int) -> dict[str, Any]:
-        """The `dpsgd` mechanism (wire format of the ledger) that `steps` batches of this sampler
-        with Gaussian noise `noise_multiplier` imply."""
-        return {
-            "type": "dpsgd",
-            "batch_size": self.batch_size,
-            "noise_multiplier": float(noise_multiplier),
-            "steps": int(steps),
-        }
+        """`dpsgd(...)` as its JSON object, for code that composes mechanisms as plain data."""
+        return self.dpsgd(noise_multiplier=noise_multiplier, steps=steps).model_dump(mode="json", exclude_none=True)

@@ -29,7 +29,10 @@ from dpledger.trainer.dpsgd.clip import clip_factors
 from dpledger.trainer.dpsgd.noise import add_gaussian_noise
 from dpledger.trainer.dpsgd.norms import layer_grads, norms_from_layers
 
-__all__ = ["ClippedGradSum", "StepStats", "add_gaussian_noise", "clip_factors", "clipped_grad_sum", "dp_sgd_step"]
+__all__ = [
+    "ClippedGradSum", "PrivateGradient", "StepStats", "add_gaussian_noise", "clip_factors", "clipped_grad_sum",
+    "dp_sgd_step", "private_gradient",
+]
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,41 @@ def clipped_grad_sum(
     return ClippedGradSum(params=params, grads=grads, norms=norms)
 
 
+@dataclass(frozen=True)
+class PrivateGradient:
+    """(Σ_i c_i·g_i + N(0, σ²C²)) / B for each trainable parameter, aligned with `params`, and the
+    pre-clip norms of the batch (local diagnostics only)."""
+
+    params: list[nn.Parameter]
+    grads: list[Tensor]
+    norms: Tensor
+
+
+def private_gradient(
+    model: nn.Module,
+    loss_fn: LossFn,
+    x: Tensor,
+    y: Tensor,
+    *,
+    max_grad_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    generator: torch.Generator,
+) -> PrivateGradient:
+    """Clip, sum, add N(0, σ²C²) in one draw from `generator`, divide by the expected batch size.
+
+    `x` is a Poisson-sampled batch and may be empty (the gradient is then noise only). Dividing by
+    the expected batch size q·n rather than the realized one keeps the sensitivity of the average
+    at C/(q·n) whatever batch was drawn; the realized size depends on the data and is not private.
+    """
+    _require_finite_positive("expected_batch_size", expected_batch_size)
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"noise_multiplier must be finite and >= 0. Found {noise_multiplier}.")
+    clipped = clipped_grad_sum(model, loss_fn, x, y, max_grad_norm=max_grad_norm)
+    noisy = add_gaussian_noise(clipped.grads, std=noise_multiplier * max_grad_norm, generator=generator)
+    return PrivateGradient(params=clipped.params, grads=[g.div_(expected_batch_size) for g in noisy], norms=clipped.norms)
+
+
 def dp_sgd_step(
     model: nn.Module,
     loss_fn: LossFn,
@@ -98,23 +136,17 @@ def dp_sgd_step(
     generator: torch.Generator,
     optimizer: torch.optim.Optimizer,
 ) -> StepStats:
-    """Clip, sum, add N(0, σ²C²), divide by the expected batch size, and step the optimizer.
-
-    `x` is a Poisson-sampled batch and may be empty (the update is then noise only). Dividing by
-    the expected batch size q·n rather than the realized one keeps the sensitivity of the average
-    at C/(q·n) whatever batch was drawn; the realized size depends on the data and is not private.
-    """
-    _require_finite_positive("expected_batch_size", expected_batch_size)
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be finite and >= 0. Found {noise_multiplier}.")
-    clipped = clipped_grad_sum(model, loss_fn, x, y, max_grad_norm=max_grad_norm)
-    noisy = add_gaussian_noise(clipped.grads, std=noise_multiplier * max_grad_norm, generator=generator)
-    for param, value in zip(clipped.params, noisy, strict=True):
-        param.grad = value.div_(expected_batch_size)
-    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in noisy]))
+    """`private_gradient`, written into every trainable parameter's `.grad`, then `optimizer.step()`."""
+    private = private_gradient(
+        model, loss_fn, x, y, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size, generator=generator,
+    )
+    for param, value in zip(private.params, private.grads, strict=True):
+        param.grad = value
+    update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in private.grads]))
     optimizer.step()
-    batch_size = int(clipped.norms.shape[0])
-    clipped_count = (clipped.norms > max_grad_norm).sum()
+    batch_size = int(private.norms.shape[0])
+    clipped_count = (private.norms > max_grad_norm).sum()
     # One host transfer for both numbers: each .item() would be its own device sync on CUDA.
     update_norm_value, clipped_count_value = torch.stack([update_norm.double(), clipped_count.double()]).tolist()
     return StepStats(

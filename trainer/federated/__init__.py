@@ -5,18 +5,9 @@ one `vmap`-ed computation (see `batched`). Every algorithm implements `Federated
 `round_mechanisms(r)` (what each silo's round r will query, in the ledger's wire format),
 `run_round(r, approved)` (only approved silos touch their data) and `evaluate()`.
 
-| algorithm | per-round mechanism of silo k | deploys |
-| --- | --- | --- |
-| `LocalTraining` | dpsgd(B_k/n_k, σ, E) | own model |
-| `FedAvg` | dpsgd(B_k/n_k, σ, E) | global model |
-| `MRMTL(lam)` | dpsgd(B_k/n_k, σ, E) | own model, pulled to the mean |
-| `Ditto(lam, personal_steps)` | dpsgd(B_k/n_k, σ, E + E_p) | personalized model |
-| `PPSGD(alpha, client_rate)` | dpsgd(B_k/n_k, σ, E) if sampled, else None | w + θ_k |
-| `PFA(k)` | dpsgd(B_k/n_k, σ, E), the warm-start round too | global model, grouped by norm |
-| `FedHDP(ratio)` | dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive) | global model |
-| `Finetuning(federated_rounds)` | dpsgd(B_k/n_k, σ, E), finetuning rounds too | global, then own model |
-| `IFCA(clusters, selection_rounds)` | dpsgd(B_k/n_k, σ, E) + dpsgd(B_s/n_k, σ_s, 1) in selecting rounds | its cluster's model |
-| `ClusteredMRMTL(lam, clusters, selection_rounds)` | IFCA's, then dpsgd(B_k/n_k, σ, E) | cluster's, then own model |
+Each algorithm class names itself (`name`), and says what a round charges each silo (`cost`) and
+which model each silo deploys (`deploys`); `registry` lists them, for the job file, the worker's
+command line and the README's table (`dpledger train --algorithms` prints it).
 
 The `DPSGDConfig` defaults (small tanh MLP, lr 0.5, C 1, σ 1, B 16, E 10) take MR-MTL on 8x8
 digits (features scaled to [0, 1]) to well above chance within 20 rounds, in seconds on CPU.

@@ -35,6 +35,10 @@ from dpledger.trainer.federated.config import (
     make_generator,
 )
 from dpledger.trainer.federated.models import Architecture, ModelFactory, make_template
+from dpledger.trainer.federated.plan import STEPS, PlannedQuery, QueryMeter, RoundPlan
+
+# Every algorithm class that sets `name`, by that name (filled by FederatedAlgorithm.__init_subclass__).
+REGISTERED: dict[str, type[FederatedAlgorithm]] = {}
 
 
 class _RequiredArgs(TypedDict):
@@ -64,7 +68,14 @@ def update_norms(updates: torch.Tensor) -> torch.Tensor:
 class FederatedAlgorithm(ABC):
     """K silos trained in one batched computation; state lives in [K, P] / [P] tensors."""
 
+    # A concrete algorithm names itself (its key in trainer.federated.registry and in job files) and
+    # says in words what one round charges each silo, and which model each silo deploys (the docs).
     name: ClassVar[str]
+    cost: ClassVar[str]
+    deploys: ClassVar[str]
+    # True for an algorithm that needs a coordinator between rounds (the privacy groups of
+    # trainer.grouped), so that a plain round loop cannot run it alone.
+    coordinated: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -138,19 +149,42 @@ class FederatedAlgorithm(ABC):
             )
         self.noise_multipliers = [float(s) for s in noise_multipliers]
         self._noise = torch.tensor(self.noise_multipliers, dtype=torch.float32, device=self.device)
-        self._queries = torch.zeros(self.num_silos, dtype=torch.int64)
+        self.meter = QueryMeter(self.num_silos)
+        self._plan: RoundPlan | None = None
         self._last_round = -1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # An algorithm that names itself is registered under that name (trainer.federated.registry).
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if name is not None:
+            if not ("cost" in cls.__dict__ and "deploys" in cls.__dict__):
+                raise TypeError(f"algorithm {name!r} must say its per-round cost and what it deploys")
+            if name in REGISTERED and REGISTERED[name] is not cls:
+                raise TypeError(f"two algorithms named {name!r}: {REGISTERED[name].__qualname__} and {cls.__qualname__}")
+            REGISTERED[name] = cls
 
     @property
     def num_silos(self) -> int:
         return self.train.num_silos
 
+    @property
+    def _queries(self) -> torch.Tensor:
+        """int64 [K]: DP-SGD steps each silo has run on its data so far."""
+        return self.meter.total(STEPS)
+
     # ----- what subclasses define -------------------------------------------------------------
 
-    @abstractmethod
     def declared_steps(self, round_index: int) -> list[int]:
         """Per silo: DP-SGD steps on its data that round `round_index` will run if approved (0: none).
-        A pure function of the round index and the seed, so declaring and running agree."""
+        A pure function of the round index and the seed, so declaring and running agree. By default
+        every silo runs E = `config.local_steps` steps every round."""
+        return [self.config.local_steps] * self.num_silos
+
+    def extra_queries(self, round_index: int, silo: int) -> tuple[PlannedQuery, ...]:
+        """Queries of silo `silo`'s data that round `round_index` makes besides its DP-SGD steps, if it
+        runs any (none by default). Pure, like `declared_steps`."""
+        return ()
 
     @abstractmethod
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
@@ -167,13 +201,25 @@ class FederatedAlgorithm(ABC):
 
     # ----- the round protocol -----------------------------------------------------------------
 
+    def plan(self, round_index: int) -> RoundPlan:
+        """Every query round `round_index` makes of each silo's data, computed once per round: the
+        DP-SGD steps' mechanism comes from the silo's own sampler (the mechanism a worker declares is
+        the sampler it runs), then the algorithm's extra queries."""
+        if self._plan is None or self._plan.round_index != round_index:
+            queries: list[tuple[PlannedQuery, ...]] = []
+            steps = self.declared_steps(round_index)
+            for k, (sampler, sigma, n) in enumerate(zip(self.samplers, self.noise_multipliers, steps, strict=True)):
+                if n == 0:
+                    queries.append(())
+                    continue
+                dpsgd = PlannedQuery(STEPS, n, sampler.mechanism(noise_multiplier=sigma, steps=n))
+                queries.append((dpsgd, *self.extra_queries(round_index, k)))
+            self._plan = RoundPlan(round_index=round_index, queries=tuple(queries))
+        return self._plan
+
     def round_mechanisms(self, round_index: int) -> list[dict[str, Any] | None]:
-        """Per silo, the mechanism its next round runs, from its own sampler (STYLE.md: the
-        mechanism a worker declares is the sampler it runs), or None where it queries nothing."""
-        return [
-            sampler.mechanism(noise_multiplier=sigma, steps=steps) if steps > 0 else None
-            for sampler, sigma, steps in zip(self.samplers, self.noise_multipliers, self.declared_steps(round_index), strict=True)
-        ]
+        """Per silo, the mechanism its round `round_index` runs, or None where it queries nothing."""
+        return self.plan(round_index).mechanisms()
 
     def run_round(self, round_index: int, approved: torch.Tensor) -> RoundResult:
         """Run round `round_index` for the silos with `approved[k]` (bool [K]) and a declared
@@ -187,18 +233,16 @@ class FederatedAlgorithm(ABC):
                 f"Found {approved.dtype} {tuple(approved.shape)}."
             )
         self._last_round = round_index
-        declared = torch.tensor(self.declared_steps(round_index), dtype=torch.int64)
-        active = approved.cpu() & (declared > 0)
+        plan = self.plan(round_index)
+        active = approved.cpu() & plan.queries_data()
         norms = torch.full((self.num_silos,), float("nan"), dtype=torch.float64)
-        before = self._queries.clone()
+        self.meter.start()
         if bool(active.any()):
             silos = torch.nonzero(active).flatten()
             norms[silos] = self._train(round_index, silos.to(self.device)).detach().cpu().to(torch.float64)
-        steps = self._queries - before
-        # Privacy-critical invariant: a silo ran exactly what it declared and was approved for, and
-        # no other silo touched its data. A violation is a bug in this package, never user error.
-        if not torch.equal(steps, torch.where(active, declared, 0)):
-            raise RuntimeError(f"Round {round_index}: steps run {steps.tolist()} != approved {declared.tolist()}.")
+        ran = self.meter.since_start()
+        plan.check(active, ran)  # raises unless exactly the approved plan ran
+        steps = ran.counts.get(STEPS, torch.zeros(self.num_silos, dtype=torch.int64))
         return RoundResult(round_index=round_index, update_norms=norms, steps=steps)
 
     def evaluate(self) -> torch.Tensor:
@@ -224,7 +268,7 @@ class FederatedAlgorithm(ABC):
         indices = [self.samplers[k].sample() for k in silo_list]
         idx, mask = pad_batches(indices, device=self.device)
         rows = silos.unsqueeze(1)
-        self._queries[silos.cpu()] += 1
+        self.meter.record(STEPS, silos)
         return noisy_clipped_gradient(
             self.model,
             params,
@@ -259,6 +303,16 @@ class FederatedAlgorithm(ABC):
                 update = update + lam * (params - anchor)
             params = params - self.config.lr * update
         return params
+
+    def _train_personal(
+        self, personal: torch.Tensor, silos: torch.Tensor, *, anchor: torch.Tensor | None = None, lam: float = 0.0
+    ) -> torch.Tensor:
+        """E DP-SGD steps on each approved silo's own model (rows of `personal`, updated in place),
+        pulled towards `anchor` with weight λ if given; returns the update norms."""
+        start = personal[silos]
+        trained = self._dp_sgd(start, silos, steps=self.config.local_steps, anchor=anchor, lam=lam)
+        personal[silos] = trained
+        return update_norms(trained - start)
 
     def _aggregate(self, models: torch.Tensor, silos: torch.Tensor, *, weighting: Weighting) -> torch.Tensor:
         """Server average of the participating silos' models ([A, P] → [P]); post-processing."""

@@ -23,6 +23,13 @@ def check_weighting(weighting: str) -> Weighting:
     raise ValueError(f"weighting must be 'uniform' or 'dataset_size'. Found {weighting!r}.")
 
 
+def check_lam(lam: float) -> float:
+    """λ of a pull towards a shared model (MR-MTL's, Ditto's): finite and >= 0; 0 means no pull."""
+    if not (math.isfinite(lam) and lam >= 0):
+        raise ValueError(f"lam must be finite and >= 0. Found {lam}.")
+    return lam
+
+
 @dataclass(frozen=True, kw_only=True)
 class DPSGDConfig:
     """Per-silo DP-SGD hyperparameters (the same for every silo; each silo's sampling rate still

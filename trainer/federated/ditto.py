@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Unpack
 
 import torch
 
 from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
-from dpledger.trainer.federated.config import Weighting, check_weighting
+from dpledger.trainer.federated.config import Weighting, check_lam, check_weighting
 
 
 class Ditto(FederatedAlgorithm):
@@ -23,6 +22,8 @@ class Ditto(FederatedAlgorithm):
     """
 
     name = "ditto"
+    cost = "dpsgd(B_k/n_k, σ, E + E_p)"
+    deploys = "personalized model"
 
     def __init__(
         self,
@@ -32,8 +33,7 @@ class Ditto(FederatedAlgorithm):
         weighting: Weighting = "uniform",
         **common: Unpack[AlgorithmArgs],
     ) -> None:
-        if not (math.isfinite(lam) and lam >= 0):
-            raise ValueError(f"lam must be finite and >= 0. Found {lam}.")
+        check_lam(lam)
         if personal_steps <= 0:
             raise ValueError(f"personal_steps must be positive. Found {personal_steps}.")
         self.weighting = check_weighting(weighting)

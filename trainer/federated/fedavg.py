@@ -21,6 +21,8 @@ class FedAvg(FederatedAlgorithm):
     """
 
     name = "fedavg"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "global model"
 
     def __init__(
         self,
@@ -33,9 +35,6 @@ class FedAvg(FederatedAlgorithm):
         self.global_model = self.initial.clone()
         # The model each silo last trained locally (what it uploaded); refused silos keep theirs.
         self.local = self.initial.expand(self.num_silos, -1).clone()
-
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps] * self.num_silos
 
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
         start = self.global_model.expand(len(silos), -1)

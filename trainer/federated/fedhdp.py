@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Unpack
+from typing import Literal, Unpack
 
 import torch
 
@@ -37,6 +37,7 @@ from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 from dpledger.trainer.federated.base import AlgorithmArgs
 from dpledger.trainer.federated.config import derive_seed, make_generator
 from dpledger.trainer.federated.pfa import GroupAggregated
+from dpledger.trainer.federated.plan import QUANTILE_QUERIES, PlannedQuery
 
 # A random stream of its own for the quantile query's noise, distinct from STREAM_INIT/SAMPLER/
 # NOISE/CLIENTS (0–3 in trainer.federated.config), so enabling the query never shifts DP-SGD's draws.
@@ -76,6 +77,8 @@ class FedHDP(GroupAggregated):
     """
 
     name = "fedhdp"
+    cost = "dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive)"
+    deploys = "global model"
 
     def __init__(
         self,
@@ -102,14 +105,12 @@ class FedHDP(GroupAggregated):
         self.ratio_history: list[list[float]] = []
         self.clip_history: list[float] = []
 
-    def round_mechanisms(self, round_index: int) -> list[dict[str, Any] | None]:
-        """dpsgd per silo; in an aggregation round with adaptive clipping, composed with the quantile
-        query that reads that silo's clipping indicator (Alg. 2, last line)."""
-        mechanisms = super().round_mechanisms(round_index)
+    def extra_queries(self, round_index: int, silo: int) -> tuple[PlannedQuery, ...]:
+        """In an aggregation round with adaptive clipping, the quantile query that reads the silo's
+        clipping indicator (Alg. 2, last line), composed with its DP-SGD steps."""
         if self.adaptive_clip is None or round_index == self.WARM_START_ROUND:
-            return mechanisms
-        query = dict(self.adaptive_clip.mechanism())
-        return [None if m is None else {"type": "composed", "events": [m, query]} for m in mechanisms]
+            return ()
+        return (PlannedQuery(QUANTILE_QUERIES, 1, dict(self.adaptive_clip.mechanism())),)
 
     def _ratios(self, updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         n_groups = int(groups.max()) + 1
@@ -122,7 +123,9 @@ class FedHDP(GroupAggregated):
             return torch.ones(n_groups, dtype=torch.float64)
         return budget_blind_ratio(updates, groups, n_groups=n_groups).clamp(0.0, 1.0)
 
-    def _aggregate_updates(self, round_index: int, updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    def _aggregate_updates(
+        self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
+    ) -> torch.Tensor:
         norms = torch.linalg.vector_norm(updates, dim=1)
         clipped = updates if self.clip_norm is None else clip_updates(updates, clip_norm=self.clip_norm)
         ratios = self._ratios(clipped, groups)
@@ -139,8 +142,8 @@ class FedHDP(GroupAggregated):
                 noise_multiplier=self.adaptive_clip.noise_multiplier,
                 generator=self.quantile_generator,
             )
-            # Privacy-critical: the query that ran must be the one every silo was charged for.
-            if dict(step.mechanism) != dict(self.adaptive_clip.mechanism()):
-                raise RuntimeError(f"Quantile query ran {step.mechanism}, declared {self.adaptive_clip.mechanism()}.")
+            # The query read every approved silo's indicator; the round's check compares the mechanism
+            # it reports with the one each silo was charged for.
+            self.meter.record(QUANTILE_QUERIES, silos, mechanism=dict(step.mechanism))
             self.clip_norm = step.clip_norm
         return aggregate

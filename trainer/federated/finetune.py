@@ -5,14 +5,13 @@ from __future__ import annotations
 
 from typing import Unpack
 
-import torch
-
-from dpledger.trainer.federated.base import AlgorithmArgs, update_norms
+from dpledger.trainer.federated.base import AlgorithmArgs
 from dpledger.trainer.federated.config import Weighting
 from dpledger.trainer.federated.fedavg import FedAvg
+from dpledger.trainer.federated.warm_start import PersonalAfterWarmStart
 
 
-class Finetuning(FedAvg):
+class Finetuning(PersonalAfterWarmStart, FedAvg):
     """Rounds < `federated_rounds` are FedAvg; from then on each silo runs E DP-SGD steps per round
     on its own copy of the last global model and deploys it.
 
@@ -22,6 +21,8 @@ class Finetuning(FedAvg):
     """
 
     name = "finetune"
+    cost = "dpsgd(B_k/n_k, σ, E), finetuning rounds too"
+    deploys = "global, then own model"
 
     def __init__(
         self,
@@ -33,24 +34,4 @@ class Finetuning(FedAvg):
         if federated_rounds < 0:
             raise ValueError(f"federated_rounds must be >= 0. Found {federated_rounds}.")
         super().__init__(weighting=weighting, **common)
-        self.federated_rounds = federated_rounds
-        self.personal: torch.Tensor | None = None
-
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        if round_index < self.federated_rounds:
-            return super()._train(round_index, silos)
-        if self.personal is None:
-            self.personal = self.global_model.expand(self.num_silos, -1).clone()
-        start = self.personal[silos]
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
-        self.personal[silos] = trained
-        return update_norms(trained - start)
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return super().deployed_parameters() if self.personal is None else self.personal
-
-    def state(self) -> dict[str, torch.Tensor]:
-        state = super().state()
-        if self.personal is not None:
-            state["personal"] = self.personal.clone()
-        return state
+        self.federated_rounds = self.warm_start_rounds = federated_rounds

@@ -43,11 +43,13 @@ from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, u
 from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
 from dpledger.trainer.federated.config import (
     STREAM_INIT,
-    RoundResult,
+    check_lam,
     derive_seed,
     make_generator,
 )
 from dpledger.trainer.federated.models import make_template
+from dpledger.trainer.federated.plan import SELECTIONS, PlannedQuery
+from dpledger.trainer.federated.warm_start import PersonalAfterWarmStart
 
 # Random streams of their own (0–4 are taken in trainer.federated.config and .fedhdp), so that
 # enabling selection never shifts DP-SGD's draws.
@@ -94,6 +96,8 @@ class IFCA(FederatedAlgorithm):
     """
 
     name = "ifca"
+    cost = "dpsgd(B_k/n_k, σ, E) + dpsgd(B_s/n_k, σ_s, 1) in selecting rounds"
+    deploys = "its cluster's model"
 
     def __init__(
         self,
@@ -134,39 +138,25 @@ class IFCA(FederatedAlgorithm):
             make_generator(derive_seed(self.config.seed, STREAM_SELECTION_NOISE, k), self.device)
             for k in range(self.num_silos)
         ]
-        # Selection queries run per silo, checked against what was declared like DP-SGD steps are.
-        self.selection_queries = torch.zeros(self.num_silos, dtype=torch.int64)
 
     # ----- what each round declares -------------------------------------------------------------
 
     def selects(self, round_index: int) -> bool:
         return self.selection_rounds is None or round_index < self.selection_rounds
 
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps] * self.num_silos
-
     def selection_mechanism(self, silo: int) -> dict[str, Any]:
         """The selection of silo `silo` as a ledger mechanism: one Poisson-sampled Gaussian."""
         return self.selection_samplers[silo].mechanism(noise_multiplier=self.selection.noise_multiplier, steps=1)
 
-    def round_mechanisms(self, round_index: int) -> list[dict[str, Any] | None]:
-        mechanisms = super().round_mechanisms(round_index)
-        if not self.selects(round_index):
-            return mechanisms
-        return [
-            None if m is None else {"type": "composed", "events": [m, self.selection_mechanism(k)]}
-            for k, m in enumerate(mechanisms)
-        ]
+    def extra_queries(self, round_index: int, silo: int) -> tuple[PlannedQuery, ...]:
+        # A clustering round composes the selection with the DP-SGD steps; other rounds reuse the
+        # last (already private) assignment for free.
+        return (PlannedQuery(SELECTIONS, 1, self.selection_mechanism(silo)),) if self.selects(round_index) else ()
 
-    def run_round(self, round_index: int, approved: torch.Tensor) -> RoundResult:
-        before = self.selection_queries.clone()
-        result = super().run_round(round_index, approved)
-        made = self.selection_queries - before
-        expected = (result.trained & self.selects(round_index)).to(torch.int64)
-        # Privacy-critical, as in the base class: every selection that ran was declared and approved.
-        if not torch.equal(made, expected):
-            raise RuntimeError(f"Round {round_index}: selections run {made.tolist()} != approved {expected.tolist()}.")
-        return result
+    @property
+    def selection_queries(self) -> torch.Tensor:
+        """int64 [K]: selections each silo has run on its data so far."""
+        return self.meter.total(SELECTIONS)
 
     # ----- training -----------------------------------------------------------------------------
 
@@ -174,7 +164,7 @@ class IFCA(FederatedAlgorithm):
         """Each silo's privately selected cluster (int64 [A]); one selection query per silo."""
         silo_list = silos.tolist()
         idx, mask = pad_batches([self.selection_samplers[k].sample() for k in silo_list], device=self.device)
-        self.selection_queries[silos.cpu()] += 1
+        self.meter.record(SELECTIONS, silos)
         rows = silos.unsqueeze(1)
         x, y = self.train.x[rows, idx], self.train.y[rows, idx]
         per_record = vmap(self.model.example_loss, in_dims=(None, 0, 0))  # over records → [b]
@@ -211,7 +201,7 @@ class IFCA(FederatedAlgorithm):
         return {"clusters": self.cluster_models.clone(), "assignment": self.assignment.clone()}
 
 
-class ClusteredMRMTL(IFCA):
+class ClusteredMRMTL(PersonalAfterWarmStart, IFCA):
     """MR-MTL(λ) warm-started by IFCA (paper 000 §5, Fig. 6): rounds < `selection_rounds` run IFCA;
     from then on each silo trains its own model, starting from its cluster's, with
     loss_k(w_k) + λ/2‖w_k − w̄_c‖², w̄_c the mean of the personalized models of its cluster c.
@@ -220,6 +210,8 @@ class ClusteredMRMTL(IFCA):
     """
 
     name = "ifca_mrmtl"
+    cost = "IFCA's, then dpsgd(B_k/n_k, σ, E)"
+    deploys = "cluster's, then own model"
 
     def __init__(
         self,
@@ -230,13 +222,11 @@ class ClusteredMRMTL(IFCA):
         selection: ClusterSelection = ClusterSelection(),
         **common: Unpack[AlgorithmArgs],
     ) -> None:
-        if not (math.isfinite(lam) and lam >= 0):
-            raise ValueError(f"lam must be finite and >= 0. Found {lam}.")
+        self.lam = check_lam(lam)
         if selection_rounds < 1:
             raise ValueError(f"selection_rounds must be at least 1 (the warm start). Found {selection_rounds}.")
         super().__init__(clusters=clusters, selection=selection, selection_rounds=selection_rounds, **common)
-        self.lam = lam
-        self.personal: torch.Tensor | None = None
+        self.warm_start_rounds = selection_rounds
 
     def _cluster_means(self) -> torch.Tensor:
         """[K, P]: for each silo, the mean of the personalized models in its cluster (post-processing)."""
@@ -245,24 +235,5 @@ class ClusteredMRMTL(IFCA):
         means = (members.T @ self.personal) / members.sum(0).clamp(min=1).unsqueeze(1)  # [k, P]
         return means[self.assignment]
 
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        if self.selects(round_index):
-            return self._train_clusters(round_index, silos)
-        if self.personal is None:
-            # The switch: every silo starts from its cluster's model, refused ones included (their
-            # cluster model is already private, so copying it is free).
-            self.personal = self.cluster_models[self.assignment].clone()
-        start = self.personal[silos]
-        anchor = self._cluster_means()[silos]
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps, anchor=anchor, lam=self.lam)
-        self.personal[silos] = trained
-        return update_norms(trained - start)
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return super().deployed_parameters() if self.personal is None else self.personal
-
-    def state(self) -> dict[str, torch.Tensor]:
-        state = super().state()
-        if self.personal is not None:
-            state["personal"] = self.personal.clone()
-        return state
+    def _personal_anchor(self, silos: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        return self._cluster_means()[silos], self.lam

@@ -7,7 +7,7 @@ from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 
 
 class LocalTraining(FederatedAlgorithm):
@@ -18,19 +18,15 @@ class LocalTraining(FederatedAlgorithm):
     """
 
     name = "local"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "own model"
 
     def __init__(self, **common: Unpack[AlgorithmArgs]) -> None:
         super().__init__(**common)
         self.personal = self.initial.expand(self.num_silos, -1).clone()
 
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps] * self.num_silos
-
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        start = self.personal[silos]
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
-        self.personal[silos] = trained
-        return update_norms(trained - start)
+        return self._train_personal(self.personal, silos)
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.personal

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
+from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
+from dpledger.trainer.federated.config import check_lam
 
 
 class MRMTL(FederatedAlgorithm):
@@ -20,6 +20,8 @@ class MRMTL(FederatedAlgorithm):
     """
 
     name = "mrmtl"
+    cost = "dpsgd(B_k/n_k, σ, E)"
+    deploys = "own model, pulled to the mean"
 
     def __init__(
         self,
@@ -27,24 +29,17 @@ class MRMTL(FederatedAlgorithm):
         lam: float,
         **common: Unpack[AlgorithmArgs],
     ) -> None:
-        if not (math.isfinite(lam) and lam >= 0):
-            raise ValueError(f"lam must be finite and >= 0. Found {lam}.")
+        self.lam = check_lam(lam)
         super().__init__(**common)
-        self.lam = lam
         self.personal = self.initial.expand(self.num_silos, -1).clone()
         self.mean = self.initial.clone()
 
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps] * self.num_silos
-
     def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        start = self.personal[silos]
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps, anchor=self.mean, lam=self.lam)
-        self.personal[silos] = trained
+        norms = self._train_personal(self.personal, silos, anchor=self.mean, lam=self.lam)
         # w̄ is the mean of *all* personalized models (paper 000 §5), a refused silo's frozen one
         # included: each is already private, so averaging them is post-processing (§3).
         self.mean = self.personal.mean(0)
-        return update_norms(trained - start)
+        return norms
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.personal

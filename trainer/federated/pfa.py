@@ -42,10 +42,13 @@ class GroupAggregated(FederatedAlgorithm):
     (paper 001 §4.1), every later round aggregates the approved silos' updates by privacy group.
 
     Every silo deploys the global model (paper 001 reports the global model's accuracy, Fig. 4).
+    The warm-start round is declared and charged like any other (the base class's E steps per
+    round): the silos' data is queried just the same.
     """
 
     # Paper 001 Alg. 1: the warm-start round precedes the rounds t = 2..T of line 5.
     WARM_START_ROUND: ClassVar[int] = 0
+    coordinated = True  # set_groups() after the warm-start round
 
     def __init__(self, **common: Unpack[AlgorithmArgs]) -> None:
         super().__init__(**common)
@@ -53,10 +56,6 @@ class GroupAggregated(FederatedAlgorithm):
         # The model each silo last trained locally (its upload); a refused silo keeps its last one.
         self.local = self.initial.expand(self.num_silos, -1).clone()
         self.groups: torch.Tensor | None = None
-
-    def declared_steps(self, round_index: int) -> list[int]:
-        # The warm-start round is charged like any other: the silo's data is queried just the same.
-        return [self.config.local_steps] * self.num_silos
 
     def set_groups(self, groups: Sequence[int]) -> None:
         """Privacy group of each silo (0 = least noisy), as the coordinator obtained it: from the
@@ -82,15 +81,18 @@ class GroupAggregated(FederatedAlgorithm):
         if round_index != self.WARM_START_ROUND:
             assert self.groups is not None  # run_round checked it before training
             groups = compact_groups(self.groups[silos.cpu()]).to(updates.device)
-            self.global_model = self.global_model + self._aggregate_updates(round_index, updates, groups)
+            self.global_model = self.global_model + self._aggregate_updates(round_index, silos, updates, groups)
         # Paper 001 §4.1: in the warm-start round the server only collects the noisy updates, whose
         # norms are what the coordinator clusters; the global model stays as it was.
         return update_norms(updates)
 
     @abstractmethod
-    def _aggregate_updates(self, round_index: int, updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-        """[A, P] noisy updates of the approved silos and their compacted groups [A] → the global
-        update [P]. Post-processing only: no dataset is queried here."""
+    def _aggregate_updates(
+        self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
+    ) -> torch.Tensor:
+        """[A, P] noisy updates of the approved silos `silos` and their compacted groups [A] → the
+        global update [P]. Post-processing of the updates; a rule that queries more (FedHDP's
+        quantile query) declares it in `extra_queries` and records it in the meter."""
 
     def deployed_parameters(self) -> torch.Tensor:
         return self.global_model.expand(self.num_silos, -1)
@@ -111,6 +113,8 @@ class PFA(GroupAggregated):
     """
 
     name = "pfa"
+    cost = "dpsgd(B_k/n_k, σ, E), the warm-start round too"
+    deploys = "global model, grouped by norm"
 
     def __init__(self, *, k: int | None = None, n_public_groups: int = 1, **common: Unpack[AlgorithmArgs]) -> None:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -121,7 +125,9 @@ class PFA(GroupAggregated):
         self.k = k
         self.n_public_groups = n_public_groups
 
-    def _aggregate_updates(self, round_index: int, updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    def _aggregate_updates(
+        self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
+    ) -> torch.Tensor:
         public = public_mask(groups, n_public_groups=self.n_public_groups).to(updates.device)
         n_public = int(public.sum())
         full_rank = min(n_public, updates.shape[1])

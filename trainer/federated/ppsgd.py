@@ -54,6 +54,8 @@ class PPSGD(FederatedAlgorithm):
     """
 
     name = "ppsgd"
+    cost = "dpsgd(B_k/n_k, σ, E) if sampled, else None"
+    deploys = "w + θ_k"
 
     def __init__(
         self,

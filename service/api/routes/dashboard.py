@@ -4,6 +4,7 @@ calls as the JSON API. Left out of the OpenAPI document, which describes the JSO
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Annotated
 from urllib.parse import parse_qs
 
@@ -11,8 +12,10 @@ from fastapi import APIRouter, Cookie, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
+from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.dashboard import pages, series
-from dpledger.service.ledger import audit, charges, keys, silos
+from dpledger.service.dashboard.parameters import parameters
+from dpledger.service.ledger import audit, charges, keys, silos, transparency
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
@@ -97,28 +100,58 @@ def logout() -> Response:
     return _to_login()
 
 
-def _row(silo: Silo) -> pages.SiloRow:
+def _row(silo: Silo, *, chain_ok: bool = True, refusals: int = 0) -> pages.SiloRow:
     # The same calls and the same null-for-∞ as GET /v1/silos/{id}, so page and API agree exactly.
     budget = silos.status(silo)
     return pages.SiloRow(
         id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta,
         epsilon_spent=finite_or_none(budget.epsilon_spent),
         epsilon_committed=finite_or_none(budget.epsilon_committed),
-        epsilon_remaining=budget.epsilon_remaining,
+        epsilon_remaining=budget.epsilon_remaining, chain_ok=chain_ok, refusals=refusals,
     )
 
 
+def _refusals(request: Request) -> RefusalLog:
+    refusals: RefusalLog = request.app.state.refusals
+    return refusals
+
+
 @router.get("", name="dashboard_overview")
-def overview(reader: ReaderDep, factory: FactoryDep) -> Response:
+def overview(request: Request, reader: ReaderDep, factory: FactoryDep) -> Response:
     if reader is None:
         return _to_login()
+    log = _refusals(request)
+    rows, entries = [], 0
     with factory() as session:
-        rows = [_row(s) for s in silos.list_all(session)]
-    return _html(pages.overview(rows))
+        for silo in silos.list_all(session):
+            # Every chain recomputed on every visit: a broken one must show on the first page an
+            # auditor sees, not only on the silo's own page.
+            report = audit.verify(session, silo_ids=[silo.id])
+            entries += report.entries
+            refused = log.of(silo.id)
+            rows.append(_row(silo, chain_ok=report.ok, refusals=0 if refused is None else refused.count))
+        log_view = _log_view(transparency.summary(session))
+    return _html(pages.overview(rows, entries=entries, refusals_since=log.since, log=log_view))
+
+
+def _log_view(summary: transparency.LogSummary) -> pages.LogView:
+    last = summary.last_verified
+
+    def iso(value: datetime) -> str:
+        return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC).isoformat(timespec="seconds")
+
+    return pages.LogView(
+        size=summary.size, root_hash=summary.root_hash,
+        verified_size=None if last is None else last.tree_size,
+        verified_root=None if last is None else last.root_hash,
+        verified_signed_at=None if last is None else iso(datetime.fromtimestamp(last.signed_at / 1000, UTC)),
+        verified_at=None if last is None else iso(last.verified_at),
+        still_extends=summary.still_extends,
+    )
 
 
 @router.get("/silos/{silo_id}", name="dashboard_silo")
-def silo_page(silo_id: IdPath, reader: ReaderDep, factory: FactoryDep) -> Response:
+def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, factory: FactoryDep) -> Response:
     if reader is None:
         return _to_login()
     with factory() as session:
@@ -126,9 +159,9 @@ def silo_page(silo_id: IdPath, reader: ReaderDep, factory: FactoryDep) -> Respon
             silo = silos.get(session, silo_id)
         except NotFound as error:
             return _html(pages.problem("not found", str(error), signed_in=True), status.HTTP_404_NOT_FOUND)
-        row = _row(silo)
         history = charges.history(session, silo_id, limit=1_000_000)
         report = audit.verify(session, silo_ids=[silo_id])
+        row = _row(silo, chain_ok=report.ok)
         steps = [
             series.Step(seq=h.entry.seq, event=h.entry.event, charge_rdp=None if h.charge is None else h.charge.rdp,
                         epsilon_spent=h.entry.epsilon_spent)
@@ -138,7 +171,14 @@ def silo_page(silo_id: IdPath, reader: ReaderDep, factory: FactoryDep) -> Respon
     verification = pages.Verification(
         ok=report.ok, entries=report.entries, bad_charge_ids=report.bad_charge_ids, problems=report.problems
     )
-    return _html(pages.silo(row, series.points(steps, delta=silo.delta), charge_rows, verification))
+    log = _refusals(request)
+    refused = log.of(silo_id)
+    refusals = pages.RefusalSummary(since=log.since, count=0) if refused is None else pages.RefusalSummary(
+        since=log.since, count=refused.count, last_at=refused.last.at, last_job_id=refused.last.job_id,
+        last_round=refused.last.round, epsilon_spent=refused.last.epsilon_spent,
+        epsilon_if_approved=refused.last.epsilon_if_approved,
+    )
+    return _html(pages.silo(row, series.points(steps, delta=silo.delta), charge_rows, verification, refusals))
 
 
 def _charge_rows(history: list[charges.HistoryRow], *, delta: float) -> list[pages.ChargeRow]:
@@ -147,10 +187,13 @@ def _charge_rows(history: list[charges.HistoryRow], *, delta: float) -> list[pag
     for h in history:
         c = h.charge
         if c is not None and c.id not in rows:
+            shown = parameters(c.mechanism)
             rows[c.id] = pages.ChargeRow(
                 id=c.id, status=c.status, job_id=c.job_id, round=c.round,
                 mechanism_type=_mechanism_type(c.mechanism),
                 epsilon=finite_or_none(series.charge_epsilon(c.rdp, delta=delta)),
+                created_at=c.created_at, noise_multiplier=shown.noise_multiplier,
+                sampling_rate=shown.sampling_rate, steps=shown.steps,
             )
     return sorted(rows.values(), key=lambda r: r.id)
 

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Response, status
 from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
 from dpledger.service.ledger import keys
 from dpledger.service.ledger.models import Role
-from dpledger.wire.schemas import KeyCreated, KeyCreateRequest
+from dpledger.wire.schemas import KeyCreated, KeyCreateRequest, KeyInfo
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -17,6 +17,12 @@ def create_key(body: KeyCreateRequest, caller: PrincipalDep, factory: FactoryDep
         key, raw = keys.create_key(session, role=body.role, silo_id=body.silo_id)
         session.commit()
     return KeyCreated(key_id=key.id, api_key=raw)
+
+
+@router.get("/me", response_model=KeyInfo, name="who_am_i")
+def who_am_i(caller: PrincipalDep) -> KeyInfo:
+    """The calling key's id, role and silo: lets a worker check each silo's key before round 0."""
+    return KeyInfo(key_id=caller.key_id, role=caller.role, silo_id=caller.silo_id)
 
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, name="revoke_key")

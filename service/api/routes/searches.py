@@ -20,6 +20,7 @@ from dpledger.service.accounting.trial_counts import (
     distribution,
 )
 from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.ledger import searches
 from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import Search, SearchStatus
@@ -109,7 +110,8 @@ def _detail(search: Search) -> SearchDetail:
     responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"}},
 )
 def start_search(
-    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, response: Response
+    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep,
+    response: Response,
 ) -> SearchStarted:
     caller.require_silo(silo_id)
     started = searches.start(
@@ -119,7 +121,7 @@ def start_search(
         response.headers["Idempotent-Replayed"] = "true"
     return SearchStarted(
         search_id=started.search.id, trials=started.search.trials, charge_id=started.search.charge_id,
-        epsilon_spent=started.epsilon_spent,
+        epsilon_spent=started.epsilon_spent, receipt=receipt(signer, started.position),
     )
 
 

@@ -131,6 +131,18 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
                 "/v1/searches/quote",
                 {"trial": {"type": "gaussian", "noise_multiplier": 2.0}, "mean_trials": 3, "delta": 1e-5},
             )
+        case "log_public_key":
+            return "GET", "/v1/log/public-key", None
+        case "log_head":
+            return "GET", "/v1/log/head", None
+        case "log_inclusion_proof":  # log index 0 is the own silo's create entry (it was registered first)
+            return "GET", "/v1/log/proofs/inclusion?index=0", None
+        case "log_consistency_proof":
+            return "GET", "/v1/log/proofs/consistency?first=1", None
+        case "log_leaves":
+            return "GET", "/v1/log/leaves", None
+        case "log_record_verified_head":
+            return "POST", "/v1/log/verified", world.client.get("/v1/log/head", headers=ADMIN).json()  # type: ignore[attr-defined]
     raise AssertionError(route)
 
 
@@ -161,6 +173,14 @@ EXPECTED = {
     "get_search":       [200, 200, 403, 200, 403, *A],
     "report_trial":     [403, 200, 403, 403, 403, *A],
     "quote_search":     [200, 200, 200, 200, 200, *A],
+    # The transparency log: hashes for every silo, records and proofs of its own entries; the
+    # coordinator only the public key (the log's size counts approvals, which depend on budgets).
+    "log_public_key":   [200, 200, 200, 200, 200, *A],
+    "log_head":         [200, 200, 200, 200, 403, *A],
+    "log_inclusion_proof": [200, 200, 403, 200, 403, *A],
+    "log_consistency_proof": [200, 200, 200, 200, 403, *A],
+    "log_leaves":       [200, 200, 200, 200, 403, *A],
+    "log_record_verified_head": [201, 403, 403, 201, 403, *A],
 }
 
 
@@ -183,3 +203,18 @@ def test_a_refused_coordinator_learns_nothing_of_a_budget(world: World) -> None:
     response = world.client.get(f"/v1/silos/{world.silo_id}", headers=world.keys["coordinator"])  # type: ignore[attr-defined]
     assert response.status_code == 403
     assert response.json() == {"detail": "role 'coordinator' may not do this"}
+
+
+def test_keys_me_names_the_callers_role_and_silo_and_a_foreign_silo_says_whose_key_it_is(client) -> None:  # type: ignore[no-untyped-def]
+    body = {"name": "me-a", "epsilon": 1.0, "delta": 1e-5, "dataset_size": 10}
+    silo = client.post("/v1/silos", json=body, headers=ADMIN).json()
+    own = {"Authorization": f"Bearer {silo['api_key']}"}
+    me = client.get("/v1/keys/me", headers=own).json()
+    assert (me["role"], me["silo_id"]) == ("silo", silo["id"]) and me["key_id"] >= 1
+    assert client.get("/v1/keys/me", headers=ADMIN).json()["silo_id"] is None
+    assert client.get("/v1/keys/me").status_code == 401
+    other = client.get(f"/v1/silos/{silo['id'] + 1}", headers=own)
+    assert other.status_code == 403
+    assert other.json()["detail"] == (
+        f"a silo key may act only on its own silo: this key is silo {silo['id']}'s, not silo {silo['id'] + 1}'s"
+    )

@@ -245,3 +245,70 @@ def test_an_unknown_silo_is_a_404_page(client, auditor) -> None:
 def test_the_dashboard_is_not_in_the_openapi_document(client) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert not [p for p in paths if p.startswith("/dashboard")]
+
+
+def test_the_overview_flags_a_broken_chain_and_counts_refusals_and_charges_show_time_sigma_q_steps(
+    client, ledger, auditor, database_url  # type: ignore[no-untyped-def]
+) -> None:
+    """An edited charge shows on the first page; a refused request is counted on both pages (it writes
+    nothing to the ledger); every charge row carries its time, σ, q (computed by the service) and steps."""
+    import re as re_
+
+    from sqlalchemy import create_engine as create_engine_
+    from sqlalchemy import text as text_
+
+    page = client.get("/dashboard").text
+    assert 'id="chain-status" class="ok" data-ok="true"' in page
+
+    body = {"name": "edited", "epsilon": 5.0, "delta": 1e-5, "dataset_size": 1000}
+    silo = client.post("/v1/silos", json=body, headers=ADMIN).json()
+    own = {"Authorization": f"Bearer {silo['api_key']}"}
+    step = {"type": "dpsgd", "batch_size": 50, "noise_multiplier": 1.3, "steps": 7}
+    first = {"mechanism": step, "idempotency_key": "a", "job_id": "j", "round": 0}
+    reserved = client.post(f"/v1/silos/{silo['id']}/charges", json=first, headers=own)
+    assert reserved.status_code == 201
+    huge = {"type": "dpsgd", "batch_size": 500, "noise_multiplier": 0.5, "steps": 1000}
+    for attempt in range(2):
+        body = {"mechanism": huge, "idempotency_key": f"r{attempt}", "job_id": "j", "round": 1 + attempt}
+        refused = client.post(f"/v1/silos/{silo['id']}/charges", json=body, headers=own)
+        assert refused.status_code == 409
+
+    detail = client.get(f"/dashboard/silos/{silo['id']}").text
+    row = re_.search(rf'<tr data-charge-id="{reserved.json()["charge_id"]}".*?</tr>', detail).group(0)
+    assert 'data-sigma="1.3"' in row and 'data-q="0.05"' in row and 'data-steps="7"' in row
+    created = re_.search(r'data-created-at="([^"]+)"', row).group(1)
+    history = client.get(f"/v1/silos/{silo['id']}/history", headers=ADMIN).json()
+    assert created.replace("+00:00", "") == history[1]["created_at"].replace("Z", "").replace("+00:00", "")
+    assert 'id="refusals" data-count="2"' in detail and "of job j, round 2" in detail
+
+    overview = client.get("/dashboard").text
+    silo_row = re_.search(rf'<tr data-silo-id="{silo["id"]}".*?</tr>', overview).group(0)
+    assert 'data-refusals="2"' in silo_row and 'data-chain="ok"' in silo_row
+
+    engine = create_engine_(database_url)
+    with engine.begin() as connection:
+        connection.execute(text_("UPDATE charges SET job_id = 'edited' WHERE id = :id"), {"id": reserved.json()["charge_id"]})
+    engine.dispose()
+    overview = client.get("/dashboard").text
+    assert f'id="chain-status" class="alert failed" role="alert" data-ok="false" data-broken="{silo["id"]}"' in overview
+    assert "Verification FAILED for 1 silo: edited (silo" in overview
+    silo_row = re_.search(rf'<tr data-silo-id="{silo["id"]}" class="bad">.*?</tr>', overview).group(0)
+    assert 'data-chain="broken"' in silo_row
+
+
+@pytest.mark.parametrize(("stored", "expected"), [
+    ('{"type": "dpsgd", "noise_multiplier": 1.1, "sampling_rate": 0.02, "steps": 10, "batch_size": 20}', (1.1, 0.02, 10)),
+    ('{"type": "poisson_sampled", "sampling_rate": 0.5, "event": {"type": "gaussian", "noise_multiplier": 2.0}}', (2.0, 0.5, 1)),
+    ('{"type": "self_composed", "count": 3, "event": '
+     '{"type": "dpsgd", "noise_multiplier": 1.0, "sampling_rate": 0.1, "steps": 4}}', (1.0, 0.1, 12)),
+    ('{"type": "gaussian", "noise_multiplier": 4.0}', (4.0, None, 1)),
+    ('{"type": "composed", "events": [{"type": "gaussian", "noise_multiplier": 4.0}]}', (None, None, None)),
+    ('{"type": "laplace", "noise_multiplier": 1.0}', (None, None, None)),
+    ('{"type": "dpsgd", "noise_multiplier": "1.1", "steps": true}', (None, None, None)),
+    ("not json", (None, None, None)),
+])
+def test_charge_parameters_are_read_only_from_shapes_with_one_sigma_and_one_q(stored: str, expected: tuple) -> None:  # type: ignore[type-arg]
+    from dpledger.service.dashboard.parameters import parameters
+
+    found = parameters(stored)
+    assert (found.noise_multiplier, found.sampling_rate, found.steps) == expected

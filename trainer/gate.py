@@ -1,0 +1,226 @@
+"""The round gate: a silo's training loop spends privacy only inside a reservation the ledger approved.
+
+    gate = RoundGate(client, silo_id=silo_id, sampler=engine.sampler)
+    with gate.round(steps=20, noise_multiplier=sigma) as permit:
+        for _ in range(permit.steps):
+            engine.step(permit)
+
+On entry the gate reserves the round's mechanism (the one its sampler declares: `steps` Poisson
+-sampled Gaussian steps at the sampler's batch size; the ledger derives q from the silo's registered
+size). The body runs only on a fresh reservation: a denial (`Denied`, final: the gate refuses every
+later round too) or a replay of an earlier charge (`ReplayedCharge`: the round ran before, here or
+in another process) raises before the body starts. Every step asks the permit first; a step beyond
+the reservation, at less noise or at a higher sampling rate is refused (`StepNotCovered`) before it
+reads a record. On exit the charge is committed; when the body raises it is committed too once the
+body touched data (a step was permitted, or the model ran), and released only when it never did.
+
+The gate first reads the silo's registered dataset size and refuses a sampler drawing from a
+different number of records: q = batch_size / n is charged with the ledger's n, so a sampler over
+fewer records than registered would sample each at a higher rate than the ledger charges.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from dpledger.trainer.client import Denied, LedgerClient, LedgerError, Rejected, Reservation
+from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.mechanisms import DpSgd
+from dpledger.wire.schemas import SiloCalibration, SiloDetail
+
+# A permitted step's noise may not be below the reserved σ nor its sampling rate above the reserved
+# q; equality is tested with this relative slack so a float that went through JSON still matches.
+_SLACK = 1e-12
+
+
+class StepNotCovered(RuntimeError):
+    """A step that no open reservation covers: refused before it reads a record or moves a parameter."""
+
+
+class ReplayedCharge(LedgerError):
+    """The round's idempotency key named an earlier charge that this call did not create: that round
+    ran before (here or in another process), so the body never runs."""
+
+    def __init__(self, reservation: Reservation, *, round: int) -> None:
+        super().__init__(
+            f"round {round}: the ledger replayed charge {reservation.charge_id} ({reservation.status.value}); "
+            "it was reserved by an earlier run, so this one does not train on it"
+        )
+        self.reservation = reservation
+
+
+class DeclaresDpSgd(Protocol):
+    """A sampler that draws the batches and declares the mechanism they imply. `kind` names how it
+    samples ("poisson": each record independently with q), which is what the `dpsgd` charge means."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def dataset_size(self) -> int: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def sampling_rate(self) -> float: ...
+
+    def dpsgd(self, *, noise_multiplier: float, steps: int) -> DpSgd: ...
+
+
+@dataclass
+class OpenRound:
+    """The permit of one reserved round: what it covers, and what the body has taken of it."""
+
+    round: int
+    charge_id: int
+    steps: int
+    noise_multiplier: float
+    sampling_rate: float
+    steps_taken: int = 0
+    touched: bool = False
+    closed: bool = False
+
+    def touch(self) -> None:
+        """Mark that the body read the silo's data (the round's charge can no longer be released)."""
+        self.touched = True
+
+    def take(self, *, noise_multiplier: float | None = None, sampling_rate: float | None = None) -> float:
+        """Permit one step, or raise `StepNotCovered`. Returns the reserved noise multiplier."""
+        if self.closed:
+            raise StepNotCovered(f"round {self.round} is closed: no reservation covers a step outside its `with` block")
+        if self.steps_taken >= self.steps:
+            raise StepNotCovered(f"round {self.round} reserved {self.steps} steps; step {self.steps_taken + 1} is not covered")
+        if noise_multiplier is not None and not noise_multiplier >= self.noise_multiplier * (1 - _SLACK):
+            raise StepNotCovered(
+                f"round {self.round} reserved noise_multiplier={self.noise_multiplier!r}; "
+                f"a step at {noise_multiplier!r} is not covered"
+            )
+        if sampling_rate is not None and not sampling_rate <= self.sampling_rate * (1 + _SLACK):
+            raise StepNotCovered(
+                f"round {self.round} reserved sampling rate {self.sampling_rate!r}; a step at {sampling_rate!r} is not covered"
+            )
+        self.steps_taken += 1
+        self.touched = True
+        return self.noise_multiplier
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round: int
+    charge_id: int
+    steps_reserved: int
+    steps_taken: int
+    noise_multiplier: float
+    status: ChargeStatus
+    sampler: str  # how the round's batches were drawn ("poisson"), as the charged mechanism assumes
+    epsilon_spent: float | None  # the silo's ε after the settlement; None where an earlier attempt had settled it
+    error: str | None = None  # the body's exception, where it raised
+
+
+class RoundGate:
+    """Reserve → train → commit around each round of a silo's own training loop."""
+
+    def __init__(self, client: LedgerClient, *, silo_id: int, sampler: DeclaresDpSgd, job_id: str | None = None) -> None:
+        self.client, self.silo_id, self.sampler = client, silo_id, sampler
+        # A fresh job id per gate unless one is given: re-running a script with the same job_id
+        # replays its rounds (and trains on none of them); a new one asks for new rounds.
+        self.job_id = job_id if job_id is not None else f"gate-{secrets.token_hex(6)}"
+        if sampler.kind != "poisson":
+            raise ValueError(f"the sampler samples {sampler.kind!r}; a dpsgd charge means Poisson sampling, so it is refused")
+        self.registered: SiloDetail = client.silo(silo_id)
+        if self.registered.dataset_size != sampler.dataset_size:
+            raise ValueError(
+                f"silo {silo_id} is registered with dataset_size={self.registered.dataset_size} but the sampler draws "
+                f"from {sampler.dataset_size} records: the ledger charges q = batch_size / {self.registered.dataset_size}"
+            )
+        self.results: list[RoundResult] = []
+        self._next_round = 0
+        self._denied: Denied | None = None
+
+    def calibrate(self, *, rounds: int, steps_per_round: int) -> SiloCalibration:
+        """The smallest σ (rounded up) with which `rounds` more rounds fit what the silo has left."""
+        return self.client.calibrate_silo(
+            self.silo_id, batch_size=self.sampler.batch_size, steps_per_round=steps_per_round, rounds=rounds
+        )
+
+    def mechanism(self, *, steps: int, noise_multiplier: float) -> DpSgd:
+        return self.sampler.dpsgd(noise_multiplier=noise_multiplier, steps=steps)
+
+    def idempotency_key(self, round: int) -> str:
+        return f"{self.job_id}/silo-{self.silo_id}/round-{round}"
+
+    # Hooks for adapters (the Opacus gate attaches the permit to its accountant).
+    def _opened(self, permit: OpenRound) -> None:
+        pass
+
+    def _closed(self, permit: OpenRound) -> None:
+        pass
+
+    def default_noise_multiplier(self) -> float:
+        """σ of a round that names none (an adapter reads it off its optimizer)."""
+        raise ValueError("noise_multiplier is required: the round's σ (see calibrate())")
+
+    @contextmanager
+    def round(self, *, steps: int, noise_multiplier: float | None = None, round: int | None = None) -> Iterator[OpenRound]:
+        """Reserve `steps` steps at σ = noise_multiplier, run the body on a fresh reservation, settle."""
+        if noise_multiplier is None:
+            noise_multiplier = self.default_noise_multiplier()
+        if self._denied is not None:
+            raise self._denied  # final: the ledger refused this silo once, and its budget only grows spent
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1. Found {steps!r}.")
+        if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
+            raise ValueError(f"noise_multiplier must be finite and > 0. Found {noise_multiplier!r}.")
+        index = self._next_round if round is None else round
+        try:
+            reservation = self.client.reserve(
+                self.silo_id, mechanism=self.mechanism(steps=steps, noise_multiplier=noise_multiplier),
+                idempotency_key=self.idempotency_key(index), job_id=self.job_id, round=index,
+            )
+        except Denied as denied:
+            self._denied = denied
+            raise
+        if not reservation.may_train:
+            raise ReplayedCharge(reservation, round=index)
+        self._next_round = index + 1
+        permit = OpenRound(
+            round=index, charge_id=reservation.charge_id, steps=steps, noise_multiplier=noise_multiplier,
+            sampling_rate=self.sampler.batch_size / self.registered.dataset_size,
+        )
+        self._opened(permit)
+        try:
+            yield permit
+        except BaseException as error:
+            permit.closed = True
+            self._closed(permit)
+            try:
+                self._settle(permit, error=error)
+            except LedgerError as settle_error:
+                # The charge stays reserved, which the ledger counts as spent: the safe side.
+                error.add_note(f"the round's charge {permit.charge_id} stays reserved: {settle_error}")
+            raise
+        permit.closed = True
+        self._closed(permit)
+        self._settle(permit, error=None)
+
+    def _settle(self, permit: OpenRound, *, error: BaseException | None) -> None:
+        status, spent = ChargeStatus.committed, None
+        if error is not None and not permit.touched:
+            try:
+                spent = self.client.release(permit.charge_id)
+                status = ChargeStatus.released
+            except Rejected:
+                spent = self.client.commit(permit.charge_id)  # the ledger refused the release: keep it spent
+        else:
+            spent = self.client.commit(permit.charge_id)
+        self.results.append(RoundResult(
+            round=permit.round, charge_id=permit.charge_id, steps_reserved=permit.steps, steps_taken=permit.steps_taken,
+            noise_multiplier=permit.noise_multiplier, status=status, sampler=self.sampler.kind, epsilon_spent=spent,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        ))

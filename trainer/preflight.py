@@ -1,0 +1,198 @@
+"""Before round 0 of `dpledger train`: the ledger's view of every silo, checked with that silo's own
+key, and the plan (what a round costs each silo, and how many rounds its remaining budget buys).
+
+httpx only (no torch): a wrong key, an unknown silo id, a re-used job id or a ledger that is down is
+one line per silo before any data is loaded. Every ε here is the service's own (POST /v1/quote with
+the silo), so the plan and the approvals cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dpledger.trainer.client import LedgerClient, Rejected, Retry, Unreachable
+from dpledger.trainer.job_config import JobConfig, SiloKey, silo_key
+from dpledger.wire.schemas import SiloDetail
+
+PREFLIGHT_RETRY = Retry(attempts=3, first_delay=0.2)  # a ledger that is down is said in ~1 s, not ~6
+HISTORY_PAGE = 10_000
+
+
+class PreflightError(Exception):
+    """What the ledger said about the job's silos, one problem a line; `unreachable` when it said nothing."""
+
+    def __init__(self, problems: Sequence[str], *, unreachable: bool = False) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+        self.unreachable = unreachable
+
+
+@dataclass(frozen=True)
+class LedgerSilo:
+    """A silo as the ledger sees it (GET /v1/silos/{id} with its own key)."""
+
+    id: int
+    name: str
+    epsilon: float
+    delta: float
+    dataset_size: int
+    epsilon_spent: float | None  # None: unbounded (the API's null)
+    epsilon_remaining: float
+
+    @property
+    def label(self) -> str:
+        return f"silo {self.id} ({self.name})"
+
+
+def _detail(error: Rejected) -> str:
+    body = error.body
+    return str(body.get("detail")) if isinstance(body, dict) and "detail" in body else str(body)
+
+
+def check_silos(job: JobConfig, environ: Mapping[str, str]) -> list[LedgerSilo]:
+    """Each [[silos]] entry: its key is a live silo key, for that very silo, which exists; and no
+    charge of this job id is in its history yet (a re-run under the same id would replay the old
+    reservations and train again unpaid)."""
+    problems: list[str] = []
+    found: list[LedgerSilo] = []
+    for index, entry in enumerate(job.silos):
+        where = f"silos[{index}] (id {entry.id})"
+        with LedgerClient(job.url, silo_key(entry, environ), retry=PREFLIGHT_RETRY, timeout=10.0) as client:
+            try:
+                problem = _check_key(client, entry)
+                if problem is None:
+                    silo = ledger_silo(client.silo(entry.id))
+                    found.append(silo)
+                    problem = _check_job_unused(client, silo, job.job_id)
+            except Unreachable as error:
+                raise PreflightError([f"cannot reach the ledger at {job.url} (url): {error}"], unreachable=True) from None
+            except Rejected as error:
+                problem = f"the ledger refused to show silo {entry.id}: HTTP {error.status_code}: {_detail(error)}"
+        if problem is not None:
+            problems.append(f"{where}: {problem}")
+    if problems:
+        raise PreflightError(problems)
+    return found
+
+
+def _check_key(client: LedgerClient, entry: SiloKey) -> str | None:
+    try:
+        me = client.who_am_i()
+    except Rejected as error:
+        if error.status_code == 401:
+            return f"the key in {entry.key_source} is unknown to this ledger or revoked"
+        raise
+    if me.role != "silo":
+        return f"{entry.key_source} holds an {me.role.value} key; each silo trains with its own silo key"
+    if me.silo_id != entry.id:
+        return f"{entry.key_source} holds silo {me.silo_id}'s key, not silo {entry.id}'s: fix the id or the variable"
+    return None
+
+
+def ledger_silo(body: SiloDetail) -> LedgerSilo:
+    return LedgerSilo(
+        id=body.id, name=body.name, epsilon=body.epsilon, delta=body.delta, dataset_size=body.dataset_size,
+        epsilon_spent=body.epsilon_spent, epsilon_remaining=body.epsilon_remaining,
+    )
+
+
+def _check_job_unused(client: LedgerClient, silo: LedgerSilo, job_id: str) -> str | None:
+    after, rounds = 0, set()
+    while True:
+        page = client.history_page(silo.id, after_seq=after, limit=HISTORY_PAGE)
+        rounds |= {e.round for e in page if e.job_id == job_id and e.event == "reserve"}
+        if len(page) < HISTORY_PAGE:
+            break
+        after = page[-1].seq
+    if not rounds:
+        return None
+    known = sorted(r for r in rounds if r is not None)
+    span = f" (rounds {known[0]}–{known[-1]})" if known else ""
+    return f"{silo.label} already has charges of job_id {job_id!r}{span}: give this run a new job_id"
+
+
+def check_sizes(silos: Sequence[LedgerSilo], n_train: Sequence[int]) -> list[str]:
+    """The ledger charges q = B / its registered dataset_size: data with fewer records than that
+    would be sampled at a larger q than charged, so the run is refused (fail closed)."""
+    return [
+        f"{silo.label}: the data has {n} training records but the ledger charges as if it had {silo.dataset_size} "
+        f"(dataset_size): q would be under-charged; register the silo with dataset_size = {n}"
+        for silo, n in zip(silos, n_train, strict=True)
+        if n < silo.dataset_size
+    ]
+
+
+# --- the plan ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SiloPlan:
+    silo: LedgerSilo
+    round_epsilon: float | None  # one round alone, at the silo's δ (None: unbounded)
+    affordable_rounds: int  # rounds its remaining budget buys, at most `horizon`
+    horizon: int  # the most rounds searched
+
+
+def _composition(mechanisms: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Consecutive equal mechanisms as self_composed runs, so that a long plan is a short request."""
+    runs: list[list[Any]] = []
+    for mechanism in mechanisms:
+        if runs and runs[-1][0] == mechanism:
+            runs[-1][1] += 1
+        else:
+            runs.append([mechanism, 1])
+    events = [m if n == 1 else {"type": "self_composed", "count": n, "event": m} for m, n in runs]
+    return events[0] if len(events) == 1 else {"type": "composed", "events": events}
+
+
+def plan_silo(
+    client: LedgerClient, silo: LedgerSilo, mechanism_of_round: Callable[[int], dict[str, Any] | None], *, horizon: int
+) -> SiloPlan:
+    """The largest N ≤ horizon such that the silo's ε, were rounds 0..N-1 added to what it has spent,
+    stays within its budget: a doubling then a bisection over the service's quotes."""
+    declared = [m for m in (mechanism_of_round(r) for r in range(horizon))]
+
+    def fits(n: int) -> bool:
+        spent = [m for m in declared[:n] if m is not None]
+        if not spent:
+            return True
+        after = client.quote(_composition(spent), silo_id=silo.id).epsilon_if_approved
+        return after is not None and after <= silo.epsilon
+
+    first = next((m for m in declared if m is not None), None)
+    round_epsilon = None if first is None else client.quote(first, silo_id=silo.id).epsilon
+    low, high = 0, 1  # fits(low) holds; search the first n that does not fit
+    while high <= horizon and fits(high):
+        low, high = high, high * 2
+    high = min(high, horizon + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return SiloPlan(silo=silo, round_epsilon=round_epsilon, affordable_rounds=low, horizon=horizon)
+
+
+def sigma_up(sigma: float, digits: int = 4) -> str:
+    """σ shown to `digits` significant digits, rounded up: a rounded-down σ could overspend."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(sigma)))
+    return f"{math.ceil(sigma * scale - 1e-9) / scale:.{digits}g}"
+
+
+def format_plan(plans: Sequence[SiloPlan], *, rounds: int, sigmas: Sequence[float | None] | None = None) -> str:
+    header: tuple[str, ...] = ("silo", "name", "ε budget", "ε spent", "ε of one round", f"rounds it buys (of {rounds})")
+    if sigmas is not None:
+        header = (*header, f"σ for all {rounds} rounds")
+    rows: list[tuple[str, ...]] = []
+    for index, p in enumerate(plans):
+        spent = "inf" if p.silo.epsilon_spent is None else f"{p.silo.epsilon_spent:.4g}"
+        one = "inf" if p.round_epsilon is None else f"{p.round_epsilon:.4g}"
+        bought = f"≥ {p.horizon}" if p.affordable_rounds >= p.horizon else str(p.affordable_rounds)
+        row: tuple[str, ...] = (str(p.silo.id), p.silo.name, f"{p.silo.epsilon:.4g}", spent, one, bought)
+        if sigmas is not None:
+            sigma = sigmas[index]
+            row = (*row, "—" if sigma is None else sigma_up(sigma))
+        rows.append(row)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])
