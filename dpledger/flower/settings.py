@@ -112,7 +112,7 @@ class RunSettings:
         if not isinstance(out, str):
             raise SettingsError(f"{where}: 'out' must be a path or ''. Found {out!r}.")
         return cls(
-            algorithm=algorithm,  # type: ignore[arg-type]  # checked against ALGORITHMS just above
+            algorithm=algorithm,  # narrowed to the Literal by the membership test above
             rounds=_int(config, "rounds", where, minimum=1),
             local_steps=_int(config, "local-steps", where, minimum=1),
             batch_size=_int(config, "batch-size", where, minimum=1),
