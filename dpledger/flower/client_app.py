@@ -48,14 +48,14 @@ def train(message: Message, context: Context) -> Message:
     if received.shape != (model.size,):
         raise ValueError(f"the server's model has {received.shape[0]} parameters, this model {model.size}")
     anchor: torch.Tensor | None = None
-    if algorithm == "mrmtl":
+    if algorithm in ("mrmtl", "pmtl"):
         personal = context.state.array_records.get(records.PERSONAL)
         start = records.from_record(personal) if personal is not None else received
         anchor = received  # the server's mean of the personal models
     elif algorithm == "fedavg":
         start = received
     else:
-        raise ValueError(f"train config 'algorithm' must be 'fedavg' or 'mrmtl'. Found {algorithm!r}.")
+        raise ValueError(f"train config 'algorithm' must be 'fedavg', 'mrmtl' or 'pmtl'. Found {algorithm!r}.")
 
     # A tiny model: one thread trains it as fast as many, and leaves the site's other cores alone.
     torch.set_num_threads(1)
@@ -66,7 +66,7 @@ def train(message: Message, context: Context) -> Message:
                      clip_norm=_number(config, "clip-norm"), lr=_number(config, "lr"), anchor=anchor,
                      lam=_number(config, "lam") if anchor is not None else 0.0)
     train_seconds = time.perf_counter() - started
-    if algorithm == "mrmtl":
+    if algorithm in ("mrmtl", "pmtl"):
         context.state.array_records[records.PERSONAL] = records.to_record(trained)
     # The norm goes to the ledger through the gate with the silo's key, never into the reply.
     context.state.config_records[records.OUTCOME] = ConfigRecord(
@@ -83,7 +83,7 @@ def evaluate(message: Message, context: Context) -> Message:
     config = _config(message)
     model = template(seed=int(_number(config, "seed")))
     personal = context.state.array_records.get(records.PERSONAL)
-    if config.get("algorithm") == "mrmtl" and personal is not None:
+    if config.get("algorithm") in ("mrmtl", "pmtl") and personal is not None:
         params = records.from_record(personal)
     else:
         params = records.from_record(message.content.array_records[records.ARRAYS])

@@ -19,6 +19,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from dpledger.flower import records
 from dpledger.flower.local import load_silo_file, round_mechanism
 from dpledger.flower.settings import SettingsError, SiloSettings
+from dpledger.trainer.aggregation.pmtl import pmtl_record_level_mechanism
 from dpledger.trainer.client import Denied, LedgerClient, LedgerError
 
 log = logging.getLogger("flwr.dpledger.silo")
@@ -42,12 +43,24 @@ def _order(message: Message) -> tuple[int, int, int, int]:
     return values[0], values[1], values[2], values[3]
 
 
+def _pmtl_noise(message: Message) -> float | None:
+    """The server's noise multiplier when the round is PMTL's (the server noises the aggregate), else None."""
+    config = message.content.config_records[records.CONFIG]
+    if config.get("algorithm") != "pmtl":
+        return None
+    z = config.get("server-noise")
+    if isinstance(z, bool) or not isinstance(z, int | float) or not z > 0:
+        raise ValueError(f"train config 'server-noise' must be a number > 0. Found {z!r}.")
+    return float(z)
+
+
 def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
     if message.metadata.message_type != MessageType.TRAIN:
         return call_next(message, context)
     try:
         silo = SiloSettings.from_node_config(context.node_config)
         job_id, round_index, steps, batch_size = _order(message)
+        server_noise = _pmtl_noise(message)
         dataset_size = load_silo_file(silo.data_path).size
         key = silo.api_key()
     except (SettingsError, ValueError) as error:
@@ -64,8 +77,17 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
                 log.error("round not run: %s holds %d records, fewer than the %d registered", silo.data_path,
                           dataset_size, registered)
                 return records.status_reply(message, records.FAILED)
-            mechanism = round_mechanism(dataset_size=dataset_size, batch_size=batch_size,
-                                        noise_multiplier=silo.noise_multiplier, steps=steps)
+            if server_noise is None:
+                mechanism = round_mechanism(dataset_size=dataset_size, batch_size=batch_size,
+                                            noise_multiplier=silo.noise_multiplier, steps=steps)
+            else:
+                # PMTL (Hu et al., "Private Multi-Task Learning", Alg. 1): the silo trains without
+                # noise and the trusted server adds N(0, z²γ²) to the sum of clipped updates. Every
+                # silo the server asks takes part (no amplification from client sampling, which the
+                # ledger cannot verify), and one record can move a clipped update by up to 2γ: the
+                # Gaussian with multiplier z/2 (`pmtl_record_level_mechanism`), the safe side of the
+                # client-level z.
+                mechanism = dict(pmtl_record_level_mechanism(noise_multiplier=server_noise))
             reservation = ledger.reserve(silo.silo_id, mechanism=mechanism,
                                          idempotency_key=idempotency_key(job_id, round_index, silo.silo_id),
                                          job_id=str(job_id), round=round_index)
@@ -83,7 +105,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
 
         context.state.config_records[records.APPROVAL] = ConfigRecord({
             "job-id": job_id, "round": round_index, "steps": steps, "batch-size": batch_size,
-            "noise-multiplier": silo.noise_multiplier,
+            "noise-multiplier": silo.noise_multiplier if server_noise is None else 0.0,
         })
         context.state.config_records.pop(records.OUTCOME, None)
         try:

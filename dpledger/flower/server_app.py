@@ -1,4 +1,4 @@
-"""The ServerApp: one ledger job per run, FedAvg or MR-MTL over the silos that are still training.
+"""The ServerApp: one ledger job per run, FedAvg, MR-MTL or PMTL over the silos still training.
 
 It holds a coordinator key only (create the job; read groups), so nothing it could log or forward
 holds a budget, an ε or a norm: silos answer "declined" when they stop, and report their norms to
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -20,6 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 from dpledger.flower import records
 from dpledger.flower.local import template
 from dpledger.flower.settings import RunSettings
+from dpledger.trainer.aggregation.pmtl import pmtl_server_step
 from dpledger.trainer.client import LedgerClient
 
 # Under "flwr", so the lines reach the SuperLink log and `flwr run --stream` like Flower's own.
@@ -101,7 +103,7 @@ def main(grid: Grid, context: Context) -> None:
         config = ConfigRecord({
             "job-id": job_id, "round": round_index, "algorithm": settings.algorithm, "seed": settings.seed,
             "local-steps": settings.local_steps, "batch-size": settings.batch_size, "lr": settings.lr,
-            "clip-norm": settings.clip_norm, "lam": settings.lam,
+            "clip-norm": settings.clip_norm, "lam": settings.lam, "server-noise": settings.server_noise,
         })
         messages = [
             Message(RecordDict({records.ARRAYS: records.to_record(shared), records.CONFIG: config}), node,
@@ -112,7 +114,8 @@ def main(grid: Grid, context: Context) -> None:
         replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
         trained: list[torch.Tensor] = []
-        for node in sorted(active):
+        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl_server_step)
+        for node in asked:
             reply = replies.get(node)
             status = records.reply_status(reply) if reply is not None else "no reply"
             entry.status[silos[node]] = status
@@ -132,6 +135,16 @@ def main(grid: Grid, context: Context) -> None:
         elif settings.algorithm == "mrmtl":
             # The mean of all personal models, a stopped silo's frozen one included (post-processing).
             shared = torch.stack([latest[node] for node in sorted(silos)]).mean(0)
+        elif settings.algorithm == "pmtl":
+            # Hu et al., "Private Multi-Task Learning", Alg. 1 line 8: clip each asked silo's update,
+            # sum those that trained, add N(0, z²γ²), divide by the number asked. The noise is drawn
+            # whatever answered, from OS randomness no silo can predict.
+            took_part = torch.tensor([entry.status[silos[node]] == records.TRAINED for node in asked])
+            updates = torch.stack([latest[node] - shared if bool(took_part[i]) else torch.zeros_like(shared)
+                                   for i, node in enumerate(asked)])
+            shared = pmtl_server_step(shared, updates, took_part, clip_norm=settings.update_clip,
+                                      noise_multiplier=settings.server_noise, sampling_rate=1.0,
+                                      generator=torch.Generator().manual_seed(secrets.randbits(63)))
         run.rounds.append(entry)
         counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
         log.info("round %d: %s in %.2f s", round_index, counts, entry.seconds)

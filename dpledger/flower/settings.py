@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Literal
 
 ConfigValue = bool | float | int | str
-Algorithm = Literal["fedavg", "mrmtl"]
-ALGORITHMS: tuple[Algorithm, ...] = ("fedavg", "mrmtl")
+Algorithm = Literal["fedavg", "mrmtl", "pmtl"]
+ALGORITHMS: tuple[Algorithm, ...] = ("fedavg", "mrmtl", "pmtl")
 
 
 class SettingsError(ValueError):
@@ -95,6 +95,9 @@ class RunSettings:
     lr: float
     clip_norm: float
     lam: float
+    # PMTL: the server's noise multiplier z on the sum of clipped model updates (clip norm `update-clip`).
+    server_noise: float
+    update_clip: float
     seed: int
     min_nodes: int
     round_timeout: float
@@ -119,6 +122,8 @@ class RunSettings:
             lr=_float(config, "lr", where, positive=True),
             clip_norm=_float(config, "clip-norm", where, positive=True),
             lam=_float(config, "lam", where, positive=False),
+            server_noise=_float(config, "server-noise", where, positive=True),
+            update_clip=_float(config, "update-clip", where, positive=True),
             seed=_int(config, "seed", where, minimum=0),
             min_nodes=_int(config, "min-nodes", where, minimum=1),
             round_timeout=_float(config, "round-timeout", where, positive=True),

@@ -1,5 +1,5 @@
 """A real federation on 127.0.0.1: `dpledger serve`, `flower-superlink --insecure`, three
-`flower-supernode`s (each its own data file and key file), and `flwr run` of FedAvg, then MR-MTL.
+`flower-supernode`s (each its own data file and key file), and `flwr run` of FedAvg, MR-MTL, PMTL.
 
 Slow by nature (every round starts a ClientApp process per silo): one federation serves both runs.
 """
@@ -27,11 +27,14 @@ ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower mark
 RUN_TIMEOUT = 560.0
 
 
-def epsilon_after(rounds: int) -> float:
-    """dp-accounting's ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n."""
+def epsilon_after(rounds: int, pmtl_rounds: int = 0) -> float:
+    """dp-accounting's ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n,
+    then `pmtl_rounds` Gaussians at SERVER_NOISE / 2."""
     accountant = rdp_lib.RdpAccountant()
     event = de.PoissonSampledDpEvent(BATCH / TRAIN, de.GaussianDpEvent(SIGMA))
     accountant.compose(de.SelfComposedDpEvent(event, STEPS * rounds))
+    if pmtl_rounds:
+        accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(SERVER_NOISE / 2), pmtl_rounds))
     return float(accountant.get_epsilon(DELTA))
 
 
@@ -45,8 +48,12 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
         yield f
 
 
-def run_config(fed: Federation, algorithm: str, out: Path) -> dict[str, Any]:
-    return {"algorithm": algorithm, "rounds": ROUNDS, "local-steps": STEPS, "batch-size": BATCH, "lam": 0.5,
+SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
+
+
+def run_config(fed: Federation, algorithm: str, out: Path, rounds: int = ROUNDS) -> dict[str, Any]:
+    return {"algorithm": algorithm, "rounds": rounds, "local-steps": STEPS, "batch-size": BATCH, "lam": 0.5,
+            "server-noise": SERVER_NOISE,
             "min-nodes": 3, "round-timeout": ROUND_TIMEOUT, "ledger-url": fed.ledger_url,
             "coordinator-key-file": str(fed.coordinator_key_file), "out": str(out)}
 
@@ -75,7 +82,7 @@ def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> N
             assert not any(n.startswith(f"{value:.3f}") for n in numbers if value > 0), value
 
 
-def test_fedavg_then_mrmtl_over_flower(fed: Federation) -> None:
+def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     # --- FedAvg: silo 0 trains two rounds, is declined in the third, and is asked no more.
     out = fed.folder / "fedavg.json"
     finished = fed.run(timeout=RUN_TIMEOUT, **run_config(fed, "fedavg", out))
@@ -133,3 +140,20 @@ def test_fedavg_then_mrmtl_over_flower(fed: Federation) -> None:
     assert [e.event for e in history].count("release") == 0
     assert two.epsilon_spent == pytest.approx(epsilon_after(2 * ROUNDS), rel=1e-9)
     assert_budget_blind(fed, text + (fed.folder / "superlink.log").read_text(), mrmtl)
+
+    # --- PMTL: the killed site comes back (a new SuperNode, the same key and data); the server
+    # noises the aggregate and each silo that trains is charged the Gaussian at z/2 per round.
+    fed.start_supernode(victim)
+    out = fed.folder / "pmtl.json"
+    finished = fed.run(timeout=RUN_TIMEOUT, **run_config(fed, "pmtl", out, rounds=2))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    pmtl = json.loads(out.read_text())
+    assert [e["status"] for e in pmtl["rounds"]] == [
+        {str(ids[0]): "declined", str(ids[1]): "trained", str(ids[2]): "trained"},
+        {str(ids[1]): "trained", str(ids[2]): "trained"},
+    ]
+    with fed.ledger() as admin:
+        one, two = admin.silo(ids[1]), admin.silo(ids[2])
+    assert one.epsilon_spent == pytest.approx(epsilon_after(ROUNDS + 2, pmtl_rounds=2), rel=1e-9)
+    assert two.epsilon_spent == pytest.approx(epsilon_after(2 * ROUNDS, pmtl_rounds=2), rel=1e-9)
+    assert_budget_blind(fed, finished.stdout + finished.stderr, pmtl)

@@ -62,9 +62,9 @@ def silo_context(ledger: str, folder: Path, *, budget: float) -> tuple[int, Cont
     return job_id, Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
 
 
-def train_message(job_id: int, round_index: int) -> Message:
-    config = ConfigRecord({"job-id": job_id, "round": round_index, "algorithm": "fedavg", "seed": 0, "local-steps": STEPS,
-                           "batch-size": BATCH, "lr": 0.5, "clip-norm": 1.0, "lam": 0.0})
+def train_message(job_id: int, round_index: int, *, algorithm: str = "fedavg", server_noise: float = 1.0) -> Message:
+    config = ConfigRecord({"job-id": job_id, "round": round_index, "algorithm": algorithm, "seed": 0, "local-steps": STEPS,
+                           "batch-size": BATCH, "lr": 0.5, "clip-norm": 1.0, "lam": 0.5, "server-noise": server_noise})
     content = RecordDict({records.ARRAYS: records.to_record(template(seed=0).initial()), records.CONFIG: config})
     return Message(content, 7, MessageType.TRAIN, group_id=str(round_index))
 
@@ -123,3 +123,19 @@ def test_silo_settings_come_from_the_node_config_only(ledger: str, tmp_path: Pat
     trainer = Counting()
     reply = ledger_gate(train_message(job_id, 0), context, trainer)
     assert records.reply_status(reply) == records.FAILED and trainer.calls == 0
+
+
+def test_a_pmtl_round_charges_the_servers_gaussian_at_record_level(ledger: str, tmp_path: Path) -> None:
+    """PMTL: the silo trains without noise and is charged the server's Gaussian on the sum of clipped
+    updates, z/2 for one record (an update moves by up to 2γ), with no amplification."""
+    job_id, context = silo_context(ledger, tmp_path, budget=10.0)
+    trainer = Counting()
+    for round_index in range(2):
+        reply = ledger_gate(train_message(job_id, round_index, algorithm="pmtl", server_noise=3.0), context, trainer)
+        assert records.reply_status(reply) == records.TRAINED
+    assert records.PERSONAL in context.state.array_records  # the personal model stays at the silo
+    accountant = rdp_lib.RdpAccountant()
+    accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(1.5), 2))
+    with LedgerClient(ledger, ADMIN) as admin:
+        detail = admin.silo(int(context.node_config["silo-id"]))
+    assert detail.epsilon_committed == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-9)
