@@ -1,6 +1,9 @@
-# The ledger service (control plane) only: no torch in this image.
-# docker build -t dpledger . && docker run -p 8000:8000 -v dpledger-data:/data dpledger
-# First start: docker run --rm -v dpledger-data:/data dpledger init   (prints the first admin key once)
+# The ledger service (control plane) only: no torch in this image. Production mode needs the
+# Ed25519 key that signs the transparency log (openssl genpkey -algorithm ed25519 -out log.pem):
+#   K="-v $PWD/log.pem:/run/secrets/log.pem:ro -e DPLEDGER_SIGNING_KEY_FILE=/run/secrets/log.pem"
+#   docker build -t dpledger .
+#   docker run --rm $K -v dpledger-data:/data dpledger init          # prints the first admin key once
+#   docker run $K -p 8000:8000 -v dpledger-data:/data dpledger       # serves
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \

@@ -13,7 +13,7 @@ schema; workers 2 and 4; skipped when 127.0.0.1:5432 does not answer):
 * for a repeated (q, σ) pair (the curve cache hits) and for a fresh σ on every request (dp-accounting
   computes a curve);
 * the time dp-accounting takes to replay a 1,000-charge history from scratch, beside our p50;
-* CPU per request of the load generator, the server tree and PostgreSQL (from /proc), and the cores
+* CPU per request of the load generator, the server tree and PostgreSQL (psutil), and the cores
   that other processes used meanwhile (the machine may be shared).
 
 The big history is seeded in bulk through the ledger's own functions (`charges.prepare`,
@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -47,18 +48,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
+import numpy as np
 from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.orm import Session
 
 from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.ledger import audit, charges, silos
-from dpledger.service.ledger.db import (
-    make_engine,
-    make_session_factory,
-    migrate,
-    write_transaction,
-)
+from dpledger.service.ledger.db import Database, make_engine, migrate
 from dpledger.service.ledger.models import (
     Charge,
     ChargeStatus,
@@ -67,6 +65,18 @@ from dpledger.service.ledger.models import (
     Silo,
 )
 from dpledger.wire.mechanisms import DpSgd
+
+from _harness import (
+    CpuSnapshot,
+    RawClient,
+    balance_connections,
+    cpu_snapshot,
+    find_server_root,
+    grown,
+    json_safe,
+    log,
+    wait_until_settled,
+)
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -78,13 +88,6 @@ SEED_SIGMAS = (1.0, 1.1, 1.2, 1.3)  # the big history cycles over these pairs
 SMALL_HISTORY = 10
 
 
-_T0 = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"# {time.perf_counter() - _T0:6.1f}s {message}", file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------------------------------------
 # Seeding a long history in bulk, with the ledger's own functions
 
@@ -93,7 +96,7 @@ def seed_mechanism(i: int) -> DpSgd:
     return DpSgd(batch_size=BATCH_SIZE, noise_multiplier=SEED_SIGMAS[i % len(SEED_SIGMAS)], steps=1)
 
 
-def _allocate_charge_ids(session, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _allocate_charge_ids(session: Session, count: int) -> list[int]:
     """The ids `reserve`'s flush would get: the serial's next values (PostgreSQL), or max(rowid) + 1
     onwards (SQLite; the caller holds the write lock, so nobody else inserts meanwhile)."""
     if session.get_bind().dialect.name == "postgresql":
@@ -108,26 +111,26 @@ def _allocate_charge_ids(session, count: int) -> list[int]:  # type: ignore[no-u
 _EPSILON_PATHS: dict[tuple[str, float, int, int, int], list[float]] = {}
 
 
-def seed_bulk(factory, silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:  # type: ignore[no-untyped-def]
+def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:
     """Appends `count` reserved charges to the silo, `batch` per transaction: exactly what
-    `charges.reserve(factory, silo_id=…, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}",
+    `charges.reserve(db, silo_id=…, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}",
     job_id="seed", round=i)` would append one by one (same fields, curves, ε after, hash chain).
 
     What depends only on the pair (its curve and their JSON) is computed once per pair, and the path
     of ε after each charge once per starting sum (a second database with the same history reuses it)."""
-    with factory() as session:
+    with db.read() as session:
         pairs = {}
-        for k, sigma in enumerate(SEED_SIGMAS):
-            resolved, curve = charges.prepare(session, silo_id, seed_mechanism(k))
-            pairs[sigma] = (curve, resolved.model_dump_json(), curve_to_json(curve))
         silo = silos.get(session, silo_id)
+        for k, sigma in enumerate(SEED_SIGMAS):
+            priced = charges.price(seed_mechanism(k), silo=silo, charged=True)
+            pairs[sigma] = (priced.curve, priced.mechanism.model_dump_json(), curve_to_json(priced.curve))
         path_key = (silo.rdp_spent, silo.delta, silo.dataset_size, start, count)
     path = _EPSILON_PATHS.get(path_key)
     fresh_path: list[float] = []
     done = 0
     while done < count:
         k = min(batch, count - done)
-        with write_transaction(factory) as session:
+        with db.write() as session:
             silo = silos.lock(session, silo_id)
             spent = RunningSum.from_json(silo.rdp_spent)
             ids = _allocate_charge_ids(session, k)
@@ -172,17 +175,15 @@ def check_bulk_seeding(count: int = 25) -> str:
         url = f"sqlite:///{tmp}/check.db"
         migrate(url)
         engine = make_engine(url)
-        factory = make_session_factory(engine)
-        a, _ = silos.register(factory, name="by-reserve", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
-        b, _ = silos.register(factory, name="by-bulk", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+        db = Database(engine)
+        a, _ = silos.register(db, name="by-reserve", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+        b, _ = silos.register(db, name="by-bulk", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
         for i in range(count):
-            charges.reserve(
-                factory, silo_id=a.id, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}", job_id="seed", round=i
-            )
-        seed_bulk(factory, b.id, count, batch=10)
+            charges.reserve(db, silo_id=a.id, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}", job_id="seed", round=i)
+        seed_bulk(db, b.id, count, batch=10)
         charge_cols = ("idempotency_key", "request_hash", "mechanism", "rdp", "order_grid", "conversion", "status",
                        "job_id", "round", "epsilon_spent_after")
-        with factory() as session:
+        with db.read() as session:
             def state(silo_id: int) -> tuple[Any, ...]:
                 silo = session.get(Silo, silo_id)
                 cs = session.scalars(select(Charge).where(Charge.silo_id == silo_id).order_by(Charge.id)).all()
@@ -198,160 +199,6 @@ def check_bulk_seeding(count: int = 25) -> str:
     if not same or not report.ok:
         raise RuntimeError(f"bulk seeding differs from reserve(): same={same} verify={report.problems[:3]}")
     return f"bulk seeding == reserve() loop for {count} charges (fields, curves, ε after, running sum), audit.verify ok"
-
-
-# --------------------------------------------------------------------------------------------------
-# CPU accounting from /proc (no psutil): the load generator, the server tree, PostgreSQL, the machine
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_stat(pid: int) -> tuple[int, str, float] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
-    rest = raw[raw.rindex(")") + 2 :].split()
-    return int(rest[1]), comm, (int(rest[11]) + int(rest[12])) / _TICK  # ppid, comm, utime+stime
-
-
-def _all_procs() -> dict[int, tuple[int, str, float]]:
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _proc_stat(int(entry))
-            if st is not None:
-                out[int(entry)] = st
-    return out
-
-
-def _machine_busy() -> tuple[float, float]:
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields) - idle) / _TICK, sum(fields) / _TICK
-
-
-@dataclass
-class CpuSnapshot:
-    client: float
-    server: dict[int, float]  # per pid: a process that exits between two snapshots is lost, never negative
-    postgres: dict[int, float]
-    busy: float
-    total: float
-
-
-def cpu_snapshot(server_root: int | None) -> CpuSnapshot:
-    procs = _all_procs()
-    tree: set[int] = set()
-    if server_root is not None:
-        tree = {server_root}
-        grew = True
-        while grew:
-            grew = False
-            for pid, (ppid, _, _) in procs.items():
-                if ppid in tree and pid not in tree:
-                    tree.add(pid)
-                    grew = True
-    server = {p: procs[p][2] for p in tree if p in procs}
-    postgres = {pid: cpu for pid, (_, comm, cpu) in procs.items() if comm.startswith("postgres")}
-    busy, total = _machine_busy()
-    return CpuSnapshot(time.process_time(), server, postgres, busy, total)
-
-
-def _grown(before: dict[int, float], after: dict[int, float]) -> float:
-    return sum(cpu - before.get(pid, 0.0) for pid, cpu in after.items())
-
-
-def wait_until_settled(root: int | None, workers: int, timeout: float = 120.0) -> float:
-    """`running_server` returns once one worker answers; the others may still be importing (or be
-    respawning: a worker can die at start-up, see the report). Wait until `workers` live workers
-    exist and the server tree burns < 5 % of a core over half a second."""
-    t0 = time.perf_counter()
-    if root is None:
-        return 0.0
-    while time.perf_counter() - t0 < timeout:
-        before = cpu_snapshot(root)
-        time.sleep(0.5)
-        after = cpu_snapshot(root)
-        live = len(worker_pids(root)) if workers > 1 else 1
-        if live >= workers and _grown(before.server, after.server) < 0.025:
-            break
-    return time.perf_counter() - t0
-
-
-def find_server_root() -> int | None:
-    me = os.getpid()
-    for pid, (ppid, _, _) in _all_procs().items():
-        if ppid == me:
-            try:
-                if b"dpledger.service.serving" in Path(f"/proc/{pid}/cmdline").read_bytes():  # ServerProcess's command
-                    return pid
-            except OSError:
-                pass
-    return None
-
-
-def worker_pids(root: int | None) -> list[int]:
-    if root is None:
-        return []
-    procs = _all_procs()
-    workers = []
-    for pid, (ppid, _, _) in procs.items():
-        if ppid == root:
-            try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    workers.append(pid)
-            except OSError:
-                pass
-    return sorted(workers) or [root]
-
-
-def connection_owners(server_port: int) -> dict[int, int] | None:
-    """client port -> pid of the uvicorn worker that accepted it (from `ss`), None without `ss`."""
-    import re
-    import subprocess
-
-    try:
-        out = subprocess.run(["ss", "-tnpH", "state", "established", "sport", f"= :{server_port}"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    owners = {}
-    for m in re.finditer(r"127\.0\.0\.1:(\d+)\s+127\.0\.0\.1:(\d+)\s+users:\(\(\"[^\"]*\",pid=(\d+)", out):
-        if int(m.group(1)) == server_port:
-            owners[int(m.group(2))] = int(m.group(3))
-    return owners
-
-
-async def balance_connections(loader: RawClient, root: int | None, workers: int, tries: int = 400) -> list[int] | None:
-    """With several workers on one listening socket, the kernel hands most keep-alive connections
-    to one worker (15 of 16 seen here), which makes `--workers 2` serve like 1. Close connections
-    of the busiest worker and reconnect until each worker holds its share. Returns connections per
-    worker (None when `ss` is missing)."""
-    pids = worker_pids(root)
-    target = math.ceil(loader.limit / max(len(pids), 1))
-    counts: Counter = Counter()
-    for _ in range(tries):
-        await loader.fill()
-        owners = connection_owners(loader.port)
-        if owners is None:
-            return None
-        stale = [p for p in loader.client_ports() if p not in owners]  # closed by the server meanwhile
-        for port in stale:
-            await loader.close_port(port)
-        if stale:
-            continue
-        mine = {p: owners[p] for p in loader.client_ports()}
-        counts = Counter({pid: 0 for pid in pids})
-        counts.update(mine.values())
-        if workers <= 1 or max(counts.values()) <= target:
-            break
-        busiest = max(counts, key=lambda pid: counts[pid])
-        victim = next(p for p, pid in mine.items() if pid == busiest)
-        await loader.close_port(victim)
-        await asyncio.sleep(0.005)
-    return sorted(counts.values(), reverse=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,8 +218,8 @@ class Tally:
 
     def add_cpu(self, before: CpuSnapshot, after: CpuSnapshot) -> None:
         self.client_cpu += after.client - before.client
-        self.server_cpu += _grown(before.server, after.server)
-        self.postgres_cpu += _grown(before.postgres, after.postgres)
+        self.server_cpu += grown(before.server, after.server)
+        self.postgres_cpu += grown(before.postgres, after.postgres)
         self.busy += after.busy - before.busy
         self.machine += after.total - before.total
 
@@ -395,103 +242,6 @@ def charge_body(key: str, sigma: float) -> bytes:
     }).encode()
 
 
-class RawClient:
-    """A minimal HTTP/1.1 keep-alive client on asyncio streams (~10x less CPU per request than
-    httpx.AsyncClient, which matters when the load generator shares 2 cores with the server).
-    One connection per concurrent caller, at most `limit` of them."""
-
-    def __init__(self, url: str, limit: int) -> None:
-        hostport = url.removeprefix("http://").rstrip("/")
-        self.host, port = hostport.rsplit(":", 1)
-        self.port = int(port)
-        self.limit = limit
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self.opened = 0
-
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> int:
-        return await self.request("POST", path, body, headers)
-
-    async def request(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> int:
-        head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        request = (
-            f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n{head}content-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        while True:
-            reused = False
-            while self.idle:
-                reader, writer = self.idle.pop()
-                if reader.at_eof() or writer.is_closing():  # uvicorn closes connections idle > 5 s
-                    writer.close()
-                    self.opened -= 1
-                    continue
-                reused = True
-                break
-            if not reused:
-                if self.opened >= self.limit:
-                    raise RuntimeError("more concurrent callers than connections")
-                reader, writer = await asyncio.open_connection(self.host, self.port)  # asyncio sets TCP_NODELAY
-                self.opened += 1
-            writer.write(request)
-            try:
-                status_and_headers = await reader.readuntil(b"\r\n\r\n")
-            except (asyncio.IncompleteReadError, ConnectionError) as error:
-                writer.close()
-                self.opened -= 1
-                if reused and not getattr(error, "partial", b""):
-                    continue  # the server had closed the idle connection: nothing was received, send again
-                raise
-            break
-        try:
-            lines = status_and_headers.decode("latin-1").split("\r\n")
-            status = int(lines[0].split(" ", 2)[1])
-            length = 0
-            keep = True
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                name = name.strip().lower()
-                if name == "content-length":
-                    length = int(value)
-                elif name == "connection" and value.strip().lower() == "close":
-                    keep = False
-            if length:
-                await reader.readexactly(length)
-        except BaseException:
-            writer.close()
-            self.opened -= 1
-            raise
-        if keep:
-            self.idle.append((reader, writer))
-        else:
-            writer.close()
-            self.opened -= 1
-        return status
-
-    def client_ports(self) -> list[int]:
-        return [writer.get_extra_info("sockname")[1] for _, writer in self.idle]
-
-    async def close_port(self, port: int) -> None:
-        for k, (_, writer) in enumerate(self.idle):
-            if writer.get_extra_info("sockname")[1] == port:
-                writer.close()
-                del self.idle[k]
-                self.opened -= 1
-                return
-
-    async def fill(self) -> None:
-        """Opens connections up to the limit (each answers a GET /healthz, so a worker accepted it)."""
-        kept, self.idle = self.idle, []  # so that every caller below opens a new connection
-        try:
-            await asyncio.gather(*(self.request("GET", "/healthz") for _ in range(self.limit - self.opened)))
-        finally:
-            self.idle = kept + self.idle
-
-    async def aclose(self) -> None:
-        for _, writer in self.idle:
-            writer.close()
-        self.idle.clear()
-
-
 class HttpxClient:
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
@@ -501,8 +251,8 @@ class HttpxClient:
 
 
 async def fire(
-    client, silo: dict[str, Any], n: int, concurrency: int, *, sigma_of, tag: str,  # type: ignore[no-untyped-def]
-    tally: Tally | None, server_root: int | None,
+    client: RawClient | HttpxClient, silo: dict[str, Any], n: int, concurrency: int, *, sigma_of: Callable[[], float],
+    tag: str, tally: Tally | None, server_root: int | None,
 ) -> None:
     """`n` approvals for `silo` by `concurrency` closed-loop callers; adds what it saw to `tally`."""
     path = f"/v1/silos/{silo['id']}/charges"
@@ -537,12 +287,7 @@ async def fire(
 
 
 def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = p / 100 * (len(ordered) - 1)
-    lo, hi = math.floor(rank), math.ceil(rank)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return float(np.percentile(values, p)) if values else math.nan  # linear interpolation between ranks
 
 
 def summarize(t: Tally) -> dict[str, Any]:
@@ -570,7 +315,7 @@ def summarize(t: Tally) -> dict[str, Any]:
 # One server configuration: fresh small silos, the shared big silo, both pair modes
 
 
-async def create_small_silo(admin: httpx.AsyncClient, loader, name: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+async def create_small_silo(admin: httpx.AsyncClient, loader: RawClient | HttpxClient, name: str) -> dict[str, Any]:
     r = await admin.post(
         "/v1/silos", headers={"authorization": f"Bearer {ADMIN_KEY}"},
         json={"name": name, "epsilon": EPSILON, "delta": DELTA, "dataset_size": DATASET_SIZE},
@@ -582,7 +327,7 @@ async def create_small_silo(admin: httpx.AsyncClient, loader, name: str) -> dict
 
 
 async def run_config(url: str, big: dict[str, Any], args: argparse.Namespace, label: str, sigmas: Sigmas,
-                     history_count) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+                     history_count: Callable[[int], int]) -> dict[str, Any]:
     server_root = find_server_root()
     settle = wait_until_settled(server_root, args.workers_now)
     log(f"{label}: server settled {settle:.1f} s after its first answer")
@@ -666,11 +411,11 @@ def postgres_answers(url: str) -> str | None:
 def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.Namespace, sigmas: Sigmas) -> dict[str, Any]:
     migrate(url)
     engine = make_engine(url)
-    factory = make_session_factory(engine)
-    big_silo, big_key = silos.register(factory, name=f"{kind}-big", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
+    db = Database(engine)
+    big_silo, big_key = silos.register(db, name=f"{kind}-big", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
     log(f"{kind}: seeding {args.history} charges into silo {big_silo.id} …")
     t0 = time.perf_counter()
-    seed_bulk(factory, big_silo.id, args.history)
+    seed_bulk(db, big_silo.id, args.history)
     seed_s = time.perf_counter() - t0
     if kind == "sqlite":
         with engine.connect() as connection:
@@ -681,7 +426,7 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
     log(f"{kind}: seeded {args.history} charges in {seed_s:.1f} s ({seed_s / max(args.history, 1) * 1e6:.0f} µs/charge)")
 
     def history_count(silo_id: int) -> int:
-        with factory() as session:
+        with db.read() as session:
             return int(session.get(Silo, silo_id).chain_seq) - 1  # minus the genesis entry; = reservations
 
     out: dict[str, Any] = {"seed_charges": args.history, "seed_s": seed_s, "runs": {}}
@@ -696,7 +441,7 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
             out["runs"][str(workers)] = asyncio.run(run_config(server_url, big, args, label, sigmas, history_count))
     if args.verify:
         t0 = time.perf_counter()
-        with factory() as session:
+        with db.read() as session:
             report = audit.verify(session, [big_silo.id])
         out["verify_big_silo"] = {"ok": report.ok, "entries": report.entries, "seconds": time.perf_counter() - t0,
                                   "problems": report.problems[:3]}
@@ -822,16 +567,6 @@ def judge(results: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -894,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     results["total_s"] = time.perf_counter() - started
     print_table(results, args)
     print(f"total {results['total_s']:.0f} s")
-    print(json.dumps(_json_safe(results), default=str, allow_nan=False))
+    print(json.dumps(json_safe(results), default=str, allow_nan=False))
     return 0
 
 

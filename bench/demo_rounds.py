@@ -34,7 +34,7 @@ With 1,797 digits, K = 200 leaves each silo ~9 records, ~6-7 of them for trainin
 then sampled, q = 1): fine for timing, meaningless for accuracy. The server shares the machine's cores
 with this process; while training runs the server is idle, and while the ledger answers training is
 idle, so they do not compete within a round. Other processes may: each configuration also reports
-the cores that processes outside this bench kept busy meanwhile (from /proc); on a shared 2-core
+the cores that processes outside this bench kept busy meanwhile (psutil); on a shared 2-core
 machine that load hits torch's default 2 threads much harder than 1 thread.
 """
 
@@ -68,12 +68,9 @@ from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig, LocalTraining
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 
-_T0 = time.perf_counter()
+from _harness import OtherLoad, log
+
 CALIBRATION_DIGITS = 2
-
-
-def log(message: str) -> None:
-    print(f"# {time.perf_counter() - _T0:6.1f}s {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,53 +126,6 @@ class TimedClient(LedgerClient):
 
 
 # --------------------------------------------------------------------------------------------------
-# Other load on the machine (from /proc, no psutil): it may be shared, and 2 cores are few
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _tree_cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process and its live descendants (the uvicorn server)."""
-    stats: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        rest = raw[raw.rindex(")") + 2 :].split()
-        stats[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK)
-    tree, grew = {os.getpid()}, True
-    while grew:
-        grew = False
-        for pid, (ppid, _) in stats.items():
-            if ppid in tree and pid not in tree:
-                tree.add(pid)
-                grew = True
-    return sum(stats[pid][1] for pid in tree if pid in stats)
-
-
-def _machine_busy_seconds() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / _TICK
-
-
-class OtherLoad:
-    """Cores used by processes outside this bench (and its server) while the block ran."""
-
-    def __enter__(self) -> OtherLoad:
-        self._t, self._busy, self._tree = time.perf_counter(), _machine_busy_seconds(), _tree_cpu_seconds()
-        self.cores = math.nan
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        elapsed = time.perf_counter() - self._t
-        other = (_machine_busy_seconds() - self._busy) - (_tree_cpu_seconds() - self._tree)
-        self.cores = max(0.0, other) / elapsed if elapsed > 0 else math.nan
-
-
-# --------------------------------------------------------------------------------------------------
 # Measurements
 
 
@@ -217,8 +167,8 @@ def gated_rounds(
         synchronize(demo.device)
         return result
 
-    algorithm.run_round = watch.wrap("train", run_round_synchronized)  # type: ignore[method-assign]
-    algorithm.evaluate = watch.wrap("eval", algorithm.evaluate)  # type: ignore[method-assign]
+    algorithm.run_round = watch.wrap("train", run_round_synchronized)  # type: ignore[method-assign]  # timed on this instance only
+    algorithm.evaluate = watch.wrap("eval", algorithm.evaluate)  # type: ignore[method-assign]  # timed on this instance only
     created = [
         admin.create_silo(name=f"{tag}-silo-{k}", epsilon=budgets[k], delta=demo.delta, dataset_size=s.n_train)
         for k, s in enumerate(dataset.silos)

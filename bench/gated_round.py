@@ -8,8 +8,8 @@ conv16-GroupNorm-conv32-GroupNorm-linear. "gated worker" is `RoundGate.round` ar
 steps, against a real ledger (uvicorn on SQLite, over HTTP): reserve, the steps (Poisson sampling,
 ghost-norm clipping, one noise draw each), commit. "engine" is the same steps with no ledger.
 "opacus hooks" and "opacus ghost" are Opacus' PrivacyEngine with that grad_sample_mode on fixed-size
-batches of 64 and no ledger. Methods are interleaved; the median and the best of `--repeats`
-rounds are printed (load on a shared machine only adds time), with the gate's share
+batches of 64 and no ledger. Methods are interleaved, in a rotated order each repeat; the median
+and the best of `--repeats` rounds are printed (load on a shared machine only adds time), with the gate's share
 (gated round − its body) / gated round.
 """
 
@@ -126,7 +126,7 @@ def main() -> None:
             "opacus hooks": opacus_round(data, device, mode="hooks", steps=args.steps),
             "opacus ghost": opacus_round(data, device, mode="ghost", steps=args.steps),
         }
-        for repeat in range(args.repeats + 1):  # the first is a warm-up
+        def gated_round() -> dict[str, float]:
             synchronize(device)
             start = time.perf_counter()
             with gate.round(steps=args.steps, noise_multiplier=SIGMA) as permit:
@@ -136,23 +136,32 @@ def main() -> None:
                 synchronize(device)
                 body = time.perf_counter() - body_start
             total = time.perf_counter() - start
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                free.step(Unmetered())
-            synchronize(device)
-            engine_time = time.perf_counter() - start
-            opacus_times = {}
-            for name, run in rounds.items():
+            return {"gated worker": total, "gate (reserve + commit)": total - body}
+
+        def timed(name: str, run: Callable[[], None]) -> Callable[[], dict[str, float]]:
+            def measure() -> dict[str, float]:
                 start = time.perf_counter()
                 run()
                 synchronize(device)
-                opacus_times[name] = time.perf_counter() - start
+                return {name: time.perf_counter() - start}
+
+            return measure
+
+        def free_round() -> None:
+            for _ in range(args.steps):
+                free.step(Unmetered())
+
+        rounds["engine"] = free_round
+        methods = [gated_round, *(timed(name, run) for name, run in rounds.items())]
+        for repeat in range(args.repeats + 1):  # the first is a warm-up
+            # A different order each repeat, so that no method always runs after the same one.
+            order = methods[repeat % len(methods):] + methods[: repeat % len(methods)]
+            measured: dict[str, float] = {}
+            for method in order:
+                measured.update(method())
             if repeat == 0:
                 continue
-            times["gated worker"].append(total)
-            times["gate (reserve + commit)"].append(total - body)
-            times["engine"].append(engine_time)
-            for name, seconds in opacus_times.items():
+            for name, seconds in measured.items():
                 times[name].append(seconds)
         client.close()
 

@@ -33,7 +33,7 @@ from sqlalchemy import select
 
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import transparency
-from dpledger.service.ledger.db import make_engine, make_session_factory, migrate, write_transaction
+from dpledger.service.ledger.db import Database, migrate
 from dpledger.service.ledger.models import LedgerEntry, LogLeaf
 from dpledger.service.ledger.signer import TreeHeadSigner
 from dpledger.service.settings import Settings
@@ -94,13 +94,13 @@ def main() -> None:
         figures["receipt_bytes"] = len(answer) - len(json.dumps({k: v for k, v in body.items() if k != "receipt"},
                                                                 separators=(",", ":")))
         # Grow the log to --entries leaves with the ledger's own append (create entries are the cheapest).
-        factory = make_session_factory(make_engine(url))
-        with write_transaction(factory) as session:
+        db = Database.connect(url)
+        with db.write() as session:
             template = session.scalars(select(LedgerEntry).order_by(LedgerEntry.id).limit(1)).one()
             subject = {"bench": True}
             for _ in range(args.entries - 2):
                 _append_copy(session, template, subject)
-        with factory() as session:
+        with db.read() as session:
             size, _ = transparency.size_and_root(session)
             middle = session.scalars(select(LogLeaf).where(LogLeaf.idx == size // 3)).one()
             figures["log_size"] = size

@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.trial_counts import Shape
-from dpledger.trainer.mean_estimation_theory import MeanEstimationSetting
 from dpledger.wire.mechanisms import AnyMechanism, Gaussian, RepeatAndSelect
+
+from research.mean_estimation_theory import MeanEstimationSetting
 
 MEAN_TRIALS = 10.0
 LAWS: list[tuple[str, Shape]] = [("poisson", "infinity"), ("geometric", 1.0), ("logarithmic", 0.0), ("tnb η=0.5", 0.5)]

@@ -149,15 +149,16 @@ def _migrate(_: argparse.Namespace) -> None:
 def _init(args: argparse.Namespace) -> None:
     from sqlalchemy import select
 
-    from dpledger.service.ledger.db import make_engine, make_session_factory, migrate, write_transaction
+    from dpledger.service.ledger.db import Database, migrate
     from dpledger.service.ledger.keys import create_key
     from dpledger.service.ledger.models import ApiKey, Role
 
     url = _settings().database_url
     migrate(url)
-    engine = make_engine(url)
+    db = Database.connect(url)
+    engine = db.engine
     try:
-        with write_transaction(make_session_factory(engine)) as session:
+        with db.write() as session:
             admins = select(ApiKey.id).where(ApiKey.role == Role.admin, ApiKey.revoked_at.is_(None))
             if session.scalars(admins).first() is not None:
                 raise StartupError(
@@ -166,22 +167,24 @@ def _init(args: argparse.Namespace) -> None:
                 )
             _, raw = create_key(session, role=Role.admin, silo_id=None)
     finally:
-        engine.dispose()
+        db.dispose()
     print(raw)  # alone on stdout, so that `export DPLEDGER_KEY=$(dpledger init)` works
     print("dpledger init: database migrated; the admin key above is shown once (stored as its SHA-256)", file=sys.stderr)
 
 
 @_one_line
 def _create_key(args: argparse.Namespace) -> None:
-    from dpledger.service.ledger.db import make_engine, make_session_factory, migrate
-    from dpledger.service.ledger.keys import create_key
+    from dpledger.service.ledger.db import Database, migrate
+    from dpledger.service.ledger.keys import issue
     from dpledger.service.ledger.models import Role
 
     url = _settings().database_url
     migrate(url)
-    with make_session_factory(make_engine(url))() as session:
-        key, raw = create_key(session, role=Role(args.role), silo_id=args.silo_id)
-        session.commit()
+    db = Database.connect(url)
+    try:
+        key, raw = issue(db, role=Role(args.role), silo_id=args.silo_id)
+    finally:
+        db.dispose()
     print(json.dumps({"key_id": key.id, "api_key": raw}))
 
 

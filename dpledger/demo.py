@@ -87,9 +87,10 @@ def run_demo(config: DemoConfig) -> str:
     admin_key = secrets.token_urlsafe(32)
     config.out.mkdir(parents=True, exist_ok=True)
 
+    # No receipts kept: the demo's ledger, and the key that signs its log, die with the demo.
     with tempfile.TemporaryDirectory(prefix="dpledger-demo-") as tmp, running_server(
         database_url=f"sqlite:///{tmp}/ledger.db", admin_key=admin_key
-    ) as url, LedgerClient(url, admin_key) as admin:
+    ) as url, LedgerClient(url, admin_key, receipts=False) as admin:
         if config.calibrate:
             noise = _calibrated_noise(admin, dataset, budgets, dpsgd=dpsgd, rounds=config.rounds, delta=config.delta)
         else:
@@ -103,7 +104,7 @@ def run_demo(config: DemoConfig) -> str:
                 admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train)
                 for k, s in enumerate(dataset.silos)
             ]
-            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key)) for s in silos]
+            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key, receipts=False)) for s in silos]
             bar = tqdm(total=config.rounds, desc=f"{name:>7}", unit="round", disable=not config.progress)
             try:
                 runs[name] = run_gated(algorithm, gated, rounds=config.rounds, job_id=f"demo-{name}", on_round=_advance(bar))

@@ -1,4 +1,4 @@
-"""`dpledger silos|history|verify`: the ledger read over HTTP by a person at a terminal.
+"""`dpledger silos|history|verify|charges`: the ledger read over HTTP by a person at a terminal.
 
 Only httpx and the standard library: it runs wherever the service is reachable, with any reader's
 key (admin or auditor; a silo key for its own silo). Every failure is one line on stderr and exit
@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+
+from dpledger.service.safe_text import visible
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 PAGE = 10_000  # the API's default page of history entries
@@ -74,7 +76,7 @@ def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[a
         try:
             return command(args)
         except CliError as error:
-            print(f"dpledger: {error}", file=sys.stderr)
+            print(f"dpledger: {visible(str(error))}", file=sys.stderr)
             return EXIT_FAILED
 
     return run
@@ -91,6 +93,8 @@ def remaining(silo: dict[str, Any]) -> float:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    # Cells may hold text a silo chose (job ids, names): shown, never obeyed by the terminal.
+    rows = [[visible(cell) for cell in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
     return "\n".join(lines)
@@ -204,6 +208,33 @@ def verify(args: argparse.Namespace) -> int:
     return EXIT_BROKEN
 
 
+CHARGE_HEADER = ("charge", "status", "job", "round", "ε of charge", "silo ε spent")
+
+
+@_reports_errors
+def charges_list(args: argparse.Namespace) -> int:
+    params = {"status": "reserved"} if args.open else None
+    found: list[dict[str, Any]] = _get(f"/v1/silos/{args.silo_id}/charges", params).json()
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    rows = [
+        (str(c["charge_id"]), c["status"], c["job_id"] or "", "" if c["round"] is None else str(c["round"]),
+         number(c["epsilon"]), number(c["epsilon_spent"]))
+        for c in found
+    ]
+    print(table(CHARGE_HEADER, rows))
+    return 0
+
+
+@_reports_errors
+def charges_release(args: argparse.Namespace) -> int:
+    """Hands back a stranded reservation; the ledger refuses (409) one whose round reported any output."""
+    settled = _request("POST", f"/v1/charges/{args.charge_id}/release").json()
+    print(f"charge {settled['charge_id']} {settled['status']}; silo ε spent now {number(settled['epsilon_spent'])}")
+    return 0
+
+
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Wires the subcommands into `dpledger`'s parser (service/cli.py)."""
     env_note = f"Reads DPLEDGER_URL (default {DEFAULT_URL}) and DPLEDGER_KEY (a reader's API key)."
@@ -231,6 +262,21 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     hist.add_argument("silo_id", type=int, metavar="ID")
     hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page")
     hist.set_defaults(run=history)
+
+    charges = commands.add_parser(
+        "charges", help="a silo's charges; release a stranded reservation (over HTTP)", description=env_note
+    )
+    charge_actions = charges.add_subparsers(required=True, metavar="action")
+    listed = charge_actions.add_parser("list", help="a silo's charges (admin, auditor, or that silo's key)")
+    listed.add_argument("silo_id", type=int, metavar="SILO")
+    listed.add_argument("--open", action="store_true", help="only open reservations (status reserved)")
+    listed.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
+    listed.set_defaults(run=charges_list)
+    freed = charge_actions.add_parser(
+        "release", help="release a reservation whose round never ran (admin or the silo's key; refused once it reported)"
+    )
+    freed.add_argument("charge_id", type=int, metavar="CHARGE_ID")
+    freed.set_defaults(run=charges_release)
 
     check = commands.add_parser("verify", help="recompute the audit chain, or check held receipts; exit 1 if broken (over HTTP)",
                                 description=env_note)

@@ -100,7 +100,8 @@ def make_silo(client: TestClient):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(autouse=True)
-def _receipts_in_tmp(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """The trainer's client keeps receipts by default (in $DPLEDGER_RECEIPTS): in the test's own
-    folder, never in the home directory of whoever runs the tests."""
-    monkeypatch.setenv("DPLEDGER_RECEIPTS", str(tmp_path / "receipts"))
+def _receipts_in_tmp(tmp_path_factory, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The trainer's client keeps receipts by default (in $DPLEDGER_RECEIPTS): in a temporary folder
+    of the test's own, never in the home directory of whoever runs the tests, and not inside the
+    test's tmp_path, whose contents some tests assert (the demo's output folder)."""
+    monkeypatch.setenv("DPLEDGER_RECEIPTS", str(tmp_path_factory.mktemp("receipts")))

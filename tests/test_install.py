@@ -47,7 +47,7 @@ def test_a_plain_install_migrates_and_serves_from_the_installed_package_alone(tm
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DPLEDGER_", "DATABASE_URL", "PYTHONPATH"))}
     env.update(PYTHONPATH=str(target), DATABASE_URL=f"sqlite:///{work}/ledger.db", DPLEDGER_ADMIN_KEY=KEY,
-               DPLEDGER_ENV="production")
+               DPLEDGER_ENV="production", DPLEDGER_SIGNING_KEY="07" * 32)  # production signs the log: a key is required
     where = subprocess.run([sys.executable, "-c", "import dpledger.migrations as m; print(m.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(target))  # the installed copy, not the working tree

@@ -18,4 +18,6 @@ def test_every_package_folder_is_listed_in_pyproject_and_nothing_else() -> None:
             parts = init.parent.relative_to(base).parts
             if "__pycache__" not in parts:
                 found.add(".".join((name, *parts)))
-    assert sorted(found) == sorted(setuptools["packages"])
+    listed: list[str] = setuptools["packages"]
+    assert len(set(listed)) == len(listed), "a package is listed twice"
+    assert sorted(found) == sorted(listed)

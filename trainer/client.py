@@ -10,14 +10,16 @@ before it is sent); answers are parsed into the wire's response models. Errors f
   then the caller stops without spending more.
 
 Retrying a reservation is safe because it carries an idempotency key; the answer then says whether
-it replayed an earlier request (`Reservation.replayed`) and, when it did, whether that replay
-answers this call's own lost attempt (`Reservation.fresh`): only a fresh reservation may train.
+it replayed an earlier request (`Reservation.replayed`) and whether this call retried
+(`own_retry`). Only a fresh reservation lets a round touch the data (`Reservation.fresh`): a 201, or
+the replay that answers this very call's own retry after its first attempt got no answer.
 Retrying a commit is made safe by the service's machine-readable `charge_status` on a second
 settlement.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -98,8 +100,8 @@ class Reservation:
 
     `status` is the charge's real state as the service answered it (a replay of a settled charge
     says committed or released); `replayed` is true when the key named an earlier request;
-    `fresh` is true when this call created the charge, or when the replay answers this very call's
-    own earlier attempt (sent, then lost in transport). Only a fresh, reserved charge may train.
+    `own_retry` is true when this call retried after an attempt that got no answer (a transport
+    error or a 5xx), so a replay may be the answer to this very call's first attempt.
     """
 
     charge_id: int
@@ -107,11 +109,12 @@ class Reservation:
     epsilon_remaining: float
     status: ChargeStatus = ChargeStatus.reserved
     replayed: bool = False
-    fresh: bool = True
+    own_retry: bool = False
 
     @property
-    def may_train(self) -> bool:
-        return self.fresh and self.status is ChargeStatus.reserved
+    def fresh(self) -> bool:
+        """A new approval this call may spend: never a replay of a charge settled or held elsewhere."""
+        return self.status is ChargeStatus.reserved and (not self.replayed or self.own_retry)
 
 
 @dataclass(frozen=True)
@@ -240,14 +243,12 @@ class LedgerClient:
             raise self._denied_or_rejected(response)
         data = ChargeReserved.model_validate_json(response.content)
         self._keep(data.receipt)
-        replayed = (
-            response.status_code == 200
-            or response.headers.get("Idempotent-Replayed", "").lower() == "true"
-            or bool(getattr(data, "replayed", False))
-        )
+        replayed = data.replayed or response.status_code == 200
+        # null is an infinite ε (JSON has no infinity): only a replay of a charge settled long ago can say so.
+        spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
-            charge_id=data.charge_id, epsilon_spent=data.epsilon_spent, epsilon_remaining=data.epsilon_remaining,
-            status=ChargeStatus(data.status), replayed=replayed, fresh=not replayed or answer.retried,
+            charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
+            status=ChargeStatus(data.status), replayed=replayed, own_retry=answer.retried,
         )
 
     def commit(self, charge_id: int) -> float | None:

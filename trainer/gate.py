@@ -186,7 +186,7 @@ class RoundGate:
         except Denied as denied:
             self._denied = denied
             raise
-        if not reservation.may_train:
+        if not reservation.fresh:
             raise ReplayedCharge(reservation, round=index)
         self._next_round = index + 1
         permit = OpenRound(

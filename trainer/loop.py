@@ -99,7 +99,7 @@ def run_gated(
                     run.stopped[k] = refused[k] = True
                     run.refusals[k] = Refusal(round_index, denial.epsilon, denial.epsilon_spent, denial.epsilon_if_approved)
                     continue
-                if not reservation.may_train:
+                if not reservation.fresh:
                     # A replay of an earlier run's reservation (the same job id again): that round may
                     # have read the data already and is paid once; training it again would be unpaid.
                     run.stopped[k] = True

@@ -181,7 +181,7 @@ def sigma_up(sigma: float, digits: int = 4) -> str:
 
 
 def format_plan(plans: Sequence[SiloPlan], *, rounds: int, sigmas: Sequence[float | None] | None = None) -> str:
-    header: tuple[str, ...] = ("silo", "name", "ε budget", "ε spent", "ε of one round", f"rounds it buys (of {rounds})")
+    header: tuple[str, ...] = ("silo", "name", "ε budget", "ε spent", "ε of one round", "rounds its budget buys")
     if sigmas is not None:
         header = (*header, f"σ for all {rounds} rounds")
     rows: list[tuple[str, ...]] = []

@@ -28,3 +28,13 @@ class EntryEvent(enum.StrEnum):
 class SearchStatus(enum.StrEnum):
     running = "running"  # fewer than K trials reported
     done = "done"  # K trials reported; the search's charge is committed
+
+
+class Relation(enum.StrEnum):
+    """A silo's neighbouring relation: what "one person's data" changes between neighbouring
+    datasets. Add/remove-one hides whether a record is there at all (the default; Poisson sampling
+    and DP-SGD are analysed under it); replace-one hides only which record it is, so the dataset's
+    size is public (sampling without replacement is analysed under it)."""
+
+    add_remove = "add_remove"
+    replace_one = "replace_one"

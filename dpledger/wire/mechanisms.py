@@ -18,11 +18,13 @@ MAX_COUNT = 10_000_000  # steps / self-composition count: ~a decade of one step 
 MAX_COMPOSED = 1_000
 MAX_DATASET = 10**12
 
-# Finite by construction: NaN and ±inf are refused by pydantic before any bound is checked.
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+# Finite by construction: NaN and ±inf are refused by pydantic before any bound is checked. Strict:
+# a JSON `true` is no number (lax pydantic would read it as 1, a sampling rate of q = 1).
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+Probability = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=True)]
+Count = Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+Size = Annotated[int, Field(ge=1, le=MAX_DATASET, strict=True)]
 
 
 class _Mechanism(BaseModel):
@@ -40,15 +42,27 @@ class Laplace(_Mechanism):
 
 
 class PoissonSampled(_Mechanism):
+    """Each record joins independently with probability q. Charged to a silo, the wire says
+    `expected_batch_size` (the expected number of records sampled, B) and the service derives
+    q = B / the silo's registered dataset_size; a raw `sampling_rate` is taken only by quotes and
+    calibration, which charge nobody. A stored (resolved) charge holds both."""
+
     type: Literal["poisson_sampled"] = "poisson_sampled"
-    sampling_rate: Probability
+    sampling_rate: Probability | None = None
+    expected_batch_size: Size | None = None
     event: Mechanism
+
+    @model_validator(mode="after")
+    def _rate_or_batch(self) -> PoissonSampled:
+        if self.sampling_rate is None and self.expected_batch_size is None:
+            raise ValueError("poisson_sampled needs expected_batch_size (or, in a quote, sampling_rate)")
+        return self
 
 
 class SampledWithoutReplacement(_Mechanism):
     type: Literal["sampled_without_replacement"] = "sampled_without_replacement"
-    source_size: Annotated[int, Field(ge=1, le=MAX_DATASET)]
-    sample_size: Annotated[int, Field(ge=1, le=MAX_DATASET)]
+    source_size: Size
+    sample_size: Size
     event: Mechanism
 
     @model_validator(mode="after")
@@ -85,8 +99,8 @@ class RepeatAndSelect(_Mechanism):
 
     type: Literal["repeat_and_select"] = "repeat_and_select"
     event: Mechanism
-    mean: Annotated[float, Field(ge=1, le=MAX_COUNT, allow_inf_nan=False)]
-    shape: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["infinity"]
+    mean: Annotated[float, Field(ge=1, le=MAX_COUNT, allow_inf_nan=False, strict=True)]
+    shape: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)] | Literal["infinity"]
 
     @property
     def shape_value(self) -> float:
@@ -94,14 +108,15 @@ class RepeatAndSelect(_Mechanism):
 
 
 class DpSgd(_Mechanism):
-    """`steps` × Poisson-sampled Gaussian. Charged to a silo with `batch_size`, the service derives
-    q = batch_size / the silo's registered dataset_size and never trusts a loader's idea of q."""
+    """`steps` × Poisson-sampled Gaussian. Charged to a silo it must give `batch_size` (the expected
+    Poisson batch): the service derives q = batch_size / the silo's registered dataset_size and never
+    trusts a loader's idea of q; a raw `sampling_rate` is taken only by quotes and calibration."""
 
     type: Literal["dpsgd"] = "dpsgd"
     noise_multiplier: PositiveFloat
     steps: Count
     sampling_rate: Probability | None = None
-    batch_size: Annotated[int, Field(ge=1, le=MAX_DATASET)] | None = None
+    batch_size: Size | None = None
 
     @model_validator(mode="after")
     def _rate_or_batch(self) -> DpSgd:

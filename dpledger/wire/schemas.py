@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -15,13 +15,14 @@ from pydantic import (
     model_validator,
 )
 
-from dpledger.wire.enums import ChargeStatus, EntryEvent, Role
+from dpledger.wire.enums import ChargeStatus, EntryEvent, Relation, Role
 from dpledger.wire.mechanisms import MAX_COUNT, Mechanism, check_nesting
 from dpledger.wire.receipts import RECEIPT_NOTE, Receipt
 
-Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, description="privacy budget ε > 0")]
-Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, description="δ in (0, 1)")]
-DatasetSize = Annotated[int, Field(ge=1, le=10**12)]
+# Strict numbers: a JSON `true` is refused, never read as 1 (`dataset_size: true` was stored as 1).
+Epsilon = Annotated[float, Field(gt=0, le=1e4, allow_inf_nan=False, strict=True, description="privacy budget ε > 0")]
+Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, strict=True, description="δ in (0, 1)")]
+DatasetSize = Annotated[int, Field(ge=1, le=10**12, strict=True)]
 
 
 def _no_nul(value: str) -> str:
@@ -36,7 +37,8 @@ Text = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_nu
 # Ids are PostgreSQL `integer` columns: a larger one names nothing, and the database driver would
 # refuse it with an overflow (a 500) where the caller deserves a 422 naming the field.
 MAX_ID = 2**31 - 1
-Id = Annotated[int, Field(ge=1, le=MAX_ID)]
+Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
+Round = Annotated[int, Field(ge=0, le=10**9, strict=True)]
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -65,6 +67,11 @@ class SiloCreateRequest(_Request):
     delta: Delta | None = None
     level: Text | None = None
     dataset_size: DatasetSize
+    relation: Relation = Field(
+        Relation.add_remove,
+        description="the silo's neighbouring relation: add_remove (default), or replace_one when its size is public; "
+        "mechanisms analysed under the other relation are refused on this silo",
+    )
 
     @model_validator(mode="after")
     def _budget_or_level(self) -> SiloCreateRequest:
@@ -82,6 +89,7 @@ class SiloCreated(BaseModel):
     epsilon: float
     delta: float
     dataset_size: int
+    relation: Relation
     api_key: str = Field(description="the silo's key, shown once")
 
 
@@ -91,6 +99,7 @@ class SiloSummary(BaseModel):
     epsilon: float
     delta: float
     dataset_size: int
+    relation: Relation
     epsilon_spent: float | None
 
 
@@ -104,14 +113,22 @@ class SiloDetail(SiloSummary):
 class ChargeRequest(_WithMechanism):
     idempotency_key: Text
     job_id: Text | None = None
-    round: Annotated[int, Field(ge=0, le=10**9)] | None = None
+    round: Round | None = None
 
 
 class ChargeReserved(BaseModel):
+    """A charge as it stands: the answer to a reservation (201 fresh; 200 with `replayed` when the
+    idempotency key was seen before, whatever became of that charge since), and to
+    `GET /v1/charges/{id}`. Only a fresh reservation may let a worker touch the data."""
+
     charge_id: int
-    status: Literal["reserved"] = "reserved"
-    epsilon_spent: float
+    status: ChargeStatus = Field(description="reserved, committed or released: the charge's real state now")
+    replayed: bool = Field(description="true when this answers an idempotency key seen before: no new approval")
+    epsilon: float | None = Field(description="this charge's own ε at the silo's δ (null: infinite)")
+    epsilon_spent: float | None = Field(description="the silo's ε spent (reserved + committed) now")
     epsilon_remaining: float
+    job_id: str | None
+    round: int | None
     receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
@@ -152,6 +169,9 @@ class VerifyResponse(BaseModel):
 
 
 class QuoteRequest(_WithMechanism):
+    """Charges nobody, so raw sampling rates are taken; with `silo_id` (a silo its caller may read),
+    batch sizes resolve against the silo and the silo's relation applies."""
+
     delta: Delta | None = Field(None, description="required unless silo_id is given (then the silo's δ)")
     silo_id: Id | None = None
 
@@ -172,8 +192,8 @@ class CalibrateRequest(_Request):
     # for seconds of CPU before it gives up, and any key may call this route.
     epsilon: Annotated[Epsilon, Field(ge=1e-4, description="target ε in [1e-4, 1e4]")]
     delta: Delta
-    sampling_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
-    steps: Annotated[int, Field(ge=1, le=10_000_000)]
+    sampling_rate: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False, strict=True)]
+    steps: Annotated[int, Field(ge=1, le=10_000_000, strict=True)]
 
 
 class CalibrateResponse(BaseModel):
@@ -185,9 +205,9 @@ class SiloCalibrateRequest(_Request):
     """Plan `rounds` more rounds of `steps_per_round` DP-SGD steps at this silo's batch size: the
     service computes q from the registered dataset_size, as for a charge."""
 
-    batch_size: Annotated[int, Field(ge=1, le=10**12)]
-    steps_per_round: Annotated[int, Field(ge=1, le=MAX_COUNT)]
-    rounds: Annotated[int, Field(ge=1, le=MAX_COUNT)]
+    batch_size: Annotated[int, Field(ge=1, le=10**12, strict=True)]
+    steps_per_round: Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
+    rounds: Annotated[int, Field(ge=1, le=MAX_COUNT, strict=True)]
 
     @model_validator(mode="after")
     def _bounded_steps(self) -> SiloCalibrateRequest:
@@ -251,7 +271,11 @@ class JobCreated(BaseModel):
 
 class NormReportRequest(_Request):
     silo_id: Id
-    l2_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    l2_norm: Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+    charge_id: Id | None = Field(
+        None,
+        description="the charge that paid for this round; the round's reserved charges of the silo may no longer be released",
+    )
 
 
 class NormReported(BaseModel):

@@ -6,6 +6,7 @@ import math
 
 from dp_accounting import dp_event as de
 
+from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import (
     AnyMechanism,
     Composed,
@@ -17,6 +18,7 @@ from dpledger.wire.mechanisms import (
     SampledWithoutReplacement,
     SelfComposed,
     ZCdp,
+    children,
 )
 
 
@@ -29,22 +31,26 @@ class MechanismError(ValueError):
         self.message = message
 
 
-def resolve(mechanism: AnyMechanism, *, dataset_size: int | None, path: str = "mechanism") -> AnyMechanism:
-    """Fill in each dpsgd's sampling rate from the silo's registered dataset size.
+def resolve(
+    mechanism: AnyMechanism, *, dataset_size: int | None, charged: bool = False, path: str = "mechanism"
+) -> AnyMechanism:
+    """Fill in every sampling rate from the silo's registered dataset size.
 
-    A declared sampling_rate that disagrees with batch_size / dataset_size is refused, and so is a
-    batch_size with no dataset size to divide by.
+    `charged` (a silo's charge or search): q is the service's, always. dpsgd must give batch_size
+    and poisson_sampled expected_batch_size; a raw sampling_rate anywhere is refused, and
+    sampled_without_replacement's source_size must be the registered size. Otherwise (quotes,
+    which charge nobody) a raw rate is taken as given, and batch sizes still need a dataset size.
     """
     if isinstance(mechanism, DpSgd):
+        if charged and mechanism.sampling_rate is not None:
+            raise MechanismError(
+                f"{path}.sampling_rate",
+                "is not taken on a silo's charge: send batch_size (the expected Poisson batch) and the service "
+                "computes q = batch_size / the silo's registered dataset_size",
+            )
         if mechanism.batch_size is None:
             return mechanism
-        if dataset_size is None:
-            raise MechanismError(f"{path}.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
-        if mechanism.batch_size > dataset_size:
-            raise MechanismError(
-                f"{path}.batch_size", f"must be at most the silo's dataset_size={dataset_size}. Found {mechanism.batch_size}."
-            )
-        rate = mechanism.batch_size / dataset_size
+        rate = _rate(mechanism.batch_size, dataset_size, field=f"{path}.batch_size")
         if mechanism.sampling_rate is not None and not math.isclose(mechanism.sampling_rate, rate, rel_tol=1e-9):
             raise MechanismError(
                 f"{path}.sampling_rate",
@@ -52,13 +58,87 @@ def resolve(mechanism: AnyMechanism, *, dataset_size: int | None, path: str = "m
                 f"Found {mechanism.sampling_rate!r}.",
             )
         return mechanism.model_copy(update={"sampling_rate": rate})
+    if isinstance(mechanism, PoissonSampled):
+        if charged and mechanism.sampling_rate is not None:
+            raise MechanismError(
+                f"{path}.sampling_rate",
+                "is not taken on a silo's charge: send expected_batch_size (the expected number of records "
+                "sampled) and the service computes q = expected_batch_size / the silo's registered dataset_size",
+            )
+        event = resolve(mechanism.event, dataset_size=dataset_size, charged=charged, path=f"{path}.event")
+        if mechanism.expected_batch_size is None:
+            return mechanism.model_copy(update={"event": event})
+        rate = _rate(mechanism.expected_batch_size, dataset_size, field=f"{path}.expected_batch_size")
+        if mechanism.sampling_rate is not None and not math.isclose(mechanism.sampling_rate, rate, rel_tol=1e-9):
+            raise MechanismError(
+                f"{path}.sampling_rate",
+                f"must equal expected_batch_size / dataset_size = {mechanism.expected_batch_size}/{dataset_size} = "
+                f"{rate!r}. Found {mechanism.sampling_rate!r}.",
+            )
+        return mechanism.model_copy(update={"sampling_rate": rate, "event": event})
+    if isinstance(mechanism, SampledWithoutReplacement) and charged and mechanism.source_size != dataset_size:
+        raise MechanismError(
+            f"{path}.source_size",
+            f"must be the silo's registered dataset_size={dataset_size} on a silo's charge. Found {mechanism.source_size}.",
+        )
     if isinstance(mechanism, Composed):
-        events = [resolve(e, dataset_size=dataset_size, path=f"{path}.events.{i}") for i, e in enumerate(mechanism.events)]
+        events = [
+            resolve(e, dataset_size=dataset_size, charged=charged, path=f"{path}.events.{i}")
+            for i, e in enumerate(mechanism.events)
+        ]
         return mechanism.model_copy(update={"events": events})
     inner = getattr(mechanism, "event", None)
     if inner is None:
         return mechanism
-    return mechanism.model_copy(update={"event": resolve(inner, dataset_size=dataset_size, path=f"{path}.event")})
+    event = resolve(inner, dataset_size=dataset_size, charged=charged, path=f"{path}.event")
+    return mechanism.model_copy(update={"event": event})
+
+
+def _rate(batch: int, dataset_size: int | None, *, field: str) -> float:
+    if dataset_size is None:
+        raise MechanismError(field, "needs a silo's dataset_size; give silo_id (or, in a quote, sampling_rate)")
+    if batch > dataset_size:
+        raise MechanismError(field, f"must be at most the silo's dataset_size={dataset_size}. Found {batch}.")
+    return batch / dataset_size
+
+
+# The relation each kind is analysed under by dp-accounting; kinds absent here fit either.
+_RELATION_OF = {
+    DpSgd: Relation.add_remove,
+    PoissonSampled: Relation.add_remove,
+    SampledWithoutReplacement: Relation.replace_one,
+}
+
+
+def relations(mechanism: AnyMechanism) -> set[Relation]:
+    """The neighbouring relations the mechanism's parts are analysed under (empty: fits either)."""
+    own = _RELATION_OF.get(type(mechanism))
+    found = {own} if own is not None else set()
+    for child in children(mechanism):
+        found |= relations(child)
+    return found
+
+
+def check_relation(mechanism: AnyMechanism, *, silo_relation: Relation | None, path: str = "mechanism") -> Relation:
+    """The one relation the whole mechanism is accounted under. A mechanism mixing relations is
+    refused (dp-accounting's accountants refuse such an event too: curves of different relations do
+    not add), and so is one of the other relation than the silo's."""
+    found = relations(mechanism)
+    if len(found) > 1:
+        raise MechanismError(
+            path,
+            "mixes neighbouring relations: sampled_without_replacement is analysed under replace-one, dpsgd and "
+            "poisson_sampled under add/remove-one, and their privacy curves do not compose (dp-accounting refuses such an "
+            "event too); charge them separately on silos of the matching relation",
+        )
+    if silo_relation is not None and found and found != {silo_relation}:
+        (other,) = found
+        raise MechanismError(
+            path,
+            f"is analysed under the {other.value} relation, but this silo is registered with relation="
+            f"{silo_relation.value}; a silo's charges must all use its one relation",
+        )
+    return next(iter(found), silo_relation or Relation.add_remove)
 
 
 def to_dp_event(mechanism: AnyMechanism) -> de.DpEvent:
@@ -69,6 +149,8 @@ def to_dp_event(mechanism: AnyMechanism) -> de.DpEvent:
         case Laplace(noise_multiplier=b):
             return de.LaplaceDpEvent(b)
         case PoissonSampled(sampling_rate=q, event=inner):
+            if q is None:
+                raise MechanismError("mechanism.expected_batch_size", "needs a silo's dataset_size; give silo_id")
             return de.PoissonSampledDpEvent(q, to_dp_event(inner))
         case SampledWithoutReplacement(source_size=n, sample_size=m, event=inner):
             return de.SampledWithoutReplacementDpEvent(n, m, to_dp_event(inner))

@@ -28,14 +28,20 @@ class PldReport:
     unsupported_reason: str | None
 
 
-def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> PldReport:
-    """ε from dp-accounting's PLD accountant, or why it cannot report one for this mechanism."""
+def pld_epsilon(mechanism: AnyMechanism, *, delta: float, skip_reason: str | None = None) -> PldReport:
+    """ε from dp-accounting's PLD accountant, or why it cannot (or, per `cost.check`'s
+    `skip_reason`, may not) report one for this mechanism."""
+    if skip_reason is not None:
+        return PldReport(None, skip_reason)
     event = to_dp_event(mechanism)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     if not accountant.supports(event):
         return PldReport(None, f"dp-accounting's PLD accountant does not support {type(event).__name__} in this mechanism")
-    accountant.compose(event)
-    return PldReport(float(accountant.get_epsilon(delta)), None)
+    try:
+        accountant.compose(event)
+        return PldReport(float(accountant.get_epsilon(delta)), None)
+    except (ValueError, ArithmeticError, MemoryError) as error:  # a report beside the ledger: never a 500
+        return PldReport(None, f"dp-accounting's PLD accountant failed on this mechanism: {type(error).__name__}")
 
 
 def dpsgd_event(*, noise_multiplier: float, sampling_rate: float, steps: int) -> de.DpEvent:
@@ -48,12 +54,20 @@ def dpsgd_epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, 
     return float(accountant.get_epsilon(delta))
 
 
+# The ledger's gate has no tolerance, and a charge's ε is computed through a different path (a
+# cached per-step curve times the steps, added to the silo's running sum) than this calibration's:
+# aiming a hair below the target leaves room for that rounding, so a plan calibrated to the budget fits.
+CALIBRATION_MARGIN = 1e-9
+
+
 def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float, steps: int) -> tuple[float, float]:
-    """The smallest σ (within 1e-6 relative) whose DP-SGD ε at δ never exceeds `epsilon`.
+    """The smallest σ (within 1e-6 relative) whose DP-SGD ε at δ stays below `epsilon` by the
+    margin above.
 
     dp-accounting brackets the root; we then step σ up until the ε it gives is within the target,
     so rounding in the search can only cost noise, never privacy (STYLE.md, Opacus).
     """
+    epsilon = epsilon * (1 - CALIBRATION_MARGIN)
 
     def make_event(sigma: float) -> de.DpEvent:
         return dpsgd_event(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps)
@@ -108,6 +122,7 @@ def calibrate_remaining(
     """
     if not math.isfinite(budget) or budget <= 0:
         raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
+    budget = budget * (1 - CALIBRATION_MARGIN)  # the ledger's gate has no tolerance
 
     def epsilon_after(sigma: float) -> float:
         planned = DpSgd(sampling_rate=sampling_rate, noise_multiplier=sigma, steps=steps)
@@ -130,8 +145,12 @@ def calibrate_remaining(
     if low > SIGMA_FLOOR:
         # ε(σ) is continuous and non-increasing: Brent's method finds the crossing in ~10 curves
         # where plain bisection needs ~25 (each a dp-accounting evaluation of ~50 ms).
-        root = optimize.brentq(lambda sigma: epsilon_after(sigma) - budget, low, high, rtol=SIGMA_RELATIVE_TOLERANCE)
-        sigma = float(root)
+        # An infinite ε (the spent curve may hold orders at ∞) is capped so the secant steps stay finite.
+        try:
+            sigma = float(optimize.brentq(lambda s: min(epsilon_after(s), 1e300) - budget, low, high,
+                                          rtol=SIGMA_RELATIVE_TOLERANCE))
+        except (ValueError, RuntimeError):
+            sigma = high  # no crossing found: keep the feasible end of the bracket
         while sigma < high and epsilon_after(sigma) > budget:
             sigma *= 1 + SIGMA_RELATIVE_TOLERANCE  # round up until it fits: costs noise, never privacy
         high = min(sigma, high)

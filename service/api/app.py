@@ -20,7 +20,7 @@ from dpledger.service.api.routes import (
     silos,
 )
 from dpledger.service.ledger import keys as ledger_keys
-from dpledger.service.ledger.db import make_engine, make_session_factory
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.signer import load_signer
 from dpledger.service.settings import Settings, get_settings
 
@@ -47,12 +47,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     # Before the database: a configured key that cannot be read stops the start (never a new key).
     app.state.signer = load_signer(settings)
-    engine = make_engine(settings.database_url)
-    app.state.engine = engine
-    app.state.session_factory = make_session_factory(engine)
+    db = Database.connect(settings.database_url)
+    app.state.db = db
+    app.state.engine = db.engine
     app.state.refusals = RefusalLog()
     if settings.admin_key:
-        ledger_keys.ensure_admin_key(app.state.session_factory, settings.admin_key)
+        ledger_keys.ensure_admin_key(db, settings.admin_key)
 
     errors.install(app)
     metrics.install(app)

@@ -1,4 +1,4 @@
-"""Dependencies: the session factory, and the caller's principal from `Authorization: Bearer …`."""
+"""Dependencies: the ledger's database, and the caller's principal from `Authorization: Bearer …`."""
 
 from __future__ import annotations
 
@@ -7,21 +7,22 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session, sessionmaker
 
 from dpledger.service.ledger import keys
+from dpledger.service.ledger.db import Database
+from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role
 from dpledger.wire.schemas import MAX_ID
 
+READERS = (Role.admin, Role.auditor)  # they see every silo
 _bearer = HTTPBearer(auto_error=False, description="an API key: admin, silo, auditor or coordinator")
 
 
-def session_factory(request: Request) -> sessionmaker[Session]:
-    factory: sessionmaker[Session] = request.app.state.session_factory  # Starlette's state is untyped; app.py stores it
-    return factory
+def database(request: Request) -> Database:
+    return request.app.state.db  # type: ignore[no-any-return]  # set by create_app
 
 
-FactoryDep = Annotated[sessionmaker[Session], Depends(session_factory)]
+DbDep = Annotated[Database, Depends(database)]
 
 
 @dataclass(frozen=True)
@@ -35,24 +36,29 @@ class Principal:
             raise HTTPException(status.HTTP_403_FORBIDDEN, f"role '{self.role.value}' may not do this")
 
     def require_silo(self, silo_id: int, *, also: tuple[Role, ...] = ()) -> None:
-        """That silo's own key, or one of the roles in `also` (which see every silo)."""
+        """That silo's own key, or one of the roles in `also`, may act. A reader (admin, auditor:
+        they see every silo) who may not act gets a 403; anyone else is told the silo does not
+        exist, exactly as for an id that names none, since a 403 would tell them which silos exist."""
+        if self.role in also or (self.role is Role.silo and self.silo_id == silo_id):
+            return
+        if self.role in READERS:
+            raise HTTPException(status.HTTP_403_FORBIDDEN, f"role '{self.role.value}' may not do this")
+        raise NotFound(f"silo {silo_id} not found")
+
+    def silo_scope(self, *, also: tuple[Role, ...]) -> int | None:
+        """None where the caller acts on every silo (a role in `also`), else the one silo it may act on.
+        A role that may act on none gets a scope no silo has (ids start at 1)."""
         if self.role in also:
-            return
-        if self.role is Role.silo and self.silo_id == silo_id:
-            return
-        if self.role is Role.silo:
-            # Its own silo id is no secret to the key's holder, and it turns a typo'd id into a clear message.
-            message = f"a silo key may act only on its own silo: this key is silo {self.silo_id}'s, not silo {silo_id}'s"
-            raise HTTPException(status.HTTP_403_FORBIDDEN, message)
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"role '{self.role.value}' may not do this")
+            return None
+        return self.silo_id if self.role is Role.silo and self.silo_id is not None else 0
 
 
 def principal(
-    request: Request, factory: FactoryDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, db: DbDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> Principal:
     if credentials is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key", headers={"WWW-Authenticate": "Bearer"})
-    with factory() as session:
+    with db.read() as session:
         key = keys.authenticate(session, credentials.credentials)
     if key is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
@@ -64,4 +70,3 @@ def principal(
 PrincipalDep = Annotated[Principal, Depends(principal)]
 # Every id in a path: bounded like the columns it names (see schemas.MAX_ID).
 IdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
-READERS = (Role.admin, Role.auditor)

@@ -1,4 +1,5 @@
-"""Maps ledger errors onto status codes, and keeps validation errors JSON-safe."""
+"""The one place where errors become status codes: ledger errors, a mechanism that does not fit
+its context (MechanismError, a 422 naming the field), and validation errors kept JSON-safe."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ from fastapi import FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from dpledger.service.accounting.events import MechanismError
 from dpledger.service.ledger.errors import (
     Conflict,
     InvalidRequest,
     NotFound,
     OverBudget,
     SettledAlready,
+    Unauthorized,
 )
 from dpledger.wire.schemas import OverBudgetResponse, finite_or_none
 
@@ -28,11 +31,18 @@ def install(app: FastAPI) -> None:
         return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
     @app.exception_handler(InvalidRequest)
-    async def _invalid(_: Request, error: InvalidRequest) -> JSONResponse:
+    @app.exception_handler(MechanismError)
+    async def _invalid(_: Request, error: InvalidRequest | MechanismError) -> JSONResponse:
         loc: list[str | int] = ["body", *[int(p) if p.isdigit() else p for p in error.field.split(".")]]
         return JSONResponse(
             {"detail": [_field_error(loc, error.message, "value_error")]},
             status_code=status.HTTP_422_UNPROCESSABLE_CONTENT,
+        )
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_: Request, error: Unauthorized) -> JSONResponse:
+        return JSONResponse(
+            {"detail": str(error)}, status_code=status.HTTP_401_UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"}
         )
 
     @app.exception_handler(NotFound)

@@ -33,14 +33,15 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dpledger.service.api.deps import FactoryDep, Principal
+from dpledger.service.api.deps import DbDep, Principal
 from dpledger.service.ledger import keys, silos
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.models import Role
 
 RESERVE_ROUTE = "reserve_charge"
+DECISIONS = "dpledger_charge_decisions"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 UNMATCHED = "<unmatched>"
 # Approvals take milliseconds (a cached (q, σ)) to tens of milliseconds (a new one): finer low buckets.
@@ -74,7 +75,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
         self.decisions = Counter(
-            "dpledger_charge_decisions", "Charge requests by outcome (approved, refused, error) and reason",
+            DECISIONS, "Charge requests by outcome (approved, refused, error) and reason",
             ["outcome", "reason"], registry=self.registry,
         )
         self.latency = Histogram(
@@ -85,26 +86,39 @@ class Metrics:
         for outcome, reason in (("approved", "reserved"), ("approved", "replayed"), ("refused", "over_budget")):
             self.decisions.labels(outcome, reason)
 
-    def service_exposition(self) -> bytes:
-        if self.multiprocess_dir is None:
-            return generate_latest(self.registry)
-        combined = CollectorRegistry()
-        # prometheus_client leaves this constructor unannotated.
-        multiprocess.MultiProcessCollector(combined, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
-        return generate_latest(combined)
+    def service_exposition(self, *, with_decisions: bool) -> bytes:
+        """Every metric, or (`with_decisions=False`) all but the charge decisions: how often silos
+        are refused over budget is budget information, for the admin only."""
+        source: CollectorRegistry = self.registry
+        if self.multiprocess_dir is not None:
+            source = CollectorRegistry()
+            multiprocess.MultiProcessCollector(source, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]  # unannotated upstream
+        if with_decisions:
+            return generate_latest(source)
+        return generate_latest(_Without(source, DECISIONS))  # duck-typed: generate_latest only calls collect()
+
+
+class _Without:
+    """A registry's metrics but one family."""
+
+    def __init__(self, source: CollectorRegistry, name: str) -> None:
+        self.source, self.name = source, name
+
+    def collect(self) -> Iterator[Any]:
+        return (family for family in self.source.collect() if family.name != self.name)
 
 
 class SiloBudgets(Collector):
     """ε spent and budget per silo, read from the database at scrape time: the database is the one
     truth shared by every worker, so these need no multiprocess bookkeeping."""
 
-    def __init__(self, factory: sessionmaker[Session]) -> None:
-        self.factory = factory
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         spent = GaugeMetricFamily("dpledger_silo_epsilon_spent", "ε spent (reserved + committed) per silo", labels=["silo_id"])
         budget = GaugeMetricFamily("dpledger_silo_epsilon_budget", "ε budget per silo", labels=["silo_id"])
-        with self.factory() as session:
+        with self.db.read() as session:
             for silo in silos.list_all(session):
                 spent.add_metric([str(silo.id)], silos.epsilon_spent(silo))
                 budget.add_metric([str(silo.id)], silo.epsilon)
@@ -187,19 +201,21 @@ router = APIRouter()
 
 @router.get("/metrics", include_in_schema=False, name="metrics")
 def scrape(
-    request: Request, factory: FactoryDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_optional_bearer)]
+    request: Request, db: DbDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_optional_bearer)]
 ) -> Response:
-    """Service metrics for anyone who can reach the port; per-silo ε only with the admin key, since a
-    silo's budget is kept from other silos and the coordinator (DESIGN.md, roles)."""
-    body = request.app.state.metrics.service_exposition()
+    """Service metrics (latency) for anyone who can reach the port; the charge decisions by outcome
+    and per-silo ε only with the admin key, since budgets are kept from other silos and the
+    coordinator (DESIGN.md, roles)."""
     key = None
     if credentials is not None:
-        with factory() as session:
+        with db.read() as session:
             key = keys.authenticate(session, credentials.credentials)
     if key is not None:
         request.state.principal = Principal(key_id=key.id, role=Role(key.role), silo_id=key.silo_id)
-        if Role(key.role) is Role.admin:
-            body += generate_latest(SiloBudgets(factory))
+    admin = key is not None and Role(key.role) is Role.admin
+    body: bytes = request.app.state.metrics.service_exposition(with_decisions=admin)
+    if admin:
+        body += generate_latest(SiloBudgets(db))
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 

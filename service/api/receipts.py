@@ -15,7 +15,8 @@ from dpledger.wire.receipts import Receipt
 
 
 def signer(request: Request) -> TreeHeadSigner:
-    return request.app.state.signer  # type: ignore[no-any-return]
+    stored: TreeHeadSigner = request.app.state.signer  # Starlette's state is untyped; app.py stores it
+    return stored
 
 
 SignerDep = Annotated[TreeHeadSigner, Depends(signer)]

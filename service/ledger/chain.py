@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dpledger.service.ledger.models import Charge, LedgerEntry, Silo
+from dpledger.wire.enums import Relation
 
 GENESIS = "0" * 64
 
@@ -24,7 +25,7 @@ def timestamp(value: datetime) -> str:
 
 
 def silo_fields(silo: Silo) -> dict[str, Any]:
-    return {
+    fields = {
         "id": silo.id,
         "name": silo.name,
         "epsilon": silo.epsilon,
@@ -32,6 +33,11 @@ def silo_fields(silo: Silo) -> dict[str, Any]:
         "dataset_size": silo.dataset_size,
         "created_at": timestamp(silo.created_at),
     }
+    # Covered only where it is not the default that every silo before it had, so that their
+    # create entries keep the hashes they were written with.
+    if getattr(silo.relation, "value", silo.relation) != Relation.add_remove.value:
+        fields["relation"] = str(getattr(silo.relation, "value", silo.relation))
+    return fields
 
 
 def charge_fields(charge: Charge) -> dict[str, Any]:

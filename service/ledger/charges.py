@@ -3,6 +3,12 @@
 For every silo, in every state any interleaving of requests, retries and crashes can produce:
 ε_RDP(committed + reserved; δ_k) ≤ ε_k. So the check and the write share one transaction with the
 silo row locked (DESIGN.md), and it is shaped like dp-accounting's compose(): check, then append.
+
+Exactly once: an idempotency key names one charge of its silo for good. A retry of the same
+request is answered with that charge as it stands now (`replayed`, with its real status), never
+with a second approval; a different request under the same key is refused, whatever became of the
+charge (a released charge's key included). A charge whose round reported any output may only be
+committed.
 """
 
 from __future__ import annotations
@@ -14,17 +20,17 @@ from datetime import UTC, datetime
 
 import numpy as np
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from dpledger.service.accounting import rdp
-from dpledger.service.accounting.events import MechanismError, resolve
+from dpledger.service.accounting import cost, rdp
+from dpledger.service.accounting.events import check_relation, resolve
 from dpledger.service.accounting.running_sum import (
     RunningSum,
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import silos, transparency
-from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger import keys, silos, transparency
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import (
     Conflict,
     InvalidRequest,
@@ -38,17 +44,29 @@ from dpledger.service.ledger.models import (
     EntryEvent,
     LedgerEntry,
     Search,
+    Silo,
 )
 from dpledger.wire.mechanisms import AnyMechanism
 
 
 @dataclass(frozen=True)
-class Reservation:
-    charge_id: int
-    epsilon_spent: float
+class ChargeView:
+    """A charge as it stands, with its silo's ε now: what a reservation, a replay and a read answer."""
+
+    charge: Charge
+    epsilon: float  # the charge's own ε at the silo's δ
+    epsilon_spent: float  # the silo's, reserved + committed
     epsilon_remaining: float
     replayed: bool
     position: transparency.Position  # the reserve entry's place in the transparency log (the receipt)
+
+    @property
+    def charge_id(self) -> int:
+        return self.charge.id
+
+    @property
+    def status(self) -> ChargeStatus:
+        return ChargeStatus(self.charge.status)
 
 
 @dataclass(frozen=True)
@@ -59,110 +77,212 @@ class Settlement:
     position: transparency.Position
 
 
+@dataclass(frozen=True)
+class Priced:
+    """A mechanism resolved in its silo's context (or none), its RDP curve and what the PLD report may do."""
+
+    mechanism: AnyMechanism
+    curve: np.ndarray
+    pld_skip_reason: str | None
+
+
+@dataclass(frozen=True)
+class BudgetCheck:
+    candidate: RunningSum
+    epsilon_spent: float | None  # the silo's now; computed only where asked (a refusal, a preview)
+    epsilon_if_approved: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What approving `mechanism` on a silo would do: shared by reserve and quote."""
+
+    priced: Priced
+    silo: Silo
+    check: BudgetCheck
+
+
 def request_hash(*, mechanism: AnyMechanism, job_id: str | None, round: int | None) -> str:
     body = {"mechanism": mechanism.model_dump(mode="json"), "job_id": job_id, "round": round}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def prepare(session: Session, silo_id: int, mechanism: AnyMechanism) -> tuple[AnyMechanism, np.ndarray]:
-    """Resolves q against the silo's registered size and computes the curve, outside any lock:
-    a new (q, σ) pair costs dp-accounting tens of milliseconds."""
-    silo = silos.get(session, silo_id)
-    try:
-        resolved = resolve(mechanism, dataset_size=silo.dataset_size)
-        return resolved, rdp.rdp_curve(resolved)
-    except MechanismError as error:
-        raise InvalidRequest(error.field, error.message) from error
+def price(mechanism: AnyMechanism, *, silo: Silo | None, charged: bool, path: str = "mechanism") -> Priced:
+    """Resolves q (the service's on a charge: see `events.resolve`), checks the neighbouring
+    relation, bounds the work (`cost.check`) and only then computes the curve. Outside any lock: a
+    new (q, σ) pair costs dp-accounting tens of milliseconds. Raises MechanismError (a 422)."""
+    resolved = resolve(mechanism, dataset_size=None if silo is None else silo.dataset_size, charged=charged, path=path)
+    check_relation(resolved, silo_relation=None if silo is None else silo.relation, path=path)
+    skip = cost.check(resolved, path=path)
+    return Priced(resolved, rdp.rdp_curve(resolved), skip)
 
 
-def reserve(
-    factory: sessionmaker[Session],
-    *,
-    silo_id: int,
-    mechanism: AnyMechanism,
-    idempotency_key: str,
-    job_id: str | None = None,
-    round: int | None = None,
-) -> Reservation:
-    digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
-    with factory() as session:
-        resolved, curve = prepare(session, silo_id, mechanism)
-    # Encoded before the write lock: every writer of the database queues for the time it is held.
-    mechanism_json, curve_json = resolved.model_dump_json(), curve_to_json(curve)
-
-    with write_transaction(factory) as session:
-        silo = silos.lock(session, silo_id)
-        earlier = session.scalars(
-            select(Charge).where(Charge.silo_id == silo_id, Charge.idempotency_key == idempotency_key)
-        ).one_or_none()
-        if earlier is not None:
-            if earlier.request_hash != digest:
-                raise InvalidRequest("idempotency_key", "was already used for a different request to this silo")
-            return Reservation(
-                earlier.id, earlier.epsilon_spent_after, max(0.0, silo.epsilon - earlier.epsilon_spent_after), True,
-                _reserve_position(session, earlier.id),
-            )
-
-        spent = RunningSum.from_json(silo.rdp_spent)
-        candidate = spent.add(curve)
-        eps_candidate, _ = rdp.epsilon(candidate.curve(), delta=silo.delta)
-        if not rdp.within_budget(eps_candidate, budget=silo.epsilon):
-            eps_now, _ = rdp.epsilon(spent.curve(), delta=silo.delta)
-            raise OverBudget(budget=silo.epsilon, epsilon_spent=eps_now, epsilon_if_approved=eps_candidate)
-
-        now = datetime.now(UTC)
-        charge = Charge(
-            silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
-            mechanism=mechanism_json, rdp=curve_json, order_grid=rdp.ORDER_GRID_ID,
-            conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
-            epsilon_spent_after=eps_candidate, created_at=now,
-        )
-        session.add(charge)
-        session.flush()
-        silo.rdp_spent = candidate.to_json()
-        position = silos.append_entry(
-            session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps_candidate, now=now
-        )
-        return Reservation(charge.id, eps_candidate, max(0.0, silo.epsilon - eps_candidate), False, position)
+def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False) -> BudgetCheck:
+    """The gate: approve only when ε(spent + curve; δ) ≤ the silo's ε, with no tolerance."""
+    spent = RunningSum.from_json(silo.rdp_spent)
+    candidate = spent.add(curve)
+    eps_candidate, _ = rdp.epsilon(candidate.curve(), delta=silo.delta)
+    fits = rdp.within_budget(eps_candidate, budget=silo.epsilon)
+    eps_now = rdp.epsilon(spent.curve(), delta=silo.delta)[0] if with_spent or not fits else None
+    return BudgetCheck(candidate, eps_now, eps_candidate, fits)
 
 
-def _reserve_position(session: Session, charge_id: int) -> transparency.Position:
+def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: bool) -> Preview:
+    with db.read() as session:
+        silo = silos.get(session, silo_id)
+    priced = price(mechanism, silo=silo, charged=charged)
+    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True))
+
+
+def view(
+    session: Session, silo: Silo, charge: Charge, *, replayed: bool, position: transparency.Position | None = None
+) -> ChargeView:
+    spent = silos.epsilon_spent(silo)
+    own = rdp.epsilon(curve_from_json(charge.rdp), delta=silo.delta)[0]
+    where = position if position is not None else reserve_position(session, charge.id)
+    return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where)
+
+
+def reserve_position(session: Session, charge_id: int) -> transparency.Position:
     entry = session.scalars(
         select(LedgerEntry).where(LedgerEntry.charge_id == charge_id, LedgerEntry.event == EntryEvent.reserve)
     ).one()
     return transparency.position_of(session, entry)
 
 
-def silo_of_charge(session: Session, charge_id: int) -> int:
+def reserve(
+    db: Database,
+    *,
+    silo_id: int,
+    mechanism: AnyMechanism,
+    idempotency_key: str,
+    job_id: str | None = None,
+    round: int | None = None,
+    key_id: int | None = None,
+) -> ChargeView:
+    """A fresh reservation (replayed=False), or the charge this key already names (replayed=True)."""
+    digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
+    with db.read() as session:
+        silo = silos.get(session, silo_id)
+        earlier = by_key(session, silo_id, idempotency_key)
+        if earlier is not None:  # a replay does no accounting work at all
+            _same_request(earlier, digest)
+            return view(session, silo, earlier, replayed=True)
+    priced = price(mechanism, silo=silo, charged=True)
+    with db.write() as session:
+        keys.require_live(session, key_id)
+        return reserve_locked(
+            session, silo_id=silo_id, priced=priced, digest=digest, idempotency_key=idempotency_key,
+            job_id=job_id, round=round,
+        )
+
+
+def reserve_locked(
+    session: Session,
+    *,
+    silo_id: int,
+    priced: Priced,
+    digest: str,
+    idempotency_key: str,
+    job_id: str | None,
+    round: int | None,
+) -> ChargeView:
+    """Check, then append, inside the caller's write transaction (the silo is locked here)."""
+    silo = silos.lock(session, silo_id)
+    earlier = by_key(session, silo_id, idempotency_key)
+    if earlier is not None:  # a concurrent retry landed between the caller's read and this lock
+        _same_request(earlier, digest)
+        return view(session, silo, earlier, replayed=True)
+    decision = check_budget(silo, priced.curve)
+    if not decision.fits:
+        assert decision.epsilon_spent is not None
+        raise OverBudget(
+            budget=silo.epsilon, epsilon_spent=decision.epsilon_spent, epsilon_if_approved=decision.epsilon_if_approved
+        )
+    now = datetime.now(UTC)
+    charge = Charge(
+        silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
+        mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,
+        conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
+        epsilon_spent_after=decision.epsilon_if_approved, created_at=now,
+    )
+    session.add(charge)
+    session.flush()
+    silo.rdp_spent = decision.candidate.to_json()
+    position = silos.append_entry(
+        session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
+    )
+    return view(session, silo, charge, replayed=False, position=position)
+
+
+def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:
+    return session.scalars(
+        select(Charge).where(Charge.silo_id == silo_id, Charge.idempotency_key == idempotency_key)
+    ).one_or_none()
+
+
+def _same_request(earlier: Charge, digest: str) -> None:
+    if earlier.request_hash != digest:
+        raise InvalidRequest(
+            "idempotency_key",
+            f"was already used for a different request to this silo (charge {earlier.id}, {ChargeStatus(earlier.status).value}); "
+            "a key names one charge for good",
+        )
+
+
+def get(db: Database, charge_id: int, *, silo_scope: int | None) -> ChargeView:
+    """The charge as it stands. `silo_scope`: the one silo the caller may see (None: every silo);
+    a charge of another silo is "not found", exactly like one that does not exist."""
+    with db.read() as session:
+        charge = _visible(session, charge_id, silo_scope)
+        return view(session, silos.get(session, charge.silo_id), charge, replayed=False)
+
+
+def list_for_silo(
+    db: Database, silo_id: int, *, status: ChargeStatus | None = None, job_id: str | None = None, limit: int = 10_000
+) -> list[ChargeView]:
+    with db.read() as session:
+        silo = silos.get(session, silo_id)
+        query = select(Charge).where(Charge.silo_id == silo_id)
+        if status is not None:
+            query = query.where(Charge.status == status)
+        if job_id is not None:
+            query = query.where(Charge.job_id == job_id)
+        found = session.scalars(query.order_by(Charge.id).limit(limit))
+        return [view(session, silo, charge, replayed=False) for charge in found]
+
+
+def _visible(session: Session, charge_id: int, silo_scope: int | None) -> Charge:
     charge = session.get(Charge, charge_id)
-    if charge is None:
+    if charge is None or (silo_scope is not None and charge.silo_id != silo_scope):
         raise NotFound(f"charge {charge_id} not found")
-    return charge.silo_id
+    return charge
 
 
-def commit(factory: sessionmaker[Session], *, charge_id: int) -> Settlement:
+def commit(db: Database, *, charge_id: int, silo_scope: int | None = None, key_id: int | None = None) -> Settlement:
     """The round ran: the reservation becomes a committed charge (ε_spent is unchanged)."""
-    return _settle(factory, charge_id=charge_id, event=EntryEvent.commit)
+    return _settle(db, charge_id=charge_id, event=EntryEvent.commit, silo_scope=silo_scope, key_id=key_id)
 
 
-def release(factory: sessionmaker[Session], *, charge_id: int) -> Settlement:
-    """The worker declares it never touched the data: the reservation's curve is returned."""
-    return _settle(factory, charge_id=charge_id, event=EntryEvent.release)
+def release(db: Database, *, charge_id: int, silo_scope: int | None = None, key_id: int | None = None) -> Settlement:
+    """Only for a round that never touched the data: the reservation's curve is returned. Refused
+    (409) once anything the round produced reached the ledger: then it may only be committed."""
+    return _settle(db, charge_id=charge_id, event=EntryEvent.release, silo_scope=silo_scope, key_id=key_id)
 
 
-def _settle(factory: sessionmaker[Session], *, charge_id: int, event: EntryEvent) -> Settlement:
-    with factory() as session:
-        silo_id = silo_of_charge(session, charge_id)
-    with write_transaction(factory) as session:
+def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int | None, key_id: int | None) -> Settlement:
+    # One write transaction: the charge names its silo, the silo is locked, the charge read again.
+    with db.write() as session:
+        keys.require_live(session, key_id)
+        silo_id = _visible(session, charge_id, silo_scope).silo_id
         silo = silos.lock(session, silo_id)
-        charge = session.get(Charge, charge_id)
+        charge = session.get(Charge, charge_id, populate_existing=True, with_for_update=True)
         assert charge is not None  # charges are never deleted
         if charge.status != ChargeStatus.reserved:
             raise SettledAlready(charge_id, ChargeStatus(charge.status).value)
-        if event is EntryEvent.release and session.scalars(select(Search.id).where(Search.charge_id == charge_id)).first():
-            # A search's trials query the data as soon as K is known: its charge settles only by
-            # reporting them, never by a release that would hand the budget back.
-            raise Conflict(f"charge {charge_id} pays for a hyperparameter search; it is committed by the search's last trial")
+        if event is EntryEvent.release:
+            _check_untouched(session, charge)
         curve = curve_from_json(charge.rdp)
         if event is EntryEvent.commit:
             charge.status = ChargeStatus.committed
@@ -173,6 +293,40 @@ def _settle(factory: sessionmaker[Session], *, charge_id: int, event: EntryEvent
         eps = silos.epsilon_spent(silo)
         position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps, now=datetime.now(UTC))
         return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
+
+
+def _check_untouched(session: Session, charge: Charge) -> None:
+    if session.scalars(select(Search.id).where(Search.charge_id == charge.id)).first() is not None:
+        # A search's trials query the data as soon as K is known: its charge settles only by
+        # reporting them, never by a release that would hand the budget back.
+        raise Conflict(f"charge {charge.id} pays for a hyperparameter search; it is committed by the search's last trial")
+    if charge.touched_at is not None:
+        raise Conflict(
+            f"charge {charge.id}'s round already reported an output to the ledger (a norm or a trial), so it touched "
+            "the data: it may only be committed"
+        )
+
+
+def mark_touched(session: Session, *, silo_id: int, charge_id: int | None = None, round: int | None = None) -> None:
+    """An output of a round reached the ledger: its charge (and, fail closed, every reserved charge
+    of the silo for that round) may no longer be released. Caller holds the write transaction."""
+    now = datetime.now(UTC)
+    if charge_id is not None:
+        charge = session.get(Charge, charge_id)
+        if charge is None or charge.silo_id != silo_id:
+            raise NotFound(f"charge {charge_id} not found")
+        if charge.status == ChargeStatus.released:
+            raise Conflict(f"charge {charge_id} was released: its round must not have run, so it cannot report an output")
+        if charge.touched_at is None:
+            charge.touched_at = now
+    if round is not None:
+        for charge in session.scalars(
+            select(Charge).where(
+                Charge.silo_id == silo_id, Charge.round == round, Charge.status == ChargeStatus.reserved,
+                Charge.touched_at.is_(None),
+            )
+        ):
+            charge.touched_at = now
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import sqlite3
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -22,10 +21,6 @@ import dpledger.migrations
 
 MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
 _IMMEDIATE = "dpledger_immediate"
-# One writer at a time per SQLite database, queued on locks that wake the next writer at once:
-# SQLite's own busy handler makes a waiting writer sleep in growing steps (up to 100 ms), so writers
-# that meet only at SQLite's lock approve in bursts, with a p99 near a second (bench/approvals.py).
-_SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, SqliteWriters] = weakref.WeakKeyDictionary()
 
 
 class SqliteWriters:
@@ -62,7 +57,6 @@ def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
         _configure_sqlite(engine)
-        _SQLITE_WRITERS[engine] = SqliteWriters(engine.url.database)
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
 
@@ -88,24 +82,45 @@ def _configure_sqlite(engine: Engine) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def make_session_factory(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
+class Database:
+    """The ledger's one way to its database: `read()` for a session that only reads, `write()` for
+    one transaction that holds the write lock from its first statement and commits on exit. Every
+    write of the service goes through `write()`, so SQLite sees one writer at a time, queued on
+    locks that wake the next writer at once: SQLite's own busy handler makes a waiting writer sleep
+    in growing steps (up to 100 ms), so writers that meet only at SQLite's lock approve in bursts,
+    with a p99 near a second (bench/approvals.py); and a deferred read-then-write transaction under
+    WAL fails at once with "database is locked" when another writer committed in between."""
 
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._writers = SqliteWriters(engine.url.database) if engine.dialect.name == "sqlite" else None
 
-@contextmanager
-def write_transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """One transaction that holds SQLite's write lock from its first statement; commits on exit."""
-    bind = factory.kw.get("bind")
-    writers = _SQLITE_WRITERS.get(bind) if isinstance(bind, Engine) else None
-    # The session opens and closes (its connection back to the pool) outside the writers' queue.
-    with factory() as session, writers if writers is not None else nullcontext():
-        session.connection(execution_options={_IMMEDIATE: True})
-        try:
+    @classmethod
+    def connect(cls, url: str) -> Database:
+        return cls(make_engine(url))
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for reads; whatever it holds is rolled back on exit, never committed."""
+        with self._sessions() as session:
             yield session
-            session.commit()
-        except BaseException:
-            session.rollback()
-            raise
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """One transaction that holds the write lock from its first statement; commits on exit."""
+        # The session opens and closes (its connection back to the pool) outside the writers' queue.
+        with self._sessions() as session, self._writers if self._writers is not None else nullcontext():
+            session.connection(execution_options={_IMMEDIATE: True})
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+    def dispose(self) -> None:
+        self.engine.dispose()
 
 
 def alembic_config(url: str) -> Config:

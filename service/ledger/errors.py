@@ -11,6 +11,10 @@ class NotFound(LedgerError):
     pass
 
 
+class Unauthorized(LedgerError):
+    """The caller's key was revoked (or never was) by the time its write transaction began."""
+
+
 class Conflict(LedgerError):
     """A request that cannot apply in the current state (settled twice, name taken…)."""
 

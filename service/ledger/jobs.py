@@ -12,22 +12,24 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from dpledger.service.ledger import charges, keys, silos
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.models import Job, JobSilo, NormReport, PrivacyLevel, Silo
 
 
-def create_job(session: Session, *, name: str, silo_ids: list[int]) -> Job:
+def create_job(db: Database, *, name: str, silo_ids: list[int]) -> Job:
     if len(set(silo_ids)) != len(silo_ids):
         raise InvalidRequest("silo_ids", "must not repeat a silo")
-    known = set(session.scalars(select(Silo.id).where(Silo.id.in_(silo_ids))))
-    missing = [s for s in silo_ids if s not in known]
-    if missing:
-        raise InvalidRequest("silo_ids", f"unknown silos {missing}")
-    job = Job(name=name, created_at=datetime.now(UTC))
-    session.add(job)
-    session.flush()
-    session.add_all(JobSilo(job_id=job.id, silo_id=s) for s in silo_ids)
-    session.commit()
+    with db.write() as session:
+        known = set(session.scalars(select(Silo.id).where(Silo.id.in_(silo_ids))))
+        if len(known) != len(silo_ids):
+            # Which ids exist is not said: the coordinator, who creates jobs, may not learn it.
+            raise InvalidRequest("silo_ids", "must all name registered silos")
+        job = Job(name=name, created_at=datetime.now(UTC))
+        session.add(job)
+        session.flush()
+        session.add_all(JobSilo(job_id=job.id, silo_id=s) for s in silo_ids)
     return job
 
 
@@ -38,24 +40,25 @@ def get_job(session: Session, job_id: int) -> Job:
     return job
 
 
-def report_norm(session: Session, *, job_id: int, round: int, silo_id: int, l2_norm: float) -> NormReport:
-    """One report per silo and round; repeating the same value is a harmless retry."""
-    get_job(session, job_id)
-    if session.get(JobSilo, (job_id, silo_id)) is None:
-        raise InvalidRequest("silo_id", f"silo {silo_id} is not part of job {job_id}")
-    earlier = _report(session, job_id, round, silo_id)
-    if earlier is not None:
-        return _same_or_conflict(earlier, l2_norm)
-    report = NormReport(job_id=job_id, round=round, silo_id=silo_id, l2_norm=l2_norm, created_at=datetime.now(UTC))
-    session.add(report)
-    try:
-        session.commit()
-    except IntegrityError:
-        session.rollback()  # a concurrent retry landed first
+def report_norm(
+    db: Database, *, job_id: int, round: int, silo_id: int, l2_norm: float, charge_id: int | None = None,
+    key_id: int | None = None,
+) -> NormReport:
+    """One report per silo and round; repeating the same value is a harmless retry. The round ran,
+    so its charges may no longer be released (`charges.mark_touched`)."""
+    with db.write() as session:
+        keys.require_live(session, key_id)
+        get_job(session, job_id)
+        if session.get(JobSilo, (job_id, silo_id)) is None:
+            raise NotFound(f"job {job_id} not found")  # a job the silo is not part of is not its to see
+        silos.lock(session, silo_id)
+        charges.mark_touched(session, silo_id=silo_id, charge_id=charge_id, round=round)
         earlier = _report(session, job_id, round, silo_id)
-        assert earlier is not None
-        return _same_or_conflict(earlier, l2_norm)
-    return report
+        if earlier is not None:
+            return _same_or_conflict(earlier, l2_norm)
+        report = NormReport(job_id=job_id, round=round, silo_id=silo_id, l2_norm=l2_norm, created_at=datetime.now(UTC))
+        session.add(report)
+        return report
 
 
 def _report(session: Session, job_id: int, round: int, silo_id: int) -> NormReport | None:
@@ -70,31 +73,33 @@ def _same_or_conflict(earlier: NormReport, l2_norm: float) -> NormReport:
     return earlier
 
 
-def round_norms(session: Session, *, job_id: int, round: int) -> dict[int, float]:
-    get_job(session, job_id)
-    rows = session.execute(
-        select(NormReport.silo_id, NormReport.l2_norm).where(NormReport.job_id == job_id, NormReport.round == round)
-    )
-    return {silo_id: norm for silo_id, norm in rows}
+def round_norms(db: Database, *, job_id: int, round: int) -> dict[int, float]:
+    with db.read() as session:
+        get_job(session, job_id)
+        rows = session.execute(
+            select(NormReport.silo_id, NormReport.l2_norm).where(NormReport.job_id == job_id, NormReport.round == round)
+        )
+        return {silo_id: norm for silo_id, norm in rows}
 
 
-def publish_level(session: Session, *, name: str, epsilon: float, delta: float) -> PrivacyLevel:
-    level = PrivacyLevel(name=name, epsilon=epsilon, delta=delta, created_at=datetime.now(UTC))
-    session.add(level)
+def publish_level(db: Database, *, name: str, epsilon: float, delta: float) -> PrivacyLevel:
     try:
-        session.commit()
+        with db.write() as session:
+            level = PrivacyLevel(name=name, epsilon=epsilon, delta=delta, created_at=datetime.now(UTC))
+            session.add(level)
     except IntegrityError as error:
-        session.rollback()
         raise Conflict(f"a privacy level named {name!r} exists already") from error
     return level
 
 
-def list_levels(session: Session) -> list[PrivacyLevel]:
-    return list(session.scalars(select(PrivacyLevel).order_by(PrivacyLevel.epsilon)))
+def list_levels(db: Database) -> list[PrivacyLevel]:
+    with db.read() as session:
+        return list(session.scalars(select(PrivacyLevel).order_by(PrivacyLevel.epsilon)))
 
 
-def level_by_name(session: Session, name: str) -> PrivacyLevel:
-    level = session.scalars(select(PrivacyLevel).where(PrivacyLevel.name == name)).one_or_none()
+def level_by_name(db: Database, name: str) -> PrivacyLevel:
+    with db.read() as session:
+        level = session.scalars(select(PrivacyLevel).where(PrivacyLevel.name == name)).one_or_none()
     if level is None:
         raise InvalidRequest("level", f"no privacy level named {name!r}")
     return level

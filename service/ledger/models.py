@@ -1,8 +1,10 @@
-"""Tables of the ledger (SQLAlchemy 2, typed). Wire models live in service/api/schemas.py."""
+"""Tables of the ledger (SQLAlchemy 2, typed). Wire models live in dpledger/wire/schemas.py."""
 
 from __future__ import annotations
 
+import enum
 from datetime import datetime
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy import (
     BigInteger,
@@ -15,13 +17,42 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 # Re-exported (`X as X`): the tables' vocabularies are part of what this module offers its callers.
 from dpledger.wire.enums import ChargeStatus as ChargeStatus
 from dpledger.wire.enums import EntryEvent as EntryEvent
+from dpledger.wire.enums import Relation as Relation
 from dpledger.wire.enums import Role as Role
 from dpledger.wire.enums import SearchStatus as SearchStatus
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class StoredEnum(TypeDecorator[E], Generic[E]):
+    """An enum column stored as its value's string, as these columns always were (no native type,
+    no CHECK: the schema is unchanged). A stored string that is no member (an edited row) reads
+    back as the raw string rather than failing the load, so that `verify` can report it."""
+
+    impl = String(16)
+    cache_ok = True
+
+    def __init__(self, kind: type[E]) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        return None if value is None else str(self.kind(value).value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        try:
+            return self.kind(value)
+        except ValueError:
+            return value
 
 
 class Base(DeclarativeBase):
@@ -36,6 +67,9 @@ class Silo(Base):
     epsilon: Mapped[float] = mapped_column(Float)
     delta: Mapped[float] = mapped_column(Float)
     dataset_size: Mapped[int] = mapped_column(BigInteger)
+    relation: Mapped[Relation] = mapped_column(
+        StoredEnum(Relation), default=Relation.add_remove, server_default=Relation.add_remove.value
+    )
     # Running sums (RunningSum JSON) of reserved + committed, and of committed only: an approval
     # reads these instead of replaying history.
     rdp_spent: Mapped[str] = mapped_column(Text)
@@ -57,11 +91,14 @@ class Charge(Base):
     rdp: Mapped[str] = mapped_column(Text)  # its RDP curve at the order grid below
     order_grid: Mapped[str] = mapped_column(String(100))
     conversion: Mapped[str] = mapped_column(String(100))
-    status: Mapped[ChargeStatus] = mapped_column(String(16))
+    status: Mapped[ChargeStatus] = mapped_column(StoredEnum(ChargeStatus))
     job_id: Mapped[str | None] = mapped_column(String(200))
     round: Mapped[int | None] = mapped_column(Integer)
     epsilon_spent_after: Mapped[float] = mapped_column(Float)  # the silo's ε right after approval
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # When an output of the charge's round (a norm, a trial's score) first reached the ledger: the
+    # round touched the data, so the charge may only be committed, never released.
+    touched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class LedgerEntry(Base):
@@ -76,7 +113,7 @@ class LedgerEntry(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     silo_id: Mapped[int] = mapped_column(ForeignKey("silos.id"))
     seq: Mapped[int] = mapped_column(Integer)
-    event: Mapped[EntryEvent] = mapped_column(String(16))
+    event: Mapped[EntryEvent] = mapped_column(StoredEnum(EntryEvent))
     charge_id: Mapped[int | None] = mapped_column(ForeignKey("charges.id"))
     epsilon_spent: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -89,7 +126,7 @@ class ApiKey(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    role: Mapped[Role] = mapped_column(String(16))
+    role: Mapped[Role] = mapped_column(StoredEnum(Role))
     silo_id: Mapped[int | None] = mapped_column(ForeignKey("silos.id"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -152,7 +189,7 @@ class Search(Base):
     trials: Mapped[int] = mapped_column(Integer)  # K, drawn by the service
     trials_reported: Mapped[int] = mapped_column(Integer, default=0)
     best_score: Mapped[float | None] = mapped_column(Float)
-    status: Mapped[SearchStatus] = mapped_column(String(16))
+    status: Mapped[SearchStatus] = mapped_column(StoredEnum(SearchStatus))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 

@@ -7,16 +7,17 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp, reports
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain, transparency
-from dpledger.service.ledger.db import write_transaction
+from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.keys import create_key
 from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
+from dpledger.wire.enums import Relation
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,16 @@ class BudgetStatus:
     order: float
 
 
-def register(factory: sessionmaker[Session], *, name: str, epsilon: float, delta: float, dataset_size: int) -> tuple[Silo, str]:
+def register(
+    db: Database, *, name: str, epsilon: float, delta: float, dataset_size: int, relation: Relation = Relation.add_remove
+) -> tuple[Silo, str]:
     """Creates the silo, its chain's genesis entry and its first key, in one transaction."""
     empty = RunningSum.empty(len(rdp.ORDERS)).to_json()
     now = datetime.now(UTC)
     try:
-        with write_transaction(factory) as session:
+        with db.write() as session:
             silo = Silo(
-                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size,
+                name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size, relation=relation,
                 rdp_spent=empty, rdp_committed=empty, chain_seq=0, chain_head=chain.GENESIS, created_at=now,
             )
             session.add(silo)
@@ -59,9 +62,10 @@ def append_entry(
     subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
-    session.flush()  # the leaf row names the entry's id
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
+    # The leaf row names the entry's id; flushed after the silo's changes, so its row is written once.
+    session.flush()
     return transparency.append(session, entry, subject=subject)
 
 
@@ -111,6 +115,10 @@ class NoisePlan:
 def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
     what the silo has left (reserved charges count as spent). Reserves nothing."""
+    if silo.relation != Relation.add_remove:
+        raise InvalidRequest(
+            "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}"
+        )
     if batch_size > silo.dataset_size:
         raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
     sampling_rate = batch_size / silo.dataset_size

@@ -147,17 +147,20 @@ def test_verify_exits_0_on_an_intact_chain_and_1_after_an_edit(as_admin: Ledger,
     assert main(["verify"]) == 0
 
 
-def test_a_silo_key_reading_everything_gets_403_and_exit_2(
+def test_a_silo_key_reading_everything_gets_403_or_404_and_exit_2(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("DPLEDGER_URL", ledger.url)
     monkeypatch.setenv("DPLEDGER_KEY", ledger.silo_keys[0])
+    expected = {"silos": "dpledger: 403 forbidden:", "verify": "dpledger: 403 forbidden:",
+                # another silo's id is not this key's to see: "not found", like an id that names none
+                "history": f"dpledger: HTTP 404 from /v1/silos/{ledger.silo_ids[1]}/history: silo {ledger.silo_ids[1]} not found"}
     for argv in (["silos", "list"], ["verify"], ["history", str(ledger.silo_ids[1])]):
         assert main(argv) == 2
         captured = capsys.readouterr()
         assert captured.out == ""
         (line,) = captured.err.splitlines()
-        assert line.startswith("dpledger: 403 forbidden:")
+        assert line.startswith(expected[argv[0]])
         assert ledger.silo_keys[0] not in line
     assert main(["silos", "show", str(ledger.silo_ids[0])]) == 0  # its own silo is readable
 
@@ -185,6 +188,38 @@ def test_a_missing_or_unknown_key_or_no_server_is_one_line_and_exit_2(
     assert err.count("\n") == 1
 
 
+def test_charges_list_open_and_release_recover_a_stranded_reservation(
+    as_admin: Ledger, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13, item 4: a worker that crashed leaves reservations; the admin lists the open ones and
+    releases the one whose round provably never ran. A silo-chosen job id is shown, never obeyed."""
+    created = httpx.post(f"{as_admin.url}/v1/silos", headers=ADMIN,
+                         json={"name": "stranded", "epsilon": 5.0, "delta": 1e-5, "dataset_size": 1000}).json()
+    headers = {"Authorization": f"Bearer {created['api_key']}"}
+    hostile = "job\x1b[2K\x1b[1A\rok"
+    ids = []
+    for i in range(2):
+        body = {"mechanism": STEP, "idempotency_key": f"s{i}", "job_id": hostile, "round": i}
+        ids.append(httpx.post(f"{as_admin.url}/v1/silos/{created['id']}/charges", json=body, headers=headers).json()["charge_id"])
+    job = httpx.post(f"{as_admin.url}/v1/jobs", json={"name": "j", "silo_ids": [created["id"]]}, headers=ADMIN).json()["job_id"]
+    norm = {"silo_id": created["id"], "l2_norm": 1.0, "charge_id": ids[1]}
+    assert httpx.post(f"{as_admin.url}/v1/jobs/{job}/rounds/1/norms", json=norm, headers=headers).status_code == 201
+
+    assert main(["charges", "list", str(created["id"]), "--open"]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split()[:2] == ["charge", "status"]
+    assert [row.split()[:3] for row in rows] == [[str(c), "reserved", "job\\x1b[2K\\x1b[1A\\x0dok"] for c in ids]
+
+    assert main(["charges", "release", str(ids[0])]) == 0
+    assert capsys.readouterr().out.startswith(f"charge {ids[0]} released; silo ε spent now ")
+    assert main(["charges", "release", str(ids[1])]) == 2  # its round reported a norm: fail closed
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("dpledger: HTTP 409") and "may only be committed" in line
+    assert main(["charges", "list", str(created["id"]), "--open"]) == 0
+    assert [row.split()[0] for row in capsys.readouterr().out.splitlines()[1:]] == [str(ids[1])]
+    assert main(["history", str(created["id"])]) == 0
+    history = capsys.readouterr().out
+    assert "\x1b" not in history and "\r" not in history and "job\\x1b[2K\\x1b[1A\\x0dok" in history
 def test_silos_create_prints_the_new_silos_key_alone_and_that_key_reads_its_silo(
     as_admin: Ledger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

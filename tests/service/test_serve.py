@@ -101,12 +101,14 @@ def test_serve_with_two_workers_sums_metrics_across_processes_and_logs_json(tmp_
                 )
                 assert response.status_code == 201
 
-            text = httpx.get(f"{url}/metrics").text
+            text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text  # decisions: admin only
+            public = httpx.get(f"{url}/metrics").text
         finally:
             process.terminate()
             process.wait(timeout=20)
 
     assert 'dpledger_charge_decisions_total{outcome="approved",reason="reserved"} 8.0' in text
+    assert "dpledger_charge_decisions" not in public and "dpledger_http_request_duration_seconds_count" in public
     assert (
         'dpledger_http_request_duration_seconds_count{method="POST",route="/v1/silos/{silo_id}/charges",status_class="2xx"} 8.0'
         in text

@@ -59,7 +59,7 @@ def test_dropped_requests_are_retried_and_charge_once(server: str, silo) -> None
         reservation = client.reserve(silo.id, mechanism=STEP, idempotency_key="r1")
         again = client.reserve(silo.id, mechanism=STEP, idempotency_key="r1")  # a retry after a lost answer
         assert again.charge_id == reservation.charge_id and again.replayed and not again.fresh
-        assert reservation.fresh and not reservation.replayed  # the two lost attempts never reached the server
+        assert reservation.fresh and not reservation.replayed and reservation.own_retry  # the lost attempts never landed
         assert client.commit(reservation.charge_id) == pytest.approx(reservation.epsilon_spent)
         assert client.commit(reservation.charge_id) is None  # the second attempt sees it done
         assert client.silo(silo.id).epsilon_spent == pytest.approx(reservation.epsilon_spent)
@@ -92,9 +92,9 @@ def test_a_bad_request_is_rejected_not_retried(server: str, silo) -> None:  # ty
 def test_a_reservation_says_whether_it_is_fresh(server: str, silo) -> None:  # type: ignore[no-untyped-def]
     with LedgerClient(server, silo.api_key) as client:
         first = client.reserve(silo.id, mechanism=DpSgd(batch_size=10, noise_multiplier=1.0, steps=1), idempotency_key="f")
-        assert first.fresh and not first.replayed and first.may_train
+        assert first.fresh and not first.replayed and not first.own_retry
         again = client.reserve(silo.id, mechanism=STEP, idempotency_key="f")  # a second call, not a retry of the first
-        assert again.charge_id == first.charge_id and again.replayed and not again.fresh and not again.may_train
+        assert again.charge_id == first.charge_id and again.replayed and not again.own_retry and not again.fresh
         assert isinstance(client.silo(silo.id), SiloDetail)
 
 
@@ -119,4 +119,4 @@ def test_a_replay_that_answers_the_calls_own_lost_attempt_is_fresh(server: str, 
     with LedgerClient(server, silo.api_key, transport=transport, retry=Retry(first_delay=0.01)) as client:
         reservation = client.reserve(silo.id, mechanism=STEP, idempotency_key="lost")
     assert transport.calls == 2
-    assert reservation.replayed and reservation.fresh and reservation.may_train
+    assert reservation.replayed and reservation.own_retry and reservation.fresh

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from scipy import stats  # type: ignore[import-untyped]
+from scipy import stats  # type: ignore[import-untyped]  # scipy ships no type information
 from torch import Tensor, nn
 
 from dpledger.trainer.dpsgd.norms import layer_grads, per_sample_grad_norms

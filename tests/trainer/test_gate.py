@@ -225,3 +225,18 @@ def test_models_that_mix_examples_and_samplers_over_other_data_are_refused(silo)
     engine.sampler.dataset_size = N - 1  # e.g. a loader that dropped a record the registration counted
     with pytest.raises(ValueError, match=f"dataset_size={N}"):
         RoundGate(client, silo_id=silo_id, sampler=engine.sampler)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gated_engine_runs_on_cuda(silo) -> None:  # type: ignore[no-untyped-def]
+    client, silo_id = silo(5.0)
+    model = SmallCNN().cuda()
+    engine = DPSGDEngine(model, torch.optim.SGD(model.parameters(), lr=0.5), loss_fn=per_example_loss, data=digits(),
+                         batch_size=BATCH, max_grad_norm=1.0, generator=torch.Generator("cuda").manual_seed(0))
+    gate = RoundGate(client, silo_id=silo_id, sampler=engine.sampler)
+    start = parameters(model)
+    with gate.round(steps=2, noise_multiplier=1.5) as permit:
+        engine.step(permit)
+        engine.step(permit)
+    assert not same(start, parameters(model)) and all(p.is_cuda for p in model.parameters())
+    assert client.silo(silo_id).epsilon_spent == pytest.approx(dp_accounting_epsilon([(1.5, 2)]), rel=1e-9)

@@ -5,6 +5,9 @@ FedHDP weighs groups by r (paper 003 Alg. 2) and its quantile query is charged."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -29,19 +32,19 @@ NOISE_GROUPS = [0, 0, 0, 1, 1, 1, 1, 1]
 
 
 @pytest.fixture(scope="module")
-def ledger(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+def ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = f"sqlite:///{tmp_path_factory.mktemp('grouped')}/ledger.db"
     with running_server(database_url=url, admin_key=ADMIN_KEY) as base:
         yield base
 
 
 @pytest.fixture(scope="module")
-def coordinator(ledger: str) -> LedgerClient:  # type: ignore[misc]
+def coordinator(ledger: str) -> Iterator[LedgerClient]:
     with LedgerClient(ledger, ADMIN_KEY) as admin, LedgerClient(ledger, issue_coordinator_key(admin)) as client:
         yield client
 
 
-def common() -> dict:  # type: ignore[type-arg]
+def common() -> dict[str, Any]:
     data = make_rotated_masked_digits(n_silos=len(NOISE), seed=2)
     return {
         "x_train": [s.x_train for s in data.silos], "y_train": [s.y_train for s in data.silos],
@@ -111,7 +114,9 @@ def test_different_budgets_with_the_same_norms_give_the_same_groups(ledger: str,
         result, _ = run(ledger, coordinator, PFA(**common()), prefix, budgets=budgets)
         assert result.run is not None
         runs.append(result)
-    assert runs[0].run.rounds[0].update_norms == runs[1].run.rounds[0].update_norms  # type: ignore[union-attr]
+    first, second = runs[0].run, runs[1].run
+    assert first is not None and second is not None
+    assert first.rounds[0].update_norms == second.rounds[0].update_norms
     assert runs[0].groups == runs[1].groups == NOISE_GROUPS
 
 

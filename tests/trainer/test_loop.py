@@ -4,6 +4,7 @@ run is reproducible from a seed, and the demo leaves its report."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,14 +16,14 @@ from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
-from dpledger.trainer.loop import GatedSilo, run_gated
+from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 from tests.conftest import ADMIN_KEY
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, noise_multiplier=1.5, seed=3)
 
 
 @pytest.fixture(scope="module")
-def ledger(tmp_path_factory) -> str:  # type: ignore[no-untyped-def]
+def ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = f"sqlite:///{tmp_path_factory.mktemp('loop')}/ledger.db"
     with running_server(database_url=url, admin_key=ADMIN_KEY) as base:
         yield base
@@ -60,7 +61,7 @@ def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> Non
     silos = register(ledger, algorithm, budgets, "freeze")
     frozen_at: list[torch.Tensor] = []
 
-    def watch(record) -> None:  # type: ignore[no-untyped-def]
+    def watch(record: RoundRecord) -> None:
         if record.round_index == k_rounds - 1:
             frozen_at.append(algorithm.personal[0].clone())
 

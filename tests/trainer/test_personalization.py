@@ -176,7 +176,7 @@ def test_warm_started_mrmtl_starts_each_silo_from_its_cluster_model() -> None:
 
 
 @pytest.fixture(scope="module")
-def ledger(tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
+def ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = f"sqlite:///{tmp_path_factory.mktemp('personalization')}/ledger.db"
     with running_server(database_url=url, admin_key=ADMIN_KEY) as base:
         yield base

@@ -5,10 +5,11 @@
   FedHDP's two-step aggregation and its ratio r (paper 003 §3.1.2, Lemma 1, Alg. 2).
 - `noisy_quantile_clip_update`: adaptive clipping by a noisy quantile query (paper 003 Alg. 2;
   Andrew et al. 2021), returning the mechanism that query ran.
-- `pmtl_server_step`, `pmtl_round_mechanism`: PMTL's noisy global learner (paper 004 Alg. 1, Thm 1).
 
 Aggregating already-private updates is post-processing (DESIGN.md, "The privacy model"); only the
-quantile query and PMTL's server noise are mechanisms, and each returns what it must be charged as.
+quantile query is a mechanism, and it returns what it must be charged as. (PMTL's noisy global
+learner, "Private Multi-Task Learning" Alg. 1, lives in the repository's research/ folder: no
+algorithm runs it.)
 """
 
 from dpledger.trainer.aggregation.clipping import (
@@ -23,26 +24,16 @@ from dpledger.trainer.aggregation.fedhdp import (
     group_means,
     optimal_ratio,
 )
-from dpledger.trainer.aggregation.mechanisms import (
-    GaussianMechanism,
-    PoissonSampledGaussian,
-)
+from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 from dpledger.trainer.aggregation.pfa import (
     pfa_aggregate,
     project_onto,
     public_mask,
     top_k_subspace,
 )
-from dpledger.trainer.aggregation.pmtl import (
-    pmtl_record_level_mechanism,
-    pmtl_round_mechanism,
-    pmtl_server_step,
-    sample_tasks,
-)
 
 __all__ = [
     "GaussianMechanism",
-    "PoissonSampledGaussian",
     "QuantileClipUpdate",
     "budget_blind_ratio",
     "clip_updates",
@@ -52,11 +43,7 @@ __all__ = [
     "noisy_quantile_clip_update",
     "optimal_ratio",
     "pfa_aggregate",
-    "pmtl_record_level_mechanism",
-    "pmtl_round_mechanism",
-    "pmtl_server_step",
     "project_onto",
     "public_mask",
-    "sample_tasks",
     "top_k_subspace",
 ]

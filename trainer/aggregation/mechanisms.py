@@ -9,9 +9,3 @@ from typing import Literal, TypedDict
 class GaussianMechanism(TypedDict):
     type: Literal["gaussian"]
     noise_multiplier: float
-
-
-class PoissonSampledGaussian(TypedDict):
-    type: Literal["poisson_sampled"]
-    sampling_rate: float
-    event: GaussianMechanism

@@ -4,9 +4,10 @@ Every source returns a `FederatedDataset`: a tuple of per-silo `SiloData`, each 
 train/test split, because in cross-silo FL each silo evaluates its own (possibly personalized)
 model on its own local distribution (paper 000 §3).
 
-Sources:
-- `make_mean_estimation`: paper 000 §6 (K silos, n points, σ², τ²).
-- `make_additive_regression`: paper 002 §6 (N users, d = 100, 95 shared coordinates).
+Sources (the research generators, the means of
+"On Privacy and Personalization in Cross-Silo Federated Learning" §6 and the additive model of
+"Personalization Improves Privacy-Accuracy Tradeoffs in Federated Learning" §6, live in the
+repository's research/ folder):
 - `make_rotated_masked_digits`: sklearn's 8×8 digits in the spirit of paper 000 §5's rotated and
   masked MNIST.
 - `load_npz_folder`: a user's own data, one `.npz` per silo.
@@ -148,10 +149,6 @@ class FederatedDataset:
 
 
 # Imported after the containers because every source module builds them (import cycle otherwise).
-from dpledger.trainer.data.additive import (  # noqa: E402
-    AdditiveRegressionData,
-    make_additive_regression,
-)
 from dpledger.trainer.data.budgets import (  # noqa: E402
     MIXGAUSS_TABLE,
     BudgetDraw,
@@ -159,28 +156,18 @@ from dpledger.trainer.data.budgets import (  # noqa: E402
     draw_budgets,
 )
 from dpledger.trainer.data.digits import make_rotated_masked_digits  # noqa: E402
-from dpledger.trainer.data.mean_estimation import (  # noqa: E402
-    MeanEstimationData,
-    draw_centers_and_points,
-    make_mean_estimation,
-)
 from dpledger.trainer.data.npz import SiloFileError, load_npz_folder  # noqa: E402
 
 __all__ = [
     "MIXGAUSS_TABLE",
     "TASKS",
-    "AdditiveRegressionData",
     "BudgetDraw",
     "FederatedDataset",
-    "MeanEstimationData",
     "MixtureComponent",
     "SiloData",
     "SiloFileError",
     "Task",
     "draw_budgets",
-    "draw_centers_and_points",
     "load_npz_folder",
-    "make_additive_regression",
-    "make_mean_estimation",
     "make_rotated_masked_digits",
 ]

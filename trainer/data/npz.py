@@ -118,6 +118,11 @@ def load_npz_folder(
     `task` defaults to "classification" when the labels are integers and "regression" otherwise;
     it must agree across files. Without `x_test`/`y_test`, a silo's examples are split with a seeded
     permutation (seed and silo index together), keeping `test_fraction` of them (at least one) for test.
+
+    Only the training split is sampled by DP-SGD, so a silo's ledger registration must give at most
+    its number of training records as dataset_size (a file of n examples without test arrays trains
+    on n − max(1, round(test_fraction · n))); `dpledger train` prints the number for each silo, and the
+    worker stops before round 0 when the ledger's registered size is larger.
     """
     root = Path(folder)
     if not root.is_dir():

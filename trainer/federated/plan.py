@@ -33,7 +33,7 @@ class PlannedQuery:
     mechanism: Mechanism
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RoundPlan:
     """Per silo, the queries round `round_index` makes of its data if approved (empty: none).
 
@@ -90,7 +90,7 @@ class RoundPlan:
                 raise RuntimeError(f"Round {self.round_index}: silo {k}'s {kind} ran {mechanism}, declared {declared}.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Metered:
     """What one round ran: per query kind, int64 [K] counts, and the mechanism of every query that
     reported its own (keyed by kind and silo)."""

@@ -1,6 +1,6 @@
 """A personal phase after a warm start: the parent algorithm for the first rounds, then each silo
-trains its own model from what it deployed at the switch (paper 000 §4's local finetuning, §5's
-warm-started MR-MTL)."""
+trains its own model from what it deployed at the switch (local finetuning, §4, and MR-MTL
+warm-started by IFCA, §5, of "On Privacy and Personalization in Cross-Silo Federated Learning")."""
 
 from __future__ import annotations
 

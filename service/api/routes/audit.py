@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
+from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
 from dpledger.service.ledger import audit
 from dpledger.wire.schemas import VerifyResponse
 
@@ -10,10 +10,10 @@ router = APIRouter(prefix="/v1/audit", tags=["audit"])
 
 
 @router.get("/verify", response_model=VerifyResponse, name="verify_ledger")
-def verify_ledger(caller: PrincipalDep, factory: FactoryDep) -> VerifyResponse:
+def verify_ledger(caller: PrincipalDep, db: DbDep) -> VerifyResponse:
     """Recomputes every hash of every silo's chain from the stored rows."""
     caller.require(*READERS)
-    with factory() as session:
+    with db.read() as session:
         report = audit.verify(session)
     return VerifyResponse(
         ok=report.ok, entries=report.entries, first_bad_seq=report.first_bad_seq,

@@ -3,24 +3,40 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 
-from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import OverBudget
+from dpledger.service.ledger.models import Role
+from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.schemas import (
     ChargeRequest,
     ChargeReserved,
     ChargeSettled,
     OverBudgetResponse,
+    Text,
     finite_or_none,
 )
 
 router = APIRouter(tags=["charges"])
+# Who settles a charge: its silo, and an admin recovering a stranded reservation.
+SETTLERS = (Role.admin,)
+
+
+def _answer(found: charges.ChargeView, signer: SignerDep | None) -> ChargeReserved:
+    """`signer`: the reserve entry's receipt goes with a single charge (a list leaves it out)."""
+    return ChargeReserved(
+        charge_id=found.charge_id, status=found.status, replayed=found.replayed,
+        epsilon=finite_or_none(found.epsilon), epsilon_spent=finite_or_none(found.epsilon_spent),
+        epsilon_remaining=found.epsilon_remaining, job_id=found.charge.job_id, round=found.charge.round,
+        receipt=None if signer is None else receipt(signer, found.position),
+    )
 
 
 @router.post(
@@ -28,19 +44,31 @@ router = APIRouter(tags=["charges"])
     status_code=status.HTTP_201_CREATED,
     response_model=ChargeReserved,
     name="reserve_charge",
-    responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written"}},
+    responses={
+        200: {
+            "model": ChargeReserved,
+            "description": "a replay (header Idempotent-Replayed: true): the charge as it stands, no new approval",
+        },
+        409: {"model": OverBudgetResponse, "description": "over budget: nothing was written"},
+    },
 )
 def reserve_charge(
-    silo_id: IdPath, body: ChargeRequest, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep,
+    silo_id: IdPath, body: ChargeRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
     request: Request, response: Response,
 ) -> ChargeReserved:
+    """201: a fresh reservation, the only answer that lets a round touch the data. 200 with
+    `replayed: true`: this idempotency key was seen before; `status` says what became of its charge."""
     caller.require_silo(silo_id)
     try:
         result = charges.reserve(
-            factory, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
-            job_id=body.job_id, round=body.round,
+            db, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
+            job_id=body.job_id, round=body.round, key_id=caller.key_id,
         )
     except OverBudget as refusal:
+        request.app.state.refusals.record(silo_id, Refusal(
+            at=datetime.now(UTC), job_id=body.job_id, round=body.round,
+            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
+        ))
         request.app.state.refusals.record(silo_id, Refusal(
             at=datetime.now(UTC), job_id=body.job_id, round=body.round,
             epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
@@ -55,18 +83,33 @@ def reserve_charge(
         charge_id=result.charge_id, epsilon_spent=result.epsilon_spent,
     ))
     if result.replayed:
+        response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
-    return ChargeReserved(
-        charge_id=result.charge_id, epsilon_spent=result.epsilon_spent, epsilon_remaining=result.epsilon_remaining,
-        receipt=receipt(signer, result.position),
-    )
+    return _answer(result, signer)
 
 
-def _settle(charge_id: int, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep, *, commit: bool) -> ChargeSettled:
-    with factory() as session:
-        silo_id = charges.silo_of_charge(session, charge_id)
-    caller.require_silo(silo_id)
-    result = charges.commit(factory, charge_id=charge_id) if commit else charges.release(factory, charge_id=charge_id)
+@router.get("/v1/charges/{charge_id}", response_model=ChargeReserved, name="get_charge")
+def get_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> ChargeReserved:
+    """The charge as it stands (its silo, admin, auditor)."""
+    return _answer(charges.get(db, charge_id, silo_scope=caller.silo_scope(also=READERS)), signer)
+
+
+@router.get("/v1/silos/{silo_id}/charges", response_model=list[ChargeReserved], name="list_charges")
+def list_charges(
+    silo_id: IdPath,
+    caller: PrincipalDep,
+    db: DbDep,
+    charge_status: Annotated[ChargeStatus | None, Query(alias="status")] = None,
+    job_id: Annotated[Text | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> list[ChargeReserved]:
+    """A silo's charges by id, e.g. `?status=reserved` for the open reservations a crashed worker
+    left behind (its silo, admin, auditor)."""
+    caller.require_silo(silo_id, also=READERS)
+    return [_answer(c, None) for c in charges.list_for_silo(db, silo_id, status=charge_status, job_id=job_id, limit=limit)]
+
+
+def _settled(result: charges.Settlement, signer: SignerDep) -> ChargeSettled:
     return ChargeSettled(
         charge_id=result.charge_id, status=result.status, epsilon_spent=finite_or_none(result.epsilon_spent),
         receipt=receipt(signer, result.position),
@@ -74,12 +117,17 @@ def _settle(charge_id: int, caller: PrincipalDep, factory: FactoryDep, signer: S
 
 
 @router.post("/v1/charges/{charge_id}/commit", response_model=ChargeSettled, name="commit_charge")
-def commit_charge(charge_id: IdPath, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep) -> ChargeSettled:
+def commit_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> ChargeSettled:
     """The round ran: the reservation stays spent for good."""
-    return _settle(charge_id, caller, factory, signer, commit=True)
+    caller.require(Role.silo, *SETTLERS)
+    scope = caller.silo_scope(also=SETTLERS)
+    return _settled(charges.commit(db, charge_id=charge_id, silo_scope=scope, key_id=caller.key_id), signer)
 
 
 @router.post("/v1/charges/{charge_id}/release", response_model=ChargeSettled, name="release_charge")
-def release_charge(charge_id: IdPath, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep) -> ChargeSettled:
-    """Only when the step never touched the data: the reservation's cost is returned."""
-    return _settle(charge_id, caller, factory, signer, commit=False)
+def release_charge(charge_id: IdPath, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> ChargeSettled:
+    """Only when the step never touched the data: the reservation's cost is returned. 409 once the
+    round reported any output (a norm, a trial): then it may only be committed."""
+    caller.require(Role.silo, *SETTLERS)
+    scope = caller.silo_scope(also=SETTLERS)
+    return _settled(charges.release(db, charge_id=charge_id, silo_scope=scope, key_id=caller.key_id), signer)

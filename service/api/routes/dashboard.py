@@ -11,7 +11,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Cookie, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from dpledger.service.api.deps import READERS, FactoryDep, IdPath, Principal
+from dpledger.service.api.deps import READERS, DbDep, IdPath, Principal
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.dashboard import pages, series
 from dpledger.service.dashboard.parameters import parameters
@@ -41,12 +41,12 @@ def _html(body: str, status_code: int = status.HTTP_200_OK) -> HTMLResponse:
     )
 
 
-def _reader(factory: FactoryDep, key: Annotated[str | None, Cookie(alias=COOKIE)] = None) -> Principal | None:
+def _reader(db: DbDep, key: Annotated[str | None, Cookie(alias=COOKIE)] = None) -> Principal | None:
     """The signed-in reader, checked again on every page, so a key revoked since sign-in stops
     working at once; None sends the visitor to the sign-in page."""
     if not key:
         return None
-    with factory() as session:
+    with db.read() as session:
         found = keys.authenticate(session, key)
     if found is None or Role(found.role) not in READERS:
         return None
@@ -68,7 +68,7 @@ def login_form() -> HTMLResponse:
 
 
 @router.post("/login", name="dashboard_login")
-async def login(request: Request, factory: FactoryDep) -> Response:
+async def login(request: Request, db: DbDep) -> Response:
     body = await request.body()
     if len(body) > _MAX_FORM_BYTES:
         return _html(pages.login("That form is too large to be a sign-in."), status.HTTP_413_CONTENT_TOO_LARGE)
@@ -76,7 +76,7 @@ async def login(request: Request, factory: FactoryDep) -> Response:
     raw = parse_qs(body.decode("utf-8", errors="replace")).get("api_key", [""])[0].strip()
     if not raw:
         return _html(pages.login("Enter an API key."), status.HTTP_401_UNAUTHORIZED)
-    with factory() as session:
+    with db.read() as session:
         key = keys.authenticate(session, raw)
     if key is None:
         return _html(pages.login("Unknown or revoked API key."), status.HTTP_401_UNAUTHORIZED)
@@ -117,12 +117,12 @@ def _refusals(request: Request) -> RefusalLog:
 
 
 @router.get("", name="dashboard_overview")
-def overview(request: Request, reader: ReaderDep, factory: FactoryDep) -> Response:
+def overview(request: Request, reader: ReaderDep, db: DbDep) -> Response:
     if reader is None:
         return _to_login()
     log = _refusals(request)
     rows, entries = [], 0
-    with factory() as session:
+    with db.read() as session:
         for silo in silos.list_all(session):
             # Every chain recomputed on every visit: a broken one must show on the first page an
             # auditor sees, not only on the silo's own page.
@@ -151,10 +151,10 @@ def _log_view(summary: transparency.LogSummary) -> pages.LogView:
 
 
 @router.get("/silos/{silo_id}", name="dashboard_silo")
-def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, factory: FactoryDep) -> Response:
+def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -> Response:
     if reader is None:
         return _to_login()
-    with factory() as session:
+    with db.read() as session:
         try:
             silo = silos.get(session, silo_id)
         except NotFound as error:

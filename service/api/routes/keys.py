@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
-from dpledger.service.api.deps import FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.deps import DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import keys
 from dpledger.service.ledger.models import Role
 from dpledger.wire.schemas import KeyCreated, KeyCreateRequest, KeyInfo
@@ -11,11 +11,9 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=KeyCreated, name="create_key")
-def create_key(body: KeyCreateRequest, caller: PrincipalDep, factory: FactoryDep) -> KeyCreated:
+def create_key(body: KeyCreateRequest, caller: PrincipalDep, db: DbDep) -> KeyCreated:
     caller.require(Role.admin)
-    with factory() as session:
-        key, raw = keys.create_key(session, role=body.role, silo_id=body.silo_id)
-        session.commit()
+    key, raw = keys.issue(db, role=body.role, silo_id=body.silo_id)
     return KeyCreated(key_id=key.id, api_key=raw)
 
 
@@ -26,9 +24,7 @@ def who_am_i(caller: PrincipalDep) -> KeyInfo:
 
 
 @router.delete("/{key_id}", status_code=status.HTTP_204_NO_CONTENT, name="revoke_key")
-def revoke_key(key_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> Response:
+def revoke_key(key_id: IdPath, caller: PrincipalDep, db: DbDep) -> Response:
     caller.require(Role.admin)
-    with factory() as session:
-        keys.revoke(session, key_id)
-        session.commit()
+    keys.revoke(db, key_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -12,10 +12,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 
-from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
+from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
 from dpledger.service.api.receipts import SignerDep
 from dpledger.service.ledger import transparency
-from dpledger.service.ledger.db import write_transaction
 from dpledger.wire.enums import Role
 from dpledger.wire.receipts import (
     ConsistencyProof,
@@ -47,20 +46,20 @@ def public_key(caller: PrincipalDep, signer: SignerDep) -> PublicKey:
 
 
 @router.get("/head", response_model=SignedTreeHead, name="log_head")
-def head(caller: PrincipalDep, factory: FactoryDep, signer: SignerDep, size: Size = None) -> SignedTreeHead:
+def head(caller: PrincipalDep, db: DbDep, signer: SignerDep, size: Size = None) -> SignedTreeHead:
     """The log's signed head now, or the head it had at an earlier `size` (signed now)."""
     _may_read_log(caller)
-    with factory() as session:
+    with db.read() as session:
         tree_size, root = transparency.root_at(session, size)
     return signer.sign(tree_size=tree_size, root_hash=root)
 
 
 @router.get("/proofs/inclusion", response_model=InclusionProof, name="log_inclusion_proof")
-def inclusion_proof(caller: PrincipalDep, factory: FactoryDep, index: Index, size: Size = None) -> InclusionProof:
+def inclusion_proof(caller: PrincipalDep, db: DbDep, index: Index, size: Size = None) -> InclusionProof:
     """RFC 9162 §2.1.3: the path from leaf `index` to the root of the tree of `size` leaves. A silo
     may ask only for its own entries."""
     _may_read_log(caller)
-    with factory() as session:
+    with db.read() as session:
         leaf = transparency.leaf(session, index)
         if caller.role is Role.silo:
             entry, _ = transparency.record_of(session, leaf)
@@ -71,23 +70,23 @@ def inclusion_proof(caller: PrincipalDep, factory: FactoryDep, index: Index, siz
 
 
 @router.get("/proofs/consistency", response_model=ConsistencyProof, name="log_consistency_proof")
-def consistency_proof(caller: PrincipalDep, factory: FactoryDep, first: Annotated[int, Query(ge=0, le=2**62)],
+def consistency_proof(caller: PrincipalDep, db: DbDep, first: Annotated[int, Query(ge=0, le=2**62)],
                       second: Size = None) -> ConsistencyProof:
     """RFC 9162 §2.1.4: the tree of `second` leaves extends the tree of `first` leaves."""
     _may_read_log(caller)
-    with factory() as session:
+    with db.read() as session:
         tree_size, path = transparency.consistency(session, first, second)
     return ConsistencyProof(first=first, second=tree_size, path=path)
 
 
 @router.get("/leaves", response_model=list[LogLeaf], name="log_leaves")
-def leaves(caller: PrincipalDep, factory: FactoryDep, start: Index = 0,
+def leaves(caller: PrincipalDep, db: DbDep, start: Index = 0,
            limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[LogLeaf]:
     """Leaf hashes in log order, each with its entry's record where the caller may read that entry
     (recomputed from the live rows: the leaf hash must match it, or the entry was edited)."""
     _may_read_log(caller)
     out = []
-    with factory() as session:
+    with db.read() as session:
         rows = transparency.leaves(session, start=start, limit=limit)
         for row, (entry, record) in zip(rows, transparency.records_of(session, rows), strict=True):
             visible = caller.role in READERS or (entry is not None and entry.silo_id == caller.silo_id)
@@ -96,13 +95,13 @@ def leaves(caller: PrincipalDep, factory: FactoryDep, start: Index = 0,
 
 
 @router.post("/verified", status_code=status.HTTP_201_CREATED, response_model=SignedTreeHead, name="log_record_verified_head")
-def record_verified_head(head: SignedTreeHead, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep) -> SignedTreeHead:
+def record_verified_head(head: SignedTreeHead, caller: PrincipalDep, db: DbDep, signer: SignerDep) -> SignedTreeHead:
     """An auditor's `dpledger audit` reports the head it verified, for the dashboard to show."""
     caller.require(Role.auditor, Role.admin)
     try:
         verify_head(head, signer.public_key)
     except HeadError as error:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"not a head this ledger signed: {error}") from error
-    with write_transaction(factory) as session:
+    with db.write() as session:
         transparency.record_verified(session, head, api_key_id=caller.key_id)
     return head

@@ -5,10 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from dpledger.service.accounting import rdp, reports
-from dpledger.service.accounting.events import MechanismError, resolve
-from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.api.deps import READERS, FactoryDep, PrincipalDep
-from dpledger.service.ledger import silos
+from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
+from dpledger.service.ledger import charges
 from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.wire.schemas import (
     CalibrateRequest,
@@ -22,40 +20,36 @@ router = APIRouter(prefix="/v1", tags=["quotes"])
 
 
 @router.post("/quote", response_model=QuoteResponse, name="quote")
-def quote(body: QuoteRequest, caller: PrincipalDep, factory: FactoryDep) -> QuoteResponse:
-    silo = None
+def quote(body: QuoteRequest, caller: PrincipalDep, db: DbDep) -> QuoteResponse:
+    """What the mechanism costs alone (RDP, and PLD where within bounds), and with `silo_id` what
+    approving it would leave that silo at: the same preview a reservation decides on."""
+    preview = None
     if body.silo_id is not None:
         caller.require_silo(body.silo_id, also=READERS)  # a silo's spend is a budget: coordinators may not see it
-        with factory() as session:
-            silo = silos.get(session, body.silo_id)
-    delta = body.delta if body.delta is not None else (silo.delta if silo is not None else None)
+        preview = charges.preview(db, silo_id=body.silo_id, mechanism=body.mechanism, charged=False)
+        priced = preview.priced
+    else:
+        priced = charges.price(body.mechanism, silo=None, charged=False)
+    delta = body.delta if body.delta is not None else (preview.silo.delta if preview is not None else None)
     if delta is None:
         raise InvalidRequest("delta", "is required when no silo_id is given")
-    try:
-        mechanism = resolve(body.mechanism, dataset_size=None if silo is None else silo.dataset_size)
-        curve = rdp.rdp_curve(mechanism)
-    except MechanismError as error:
-        raise InvalidRequest(error.field, error.message) from error
-    alone = rdp.guarantee(curve, delta=delta)
-    pld = reports.pld_epsilon(mechanism, delta=delta)
+    alone = rdp.guarantee(priced.curve, delta=delta)
+    pld = reports.pld_epsilon(priced.mechanism, delta=delta, skip_reason=priced.pld_skip_reason)
     answer = QuoteResponse(
         epsilon=finite_or_none(alone.epsilon), order=alone.order, rho=alone.rho,
         epsilon_pld=pld.epsilon, pld_note=pld.unsupported_reason, delta=delta,
     )
-    if silo is not None:
-        spent = RunningSum.from_json(silo.rdp_spent)
-        answer.silo_epsilon_spent = finite_or_none(rdp.epsilon(spent.curve(), delta=silo.delta)[0])
-        answer.epsilon_if_approved = finite_or_none(rdp.epsilon(spent.add(curve).curve(), delta=silo.delta)[0])
+    if preview is not None:
+        answer.silo_epsilon_spent = finite_or_none(preview.check.epsilon_spent)
+        answer.epsilon_if_approved = finite_or_none(preview.check.epsilon_if_approved)
     return answer
 
 
 @router.post("/calibrate", response_model=CalibrateResponse, name="calibrate")
 def calibrate(body: CalibrateRequest, caller: PrincipalDep) -> CalibrateResponse:
-    """The smallest DP-SGD noise multiplier whose ε at δ never exceeds the target."""
-    try:
-        sigma, eps = reports.calibrate_dpsgd_noise(
-            epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
-        )
-    except MechanismError as error:
-        raise InvalidRequest(error.field, error.message) from error
+    """The smallest DP-SGD noise multiplier whose ε at δ stays within the target, with a margin so
+    that a plan calibrated to a silo's whole budget still passes the ledger's exact gate."""
+    sigma, eps = reports.calibrate_dpsgd_noise(
+        epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
+    )
     return CalibrateResponse(noise_multiplier=sigma, epsilon=eps)

@@ -6,25 +6,21 @@ The wire models live here, beside their only routes, so that this feature's API 
 from __future__ import annotations
 
 import json
-import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from dpledger.service.accounting import rdp
-from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.trial_counts import (
     MAX_MEAN_TRIALS,
     TrialDistribution,
     distribution,
 )
-from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.ledger import searches
-from dpledger.service.ledger.errors import InvalidRequest
-from dpledger.service.ledger.models import Search, SearchStatus
-from dpledger.wire.mechanisms import Mechanism, SelfComposed, check_nesting
+from dpledger.service.ledger.models import Role, Search, SearchStatus
+from dpledger.wire.mechanisms import Mechanism, check_nesting
 from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
 from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted, TrialReport
 
@@ -107,17 +103,21 @@ def _detail(search: Search) -> SearchDetail:
     status_code=status.HTTP_201_CREATED,
     response_model=SearchStarted,
     name="start_search",
-    responses={409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"}},
+    responses={
+        200: {"model": SearchStarted, "description": "a replay (header Idempotent-Replayed: true): the search already started"},
+        409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"},
+    },
 )
 def start_search(
-    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, factory: FactoryDep, signer: SignerDep,
+    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
     response: Response,
 ) -> SearchStarted:
     caller.require_silo(silo_id)
     started = searches.start(
-        factory, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key
+        db, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key, key_id=caller.key_id
     )
     if started.replayed:
+        response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
     return SearchStarted(
         search_id=started.search.id, trials=started.search.trials, charge_id=started.search.charge_id,
@@ -126,42 +126,31 @@ def start_search(
 
 
 @router.get("/v1/searches/{search_id}", response_model=SearchDetail, name="get_search")
-def get_search(search_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
-    with factory() as session:
-        search = searches.get(session, search_id)
-    caller.require_silo(search.silo_id, also=READERS)  # a search reveals a silo's spending
-    return _detail(search)
+def get_search(search_id: IdPath, caller: PrincipalDep, db: DbDep) -> SearchDetail:
+    with db.read() as session:  # a search reveals a silo's spending: its silo and readers only
+        return _detail(searches.get(session, search_id, silo_scope=caller.silo_scope(also=READERS)))
 
 
 @router.post("/v1/searches/{search_id}/trials", response_model=SearchDetail, name="report_trial")
-def report_trial(search_id: IdPath, body: TrialReport, caller: PrincipalDep, factory: FactoryDep) -> SearchDetail:
-    with factory() as session:
-        silo_id = searches.get(session, search_id).silo_id
-    caller.require_silo(silo_id)
-    return _detail(searches.report_trial(factory, search_id=search_id, score=body.score))
+def report_trial(search_id: IdPath, body: TrialReport, caller: PrincipalDep, db: DbDep) -> SearchDetail:
+    caller.require(Role.silo)  # by role: says nothing of which searches exist
+    search = searches.report_trial(
+        db, search_id=search_id, score=body.score, silo_scope=caller.silo_scope(also=()), key_id=caller.key_id
+    )
+    return _detail(search)
 
 
 @router.post("/v1/searches/quote", response_model=SearchQuote, name="quote_search")
 def quote_search(body: SearchQuoteRequest, caller: PrincipalDep) -> SearchQuote:
     """The naive search (a fixed grid, every run composed) beside each random-K search of the same
-    mean (Papernot & Steinke 2022; paper 000 §7), before anyone spends."""
-    try:
-        trial = resolve(body.trial, dataset_size=None, path="trial")
-        grid = body.grid_size if body.grid_size is not None else math.ceil(body.mean_trials)
-        trial_eps = rdp.epsilon(rdp.rdp_curve(trial), delta=body.delta)[0]
-        naive_eps = rdp.epsilon(rdp.rdp_curve(SelfComposed(count=grid, event=trial)), delta=body.delta)[0]
-        laws = [distribution(kind, mean=body.mean_trials) for kind in ("poisson", "geometric", "logarithmic")]
-        laws += [distribution("truncated_negative_binomial", mean=body.mean_trials, shape=eta) for eta in body.tnb_shapes]
-        quotes = [
-            DistributionQuote(
-                kind=law.kind, shape=law.shape,
-                epsilon=finite_or_none(rdp.epsilon(rdp.rdp_curve(searches.search_mechanism(trial, law)), delta=body.delta)[0]),
-            )
-            for law in laws
-        ]
-    except MechanismError as error:
-        raise InvalidRequest(error.field.replace("mechanism", "trial", 1), error.message) from error
+    mean (Papernot & Steinke 2022), before anyone spends."""
+    quoted = searches.quote(
+        body.trial, delta=body.delta, mean_trials=body.mean_trials, grid_size=body.grid_size, tnb_shapes=body.tnb_shapes
+    )
     return SearchQuote(
-        delta=body.delta, trial_epsilon=finite_or_none(trial_eps), naive_grid_size=grid,
-        naive_epsilon=finite_or_none(naive_eps), distributions=quotes,
+        delta=body.delta, trial_epsilon=finite_or_none(quoted.trial_epsilon), naive_grid_size=quoted.grid_size,
+        naive_epsilon=finite_or_none(quoted.naive_epsilon),
+        distributions=[
+            DistributionQuote(kind=law.kind, shape=law.shape, epsilon=finite_or_none(eps)) for law, eps in quoted.searches
+        ],
     )

@@ -10,9 +10,10 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
-from dpledger.service.api.deps import READERS, FactoryDep, IdPath, PrincipalDep
+from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import charges, jobs, silos
 from dpledger.service.ledger.models import Role, Silo
+from dpledger.service.safe_text import safe_cell
 from dpledger.wire.schemas import (
     HistoryEntry,
     SiloCalibrateRequest,
@@ -30,36 +31,38 @@ router = APIRouter(prefix="/v1/silos", tags=["silos"])
 def _summary(silo: Silo) -> SiloSummary:
     return SiloSummary(
         id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size,
-        epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
+        relation=silo.relation, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
     )
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo")
-def create_silo(body: SiloCreateRequest, caller: PrincipalDep, factory: FactoryDep) -> SiloCreated:
+def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> SiloCreated:
     caller.require(Role.admin)
     epsilon, delta = body.epsilon, body.delta
     if body.level is not None:
-        with factory() as session:
-            level = jobs.level_by_name(session, body.level)
+        level = jobs.level_by_name(db, body.level)
         epsilon, delta = level.epsilon, level.delta
     assert epsilon is not None and delta is not None  # the request model guarantees one or the other
-    silo, api_key = silos.register(factory, name=body.name, epsilon=epsilon, delta=delta, dataset_size=body.dataset_size)
+    silo, api_key = silos.register(
+        db, name=body.name, epsilon=epsilon, delta=delta, dataset_size=body.dataset_size, relation=body.relation
+    )
     return SiloCreated(
-        id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size, api_key=api_key
+        id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size,
+        relation=silo.relation, api_key=api_key,
     )
 
 
 @router.get("", response_model=list[SiloSummary], name="list_silos")
-def list_silos(caller: PrincipalDep, factory: FactoryDep) -> list[SiloSummary]:
+def list_silos(caller: PrincipalDep, db: DbDep) -> list[SiloSummary]:
     caller.require(*READERS)
-    with factory() as session:
+    with db.read() as session:
         return [_summary(s) for s in silos.list_all(session)]
 
 
 @router.get("/{silo_id}", response_model=SiloDetail, name="get_silo")
-def get_silo(silo_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> SiloDetail:
+def get_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
     caller.require_silo(silo_id, also=READERS)
-    with factory() as session:
+    with db.read() as session:
         silo = silos.get(session, silo_id)
     budget = silos.status(silo)
     return SiloDetail(
@@ -73,14 +76,14 @@ def get_silo(silo_id: IdPath, caller: PrincipalDep, factory: FactoryDep) -> Silo
 
 
 @router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
-def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, factory: FactoryDep) -> SiloCalibration:
+def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, db: DbDep) -> SiloCalibration:
     """The noise multiplier that lets `rounds` more rounds of DP-SGD fit what this silo has LEFT.
 
     Only the silo's own key and admins: the answer is a function of the silo's budget, which the
     coordinator (and auditors' dashboards aside) must not learn. q is batch_size over the registered
     dataset_size, as the charge will be; nothing is reserved."""
     caller.require_silo(silo_id, also=(Role.admin,))
-    with factory() as session:
+    with db.read() as session:
         silo = silos.get(session, silo_id)
     plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round)
     return SiloCalibration(
@@ -102,13 +105,13 @@ CSV_COLUMNS = ["seq", "charge_id", "event", "mechanism", "job_id", "round", "eps
 def silo_history(
     silo_id: IdPath,
     caller: PrincipalDep,
-    factory: FactoryDep,
+    db: DbDep,
     format: Literal["json", "csv"] = "json",
     after_seq: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> list[HistoryEntry] | Response:
     caller.require_silo(silo_id, also=READERS)
-    with factory() as session:
+    with db.read() as session:
         rows = charges.history(session, silo_id, after_seq=after_seq, limit=limit)
     entries = [
         HistoryEntry(
@@ -133,5 +136,6 @@ def silo_history(
     for e in entries:
         row = e.model_dump(mode="json")
         row["mechanism"] = "" if e.mechanism is None else json.dumps(e.mechanism, sort_keys=True)
-        writer.writerow(row)
+        # A silo chooses its job ids: an auditor's spreadsheet must not run them as formulas.
+        writer.writerow({k: safe_cell(v) if isinstance(v, str) else v for k, v in row.items()})
     return Response(out.getvalue(), media_type="text/csv")

@@ -145,13 +145,16 @@ BAD: list[tuple[dict[str, Any], tuple[Any, ...], str]] = [
     ({"type": "gaussian"}, ("gaussian", "noise_multiplier"), "missing"),
     ({"type": "self_composed", "event": G1}, ("self_composed", "count"), "missing"),
     ({"type": "self_composed", "count": 2}, ("self_composed", "event"), "missing"),
-    ({"type": "poisson_sampled", "event": G1}, ("poisson_sampled", "sampling_rate"), "missing"),
+    ({"type": "poisson_sampled", "event": G1}, ("poisson_sampled",), "value_error"),  # neither rate nor expected batch
+    ({"type": "poisson_sampled", "sampling_rate": True, "event": G1}, ("poisson_sampled", "sampling_rate"), "float_type"),
+    ({"type": "dpsgd", "batch_size": True, "noise_multiplier": 1, "steps": 1}, ("dpsgd", "batch_size"), "int_type"),
     ({"type": "repeat_and_select", "mean": 2, "event": G1}, ("repeat_and_select", "shape"), "missing"),
     ({"type": "dpsgd", "noise_multiplier": 1, "sampling_rate": 0.1}, ("dpsgd", "steps"), "missing"),
-    ({"type": "gaussian", "noise_multiplier": "loud"}, ("gaussian", "noise_multiplier"), "float_parsing"),
+    # strict: no string is a number
+    ({"type": "gaussian", "noise_multiplier": "loud"}, ("gaussian", "noise_multiplier"), "float_type"),
     ({"type": "gaussian", "noise_multiplier": None}, ("gaussian", "noise_multiplier"), "float_type"),
-    ({"type": "self_composed", "count": 2.5, "event": G1}, ("self_composed", "count"), "int_from_float"),
-    ({"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "batch_size": "ten"}, ("dpsgd", "batch_size"), "int_parsing"),
+    ({"type": "self_composed", "count": 2.5, "event": G1}, ("self_composed", "count"), "int_type"),
+    ({"type": "dpsgd", "noise_multiplier": 1, "steps": 1, "batch_size": "ten"}, ("dpsgd", "batch_size"), "int_type"),
     ({"type": "composed", "events": G1}, ("composed", "events"), "list_type"),
     ({"type": "self_composed", "count": 2, "event": 5}, ("self_composed", "event"), "model_attributes_type"),
     # extra fields, at the top and nested

@@ -178,10 +178,12 @@ def test_guarantee_is_epsilon_order_and_rho() -> None:
 
 
 @pytest.mark.parametrize("budget", [1e-3, 0.1, 1.0, 3.7, 8.0, 1e4])
-def test_within_budget_allows_rounding_but_not_more(budget: float) -> None:
+def test_within_budget_has_no_tolerance(budget: float) -> None:
+    # Issue 13, item 9: the old 1e-9 relative tolerance let a silo exceed its budget.
     assert rdp.within_budget(budget, budget=budget)
     assert rdp.within_budget(budget * (1 - 1e-9), budget=budget)
-    assert rdp.within_budget(budget * (1 + 1e-10), budget=budget)
+    assert not rdp.within_budget(math.nextafter(budget, math.inf), budget=budget)
+    assert not rdp.within_budget(budget * (1 + 1e-10), budget=budget)
     assert not rdp.within_budget(budget * (1 + 1e-8), budget=budget)
     assert not rdp.within_budget(budget * 2, budget=budget)
     assert not rdp.within_budget(math.inf, budget=budget)

@@ -85,6 +85,10 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
             return "POST", f"/v1/charges/{world.reserved_charge()}/commit", None
         case "release_charge":
             return "POST", f"/v1/charges/{world.reserved_charge()}/release", None
+        case "get_charge":
+            return "GET", f"/v1/charges/{world.reserved_charge()}", None
+        case "list_charges":
+            return "GET", f"/v1/silos/{s}/charges?status=reserved", None
         case "silo_history":
             return "GET", f"/v1/silos/{s}/history", None
         case "silo_history_csv":
@@ -151,27 +155,29 @@ A = [401, 401, 401]
 EXPECTED = {
     "create_silo":      [201, 403, 403, 403, 403, *A],
     "list_silos":       [200, 403, 403, 200, 403, *A],
-    "get_silo":         [200, 200, 403, 200, 403, *A],
-    "reserve_charge":   [403, 201, 403, 403, 403, *A],
-    "commit_charge":    [403, 200, 403, 403, 403, *A],
-    "release_charge":   [403, 200, 403, 403, 403, *A],
-    "silo_history":     [200, 200, 403, 200, 403, *A],
-    "silo_history_csv": [200, 200, 403, 200, 403, *A],
+    "get_silo":         [200, 200, 404, 200, 404, *A],
+    "reserve_charge":   [403, 201, 404, 403, 404, *A],
+    "get_charge":       [200, 200, 404, 200, 404, *A],
+    "list_charges":     [200, 200, 404, 200, 404, *A],
+    "commit_charge":    [200, 200, 404, 403, 403, *A],
+    "release_charge":   [200, 200, 404, 403, 403, *A],
+    "silo_history":     [200, 200, 404, 200, 404, *A],
+    "silo_history_csv": [200, 200, 404, 200, 404, *A],
     "verify_ledger":    [200, 403, 403, 200, 403, *A],
     "quote":            [200, 200, 200, 200, 200, *A],
-    "quote_for_silo":   [200, 200, 403, 200, 403, *A],
+    "quote_for_silo":   [200, 200, 404, 200, 404, *A],
     "calibrate":        [200, 200, 200, 200, 200, *A],
     "create_key":       [201, 403, 403, 403, 403, *A],
     "revoke_key":       [204, 403, 403, 403, 403, *A],
     "create_job":       [201, 403, 403, 403, 201, *A],
-    "report_norm":      [403, 201, 403, 403, 403, *A],
+    "report_norm":      [403, 201, 404, 403, 404, *A],
     "round_groups":     [200, 403, 403, 200, 200, *A],
     "publish_level":    [201, 403, 403, 403, 403, *A],
     "list_levels":      [200, 200, 200, 200, 200, *A],
     "healthz":          [200, 200, 200, 200, 200, 200, 200, 200],
-    "start_search":     [403, 201, 403, 403, 403, *A],
-    "get_search":       [200, 200, 403, 200, 403, *A],
-    "report_trial":     [403, 200, 403, 403, 403, *A],
+    "start_search":     [403, 201, 404, 403, 404, *A],
+    "get_search":       [200, 200, 404, 200, 404, *A],
+    "report_trial":     [403, 200, 404, 403, 403, *A],
     "quote_search":     [200, 200, 200, 200, 200, *A],
     # The transparency log: hashes for every silo, records and proofs of its own entries; the
     # coordinator only the public key (the log's size counts approvals, which depend on budgets).
@@ -201,8 +207,36 @@ def test_every_route_of_the_app_is_in_the_matrix(app) -> None:  # type: ignore[n
 
 def test_a_refused_coordinator_learns_nothing_of_a_budget(world: World) -> None:
     response = world.client.get(f"/v1/silos/{world.silo_id}", headers=world.keys["coordinator"])  # type: ignore[attr-defined]
-    assert response.status_code == 403
-    assert response.json() == {"detail": "role 'coordinator' may not do this"}
+    assert response.status_code == 404
+    assert response.json() == {"detail": f"silo {world.silo_id} not found"}
+
+
+def test_an_id_the_caller_may_not_see_answers_exactly_like_one_that_does_not_exist(world: World) -> None:
+    """Issue 13, item 8: a 403 for an existing id beside a 404 for a missing one let the coordinator
+    count approvals and searches. Every id route answers both the same, byte for byte."""
+    client, missing = world.client, 10**6
+    charge, search = world.reserved_charge(), world.search()
+    pairs = [
+        ("GET", f"/v1/silos/{world.silo_id}", f"/v1/silos/{missing}", None),
+        ("GET", f"/v1/charges/{charge}", f"/v1/charges/{missing}", None),
+        ("GET", f"/v1/searches/{search}", f"/v1/searches/{missing}", None),
+        ("GET", f"/v1/silos/{world.silo_id}/history", f"/v1/silos/{missing}/history", None),
+        ("POST", f"/v1/charges/{charge}/commit", f"/v1/charges/{missing}/commit", None),
+        ("POST", f"/v1/charges/{charge}/release", f"/v1/charges/{missing}/release", None),
+    ]
+    for role in ("coordinator", "other_silo"):
+        for method, seen, unseen, body in pairs:
+            a = client.request(method, seen, json=body, headers=world.keys[role])  # type: ignore[attr-defined]
+            b = client.request(method, unseen, json=body, headers=world.keys[role])  # type: ignore[attr-defined]
+            if role == "other_silo" or method == "GET":
+                assert a.status_code == b.status_code == 404, (role, seen, a.text)
+                assert a.json()["detail"].replace(seen.split("/")[3], "N") == b.json()["detail"].replace(str(missing), "N")
+            else:  # a coordinator may not settle any charge: refused by its role, whatever the id
+                assert a.status_code == b.status_code == 403 and a.json() == b.json()
+    # A job of silos the coordinator names: the error says no more than "not all exist".
+    body = {"name": "j", "silo_ids": [world.silo_id, missing]}
+    response = client.post("/v1/jobs", json=body, headers=world.keys["coordinator"])  # type: ignore[attr-defined]
+    assert response.status_code == 422 and str(world.silo_id) not in response.text and str(missing) not in response.text
 
 
 def test_keys_me_names_the_callers_role_and_silo_and_a_foreign_silo_says_whose_key_it_is(client) -> None:  # type: ignore[no-untyped-def]
@@ -213,8 +247,5 @@ def test_keys_me_names_the_callers_role_and_silo_and_a_foreign_silo_says_whose_k
     assert (me["role"], me["silo_id"]) == ("silo", silo["id"]) and me["key_id"] >= 1
     assert client.get("/v1/keys/me", headers=ADMIN).json()["silo_id"] is None
     assert client.get("/v1/keys/me").status_code == 401
-    other = client.get(f"/v1/silos/{silo['id'] + 1}", headers=own)
-    assert other.status_code == 403
-    assert other.json()["detail"] == (
-        f"a silo key may act only on its own silo: this key is silo {silo['id']}'s, not silo {silo['id'] + 1}'s"
-    )
+    other = client.get(f"/v1/silos/{silo['id'] + 1}", headers=own)  # another silo's id is not this key's to see
+    assert other.status_code == 404 and other.json() == {"detail": f"silo {silo['id'] + 1} not found"}

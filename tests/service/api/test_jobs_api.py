@@ -72,7 +72,8 @@ def test_one_report_per_silo_and_round(client, coordinator, make_silo) -> None:
     second = report(client, job_id, 3, silo, 2.6)
     assert second.status_code == 409 and "already reported 2.5" in second.json()["detail"]
     not_member = report(client, job_id, 3, outsider, 1.0)
-    assert not_member.status_code == 422 and not_member.json()["detail"][0]["loc"] == ["body", "silo_id"]
+    # A job the silo is not part of is not its to see: the same 404 as a job that does not exist.
+    assert not_member.status_code == 404 and not_member.json() == {"detail": f"job {job_id} not found"}
     negative = report(client, job_id, 4, silo, -1.0)
     assert negative.status_code == 422 and negative.json()["detail"][0]["loc"] == ["body", "l2_norm"]
     assert client.post("/v1/jobs", json={"name": "x", "silo_ids": [999]}, headers=coordinator).status_code == 422

@@ -163,7 +163,8 @@ def test_a_retried_start_returns_the_same_search_and_k(client, make_silo) -> Non
     silo = make_silo(epsilon=100.0)
     first = start(client, silo, "same", kind="poisson")
     again = start(client, silo, "same", kind="poisson")
-    assert again.status_code == 201 and again.headers.get("Idempotent-Replayed") == "true"
+    assert first.status_code == 201
+    assert again.status_code == 200 and again.headers.get("Idempotent-Replayed") == "true"
     assert again.json() == first.json()
     assert events(client, silo).count("reserve") == 1
 

@@ -137,13 +137,13 @@ def test_bad_calibration_requests(client, body, field) -> None:
 @pytest.mark.parametrize(
     "mechanism",
     [
-        {"type": "poisson_sampled", "sampling_rate": 0.1, "event": {"type": "laplace", "noise_multiplier": 1.0}},
+        {"type": "poisson_sampled", "expected_batch_size": 100, "event": {"type": "laplace", "noise_multiplier": 1.0}},
         {"type": "laplace", "noise_multiplier": 5e-324},
         {"type": "repeat_and_select", "mean": 3, "shape": 1, "event": {
             "type": "composed", "events": [
-                {"type": "sampled_without_replacement", "source_size": 100, "sample_size": 10,
+                {"type": "sampled_without_replacement", "source_size": 1000, "sample_size": 10,
                  "event": {"type": "gaussian", "noise_multiplier": 2.0}},
-                {"type": "poisson_sampled", "sampling_rate": 0.1, "event": {"type": "gaussian", "noise_multiplier": 2.0}},
+                {"type": "poisson_sampled", "expected_batch_size": 100, "event": {"type": "gaussian", "noise_multiplier": 2.0}},
             ]}},
     ],
     ids=["poisson-over-laplace", "laplace-overflow", "mixed-relations-in-one-selection"],
@@ -152,7 +152,7 @@ def test_a_mechanism_dp_accounting_cannot_account_is_a_422_not_a_crash(client, m
     silo = make_silo(epsilon=1000.0)
     before = client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()
     for path, body in ((f"/v1/silos/{silo.id}/charges", {"mechanism": mechanism, "idempotency_key": "k"}),
-                       ("/v1/quote", {"mechanism": mechanism, "delta": 1e-5})):
+                       ("/v1/quote", {"mechanism": mechanism, "silo_id": silo.id})):
         response = client.post(path, json=body, headers=silo.headers)
         assert response.status_code == 422, response.text
         assert response.json()["detail"][0]["loc"] == ["body", "mechanism"]

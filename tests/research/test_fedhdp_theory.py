@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpledger.trainer.fedhdp_theory import (
+from research.fedhdp_theory import (
     PointEstimationSetup,
     draw_updates,
     simulate_server_mse,

@@ -11,6 +11,8 @@ with noise multiplier z (paper 004 Thm 1 and eq. (17)–(19): σ on the mean = z
 
 from __future__ import annotations
 
+from typing import Literal, TypedDict
+
 import torch
 
 from dpledger.trainer.aggregation._checks import (
@@ -21,10 +23,13 @@ from dpledger.trainer.aggregation._checks import (
     check_updates,
 )
 from dpledger.trainer.aggregation.clipping import clip_updates
-from dpledger.trainer.aggregation.mechanisms import (
-    GaussianMechanism,
-    PoissonSampledGaussian,
-)
+from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
+
+
+class PoissonSampledGaussian(TypedDict):
+    type: Literal["poisson_sampled"]
+    sampling_rate: float
+    event: GaussianMechanism
 
 
 def sample_tasks(n_tasks: int, *, sampling_rate: float, generator: torch.Generator) -> torch.Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dpledger.trainer.data.mean_estimation import draw_centers_and_points
+from research.mean_estimation_data import draw_centers_and_points
 
 # Points generated per simulation chunk: bounds memory (8 bytes each) whatever trials × K × n is.
 _CHUNK_POINTS = 2_000_000

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from dpledger.trainer.data import make_mean_estimation
-from dpledger.trainer.mean_estimation_theory import (
+from research.mean_estimation_data import make_mean_estimation
+from research.mean_estimation_theory import (
     MeanEstimationSetting,
     gaussian_mechanism_noise_std,
     mr_mtl_estimates,

@@ -1,0 +1,122 @@
+"""What a request's accounting work costs, estimated before any of it starts.
+
+dp-accounting's work is not bounded by the size of a request: one distinct Poisson-sampled leaf
+costs its RDP accountant 20–100 ms and a sampled-without-replacement leaf ~250 ms (so a composed
+mechanism of 100 distinct leaves costs seconds), and the PLD accountant's memory grows as 1/σ² and
+with the number of compositions (a Gaussian at σ = 0.001 asked for tens of GB). Any key may call
+the quote route, so each request's work is priced here first, from measurements on this
+dp-accounting (one core of a shared 2-core machine, issue 13): an RDP computation over its bound is
+refused with a 422 naming the reason, a PLD report over its bound is skipped with its reason.
+Both bounds aim at < 2 s of CPU and < 1 GB on one request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dpledger.service.accounting.events import MechanismError
+from dpledger.wire.mechanisms import (
+    AnyMechanism,
+    Composed,
+    DpSgd,
+    Gaussian,
+    Laplace,
+    PoissonSampled,
+    RepeatAndSelect,
+    SampledWithoutReplacement,
+    SelfComposed,
+    children,
+)
+
+# Below this σ one Gaussian release costs ε in the thousands (RDP α/(2σ²)): no budget the service
+# admits (ε ≤ 10^4) is served by it, and dp-accounting's work on it only grows.
+MIN_NOISE_MULTIPLIER = 0.01
+# Estimated seconds of RDP work per distinct leaf (the curve cache makes repeats free).
+_RDP_SECONDS = {SampledWithoutReplacement: 0.3, PoissonSampled: 0.1, DpSgd: 0.1, RepeatAndSelect: 0.05}
+_RDP_SECONDS_CLOSED_FORM = 0.001  # gaussian, laplace, zcdp: a formula per order
+MAX_RDP_SECONDS = 1.5
+MAX_NODES = 10_000  # nodes of the mechanism tree walked; far beyond any plan a person writes
+
+# PLD: a leaf's "work" ~ compositions × privacy-loss range (1/σ², 1/b, scaled by q for sampling).
+# Measured: work 2.5·10^4 took 1–2.4 s and ~900 MB; the bound keeps the report well under that.
+MAX_PLD_WORK = 2_000.0
+MIN_PLD_NOISE_MULTIPLIER = 0.5  # a lone Gaussian at σ = 0.05 needed ~160 MB already
+MIN_PLD_LAPLACE_SCALE = 0.1  # a lone Laplace at b = 0.001 took 3.6 s
+MAX_PLD_LEAVES = 8
+
+
+@dataclass
+class _Walk:
+    nodes: int = 0
+    leaves: dict[str, float] = field(default_factory=dict)  # distinct leaf JSON → estimated RDP seconds
+    pld_work: float = 0.0
+    pld_skip: str | None = None
+
+
+def check(mechanism: AnyMechanism, *, path: str = "mechanism") -> str | None:
+    """Refuses (MechanismError) a mechanism whose RDP work exceeds the bound; returns why its PLD
+    report must be skipped, or None where the PLD accountant's work is within bounds too."""
+    walk = _Walk()
+    _visit(mechanism, walk, count=1.0, path=path)
+    seconds = sum(walk.leaves.values())
+    if seconds > MAX_RDP_SECONDS:
+        raise MechanismError(
+            path,
+            f"would cost dp-accounting about {seconds:.1f} s of CPU ({len(walk.leaves)} distinct sampled leaves); "
+            f"one request may cost at most {MAX_RDP_SECONDS} s: split it into several charges, or reuse leaves",
+        )
+    if walk.pld_skip is None and len(walk.leaves) > MAX_PLD_LEAVES:
+        walk.pld_skip = f"more than {MAX_PLD_LEAVES} distinct leaves"
+    if walk.pld_skip is None and walk.pld_work > MAX_PLD_WORK:
+        walk.pld_skip = (
+            "the compositions would need more memory and time than one request may use "
+            f"(work {walk.pld_work:.3g} > {MAX_PLD_WORK:g})"
+        )
+    return None if walk.pld_skip is None else f"PLD report skipped: {walk.pld_skip}"
+
+
+def _visit(mechanism: AnyMechanism, walk: _Walk, *, count: float, path: str) -> None:
+    walk.nodes += 1
+    if walk.nodes > MAX_NODES:
+        raise MechanismError(path, f"has more than {MAX_NODES} parts; one request may hold at most that many")
+    match mechanism:
+        case SelfComposed(count=n, event=inner):
+            _visit(inner, walk, count=count * n, path=f"{path}.event")
+            return
+        case Composed(events=events):
+            for i, event in enumerate(events):
+                _visit(event, walk, count=count, path=f"{path}.events.{i}")
+            return
+        case Gaussian(noise_multiplier=sigma) | DpSgd(noise_multiplier=sigma):
+            _noise_floor(sigma, path=f"{path}.noise_multiplier")
+            q = 1.0 if isinstance(mechanism, Gaussian) else (mechanism.sampling_rate or 1.0)
+            steps = 1 if isinstance(mechanism, Gaussian) else mechanism.steps
+            _pld_gaussian(walk, sigma=sigma, q=q, count=count * steps)
+        case Laplace(noise_multiplier=b):
+            if b < MIN_PLD_LAPLACE_SCALE:
+                walk.pld_skip = walk.pld_skip or f"Laplace scale {b!r} < {MIN_PLD_LAPLACE_SCALE}"
+            walk.pld_work += count / b
+        case PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)):
+            _noise_floor(sigma, path=f"{path}.event.noise_multiplier")
+            _pld_gaussian(walk, sigma=sigma, q=q or 1.0, count=count)
+        case _:
+            for child in children(mechanism):  # one `event` each: Composed was handled above
+                _visit(child, walk, count=count, path=f"{path}.event")
+    key = mechanism.model_dump_json()
+    if key not in walk.leaves:
+        walk.leaves[key] = _RDP_SECONDS.get(type(mechanism), _RDP_SECONDS_CLOSED_FORM)
+
+
+def _noise_floor(sigma: float, *, path: str) -> None:
+    if sigma < MIN_NOISE_MULTIPLIER:
+        raise MechanismError(
+            path,
+            f"must be at least {MIN_NOISE_MULTIPLIER}: below it one release costs ε beyond any budget the service "
+            f"admits, and accounting it costs memory that grows as 1/σ². Found {sigma!r}.",
+        )
+
+
+def _pld_gaussian(walk: _Walk, *, sigma: float, q: float, count: float) -> None:
+    if sigma < MIN_PLD_NOISE_MULTIPLIER:
+        walk.pld_skip = walk.pld_skip or f"noise multiplier {sigma!r} < {MIN_PLD_NOISE_MULTIPLIER}"
+    walk.pld_work += count * q / sigma**2

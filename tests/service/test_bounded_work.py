@@ -1,0 +1,94 @@
+"""Issue 13, item 7: no request may cost the server more than ~2 s of CPU or 1 GB of memory. A real
+`python -m dpledger.service.serving` process on 127.0.0.1; its memory is read from
+/proc/PID/status (VmHWM: the peak resident set since it started) and its CPU from /proc/PID/stat."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dpledger.harness import ServerProcess
+from tests.conftest import ADMIN_KEY
+
+GIB = 1024**3
+LIMIT_S = 2.0
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise AssertionError("no VmHWM")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def leaf(i: int) -> dict:
+    # 100 distinct Poisson-sampled leaves: each a new (q, σ) pair for dp-accounting.
+    return {"type": "dpsgd", "batch_size": 10 + i, "noise_multiplier": 1.0 + i / 1000, "steps": 1}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> ServerProcess:  # type: ignore[no-untyped-def]
+    url = f"sqlite:///{tmp_path_factory.mktemp('bounded')}/ledger.db"
+    with ServerProcess(database_url=url, admin_key=ADMIN_KEY, workers=1) as process:
+        yield process
+
+
+def ask(server: ServerProcess, path: str, body: dict, key: str = ADMIN_KEY) -> tuple[httpx.Response, float, float]:
+    assert server.process is not None
+    pid = server.process.pid
+    cpu_before, started = cpu_seconds(pid), time.perf_counter()
+    response = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    return response, time.perf_counter() - started, cpu_seconds(pid) - cpu_before
+
+
+def test_the_issues_two_requests_answer_a_4xx_within_2_s_under_1_gb(server: ServerProcess) -> None:
+    silo = httpx.post(f"{server.url}/v1/silos", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, json={
+        "name": "bounded", "epsilon": 1000.0, "delta": 1e-5, "dataset_size": 10_000}).json()
+    cases = [
+        ("/v1/quote", {"mechanism": {"type": "gaussian", "noise_multiplier": 0.001}, "delta": 1e-5}, ADMIN_KEY,
+         ["body", "mechanism", "noise_multiplier"]),
+        (f"/v1/silos/{silo['id']}/charges", {"mechanism": {"type": "composed", "events": [leaf(i) for i in range(100)]},
+                                             "idempotency_key": "wide"}, silo["api_key"], ["body", "mechanism"]),
+    ]
+    for path, body, key, where in cases:
+        response, wall, cpu = ask(server, path, body, key)
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"][0]["loc"] == where
+        assert wall < LIMIT_S and cpu < LIMIT_S, (path, wall, cpu)
+    assert server.process is not None
+    assert peak_rss_bytes(server.process.pid) < GIB
+
+
+@pytest.mark.parametrize(
+    "mechanism",
+    [
+        {"type": "poisson_sampled", "sampling_rate": 0.5, "event": {"type": "gaussian", "noise_multiplier": 0.02}},
+        {"type": "self_composed", "count": 10**5, "event": {"type": "laplace", "noise_multiplier": 2.5}},
+        {"type": "self_composed", "count": 10**6, "event": {"type": "laplace", "noise_multiplier": 2.5}},
+        {"type": "self_composed", "count": 10**7, "event": {"type": "self_composed", "count": 10**7,
+                                                             "event": {"type": "gaussian", "noise_multiplier": 0.5}}},
+        {"type": "gaussian", "noise_multiplier": 1e-5},
+        {"type": "laplace", "noise_multiplier": 1e-3},
+        {"type": "composed", "events": [
+            {"type": "dpsgd", "sampling_rate": 0.01 + i / 1000, "noise_multiplier": 1.0, "steps": 10} for i in range(15)]},
+    ],
+    ids=["psg-sigma-0.02", "laplace-1e5", "laplace-1e6", "gaussian-1e14-times", "sigma-1e-5", "laplace-b-1e-3", "15-leaves"],
+)
+def test_what_was_seen_costing_seconds_or_gigabytes_answers_within_the_bound(server: ServerProcess, mechanism: dict) -> None:
+    response, wall, cpu = ask(server, "/v1/quote", {"mechanism": mechanism, "delta": 1e-5})
+    assert response.status_code in (200, 422), response.text  # never a 500
+    if response.status_code == 200 and response.json()["epsilon_pld"] is None:
+        assert response.json()["pld_note"]  # a skipped PLD report says why
+    assert wall < LIMIT_S and cpu < LIMIT_S, (wall, cpu)
+    assert server.process is not None
+    assert peak_rss_bytes(server.process.pid) < GIB
