@@ -18,8 +18,8 @@ from flwr.clientapp.typing import ClientAppCallable
 
 from dpledger.flower import records
 from dpledger.flower.local import load_silo_file, round_mechanism
+from dpledger.flower.pmtl import record_level_mechanism
 from dpledger.flower.settings import SettingsError, SiloSettings
-from dpledger.trainer.aggregation.pmtl import pmtl_record_level_mechanism
 from dpledger.trainer.client import Denied, LedgerClient, LedgerError
 
 log = logging.getLogger("flwr.dpledger.silo")
@@ -85,9 +85,9 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
                 # noise and the trusted server adds N(0, z²γ²) to the sum of clipped updates. Every
                 # silo the server asks takes part (no amplification from client sampling, which the
                 # ledger cannot verify), and one record can move a clipped update by up to 2γ: the
-                # Gaussian with multiplier z/2 (`pmtl_record_level_mechanism`), the safe side of the
+                # Gaussian with multiplier z/2 (`pmtl.record_level_mechanism`), the safe side of the
                 # client-level z.
-                mechanism = dict(pmtl_record_level_mechanism(noise_multiplier=server_noise))
+                mechanism = record_level_mechanism(server_noise=server_noise)
             reservation = ledger.reserve(silo.silo_id, mechanism=mechanism,
                                          idempotency_key=idempotency_key(job_id, round_index, silo.silo_id),
                                          job_id=str(job_id), round=round_index)
@@ -97,7 +97,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         except LedgerError as error:
             log.error("round %d not run: %s", round_index, error)
             return records.status_reply(message, records.FAILED)
-        if not reservation.may_train:
+        if not reservation.fresh:
             log.warning("round %d was approved before (charge %d, %s): not training it again", round_index,
                         reservation.charge_id, reservation.status.value)
             return records.status_reply(message, records.REPLAYED)

@@ -20,8 +20,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from dpledger.flower import records
 from dpledger.flower.local import template
+from dpledger.flower.pmtl import server_step
 from dpledger.flower.settings import RunSettings
-from dpledger.trainer.aggregation.pmtl import pmtl_server_step
 from dpledger.trainer.client import LedgerClient
 
 # Under "flwr", so the lines reach the SuperLink log and `flwr run --stream` like Flower's own.
@@ -114,7 +114,7 @@ def main(grid: Grid, context: Context) -> None:
         replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
         trained: list[torch.Tensor] = []
-        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl_server_step)
+        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl.server_step)
         for node in asked:
             reply = replies.get(node)
             status = records.reply_status(reply) if reply is not None else "no reply"
@@ -140,11 +140,9 @@ def main(grid: Grid, context: Context) -> None:
             # sum those that trained, add N(0, z²γ²), divide by the number asked. The noise is drawn
             # whatever answered, from OS randomness no silo can predict.
             took_part = torch.tensor([entry.status[silos[node]] == records.TRAINED for node in asked])
-            updates = torch.stack([latest[node] - shared if bool(took_part[i]) else torch.zeros_like(shared)
-                                   for i, node in enumerate(asked)])
-            shared = pmtl_server_step(shared, updates, took_part, clip_norm=settings.update_clip,
-                                      noise_multiplier=settings.server_noise, sampling_rate=1.0,
-                                      generator=torch.Generator().manual_seed(secrets.randbits(63)))
+            shared = server_step(shared, torch.stack([latest[node] for node in asked]), took_part,
+                                 update_clip=settings.update_clip, server_noise=settings.server_noise,
+                                 generator=torch.Generator().manual_seed(secrets.randbits(63)))
         run.rounds.append(entry)
         counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
         log.info("round %d: %s in %.2f s", round_index, counts, entry.seconds)
