@@ -223,6 +223,11 @@ class LedgerClient:
             body["silo_id"] = silo_id
         return self._expect(self._send("POST", "/v1/keys", body), KeyCreated, 201)
 
+    def revoke_key(self, key_id: int) -> None:
+        response = self._send("DELETE", f"/v1/keys/{key_id}").response
+        if response.status_code != 204:
+            raise Rejected(response.status_code, self._body(response))
+
     # --- a silo's own ------------------------------------------------------------------------------
     def silo(self, silo_id: int) -> SiloDetail:
         return self._expect(self._send("GET", f"/v1/silos/{silo_id}"), SiloDetail, 200)

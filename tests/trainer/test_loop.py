@@ -95,6 +95,23 @@ def test_a_second_run_under_the_same_job_id_trains_nothing_on_the_replayed_reser
     assert spent.epsilon_spent == pytest.approx(epsilon_after(2, q=q), rel=1e-9)
 
 
+def test_a_key_revoked_mid_run_releases_the_rounds_other_reservations_and_fails(ledger: str) -> None:
+    algorithm = digits_mrmtl(2)
+    silos = register(ledger, algorithm, [1000.0, 1000.0], "revoked")
+    second_key = silos[1].client.who_am_i().key_id
+
+    def revoke_after_round_0(record) -> None:  # type: ignore[no-untyped-def]
+        if record.round_index == 0:
+            with LedgerClient(ledger, ADMIN_KEY, receipts=False) as admin:
+                admin.revoke_key(second_key)
+
+    run = run_gated(algorithm, silos, rounds=3, job_id="revoked", on_round=revoke_after_round_0)
+    assert run.failed and run.approved_rounds() == [1, 1]
+    assert (run.stop_reason or "").startswith(f"the ledger rejected silo {silos[1].silo_id}'s reservation for round 1: 401")
+    events = [(e.event, e.round) for e in silos[0].client.history(silos[0].silo_id) if e.round is not None]
+    assert events == [("reserve", 0), ("commit", 0), ("reserve", 1), ("release", 1)]  # nothing left stranded
+
+
 def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
     records = []
     for attempt in range(2):

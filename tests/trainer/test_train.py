@@ -248,3 +248,33 @@ def test_the_job_files_algorithms_are_the_registrys() -> None:
     from dpledger.trainer.job_config import ALGORITHMS
 
     assert ALGORITHMS == tuple(registry.standalone())
+
+
+def test_a_ledger_that_dies_mid_run_is_exit_3_with_what_ran_written_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpledger import worker_cli as cli
+    from dpledger.harness import ServerProcess
+    from dpledger.trainer import job as job_module
+
+    with ServerProcess(database_url=f"sqlite:///{tmp_path}/dies.db", admin_key=ADMIN_KEY) as server:
+        silos = [create(server.url, f"dies-{k}", 100.0) for k in range(2)]
+        for k, s in enumerate(silos):
+            monkeypatch.setenv(f"KEY_{k}", s.key)
+        real_run_job = job_module.run_job
+
+        def run_then_die(*args, on_round=None, **kwargs):  # type: ignore[no-untyped-def]
+            def kill_after_round_1(record):  # type: ignore[no-untyped-def]
+                on_round(record)
+                if record.round_index == 1:
+                    server.kill()
+            return real_run_job(*args, on_round=kill_after_round_1, **kwargs)
+
+        monkeypatch.setattr(job_module, "run_job", run_then_die)
+        job = job_file(tmp_path / "dies.toml", server.url, [s.id for s in silos], job_id="dies", rounds=5)
+        assert cli.main(["train", str(job), "--out", str(tmp_path / "out"), "--no-progress"]) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("dpledger train: stopped: ledger unreachable before round 2:")
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({m["round"] for m in metrics}) == [0, 1]  # what ran is written out
+    assert (tmp_path / "out" / "models.pt").exists()
