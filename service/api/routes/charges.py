@@ -69,10 +69,6 @@ def reserve_charge(
             at=datetime.now(UTC), job_id=body.job_id, round=body.round,
             epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
         ))
-        request.app.state.refusals.record(silo_id, Refusal(
-            at=datetime.now(UTC), job_id=body.job_id, round=body.round,
-            epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
-        ))
         note_decision(request, Decision(
             outcome="refused", reason="over_budget", silo_id=silo_id, charge_id=None,
             epsilon_spent=refusal.epsilon_spent, epsilon_if_approved=refusal.epsilon_if_approved,
