@@ -12,6 +12,7 @@ after the other, so that is paid on every round. The listener is re-wrapped with
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import socket
 from typing import Any
@@ -50,9 +51,19 @@ def serve(*, host: str, port: int, workers: int, **options: Any) -> None:
     share_development_key()
     config = _NoDelayConfig(APP, factory=True, host=host, port=port, workers=workers, **options)
     if config.workers > 1:
-        Multiprocess(config, sockets=[config.bind_socket()]).run()
+        supervisor: Any = Multiprocess  # its signature depends on the installed uvicorn, see _supervisor_args
+        supervisor(config, **_supervisor_args(config)).run()
     else:
         uvicorn.Server(config).run()
+
+
+def _supervisor_args(config: uvicorn.Config) -> dict[str, Any]:
+    """uvicorn < 0.51 (what Flower 1.41 pins: `uvicorn<0.50`) wants the worker's `target`;
+    0.51 and later build the server in each worker themselves and take no target."""
+    arguments: dict[str, Any] = {"sockets": [config.bind_socket()]}
+    if "target" in inspect.signature(Multiprocess.__init__).parameters:
+        arguments["target"] = uvicorn.Server(config).run
+    return arguments
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -83,23 +83,21 @@ class SiloCreateRequest(_Request):
         return self
 
 
-class SiloCreated(BaseModel):
+# A silo's registered promise, as every answer about a silo starts (fields first, in this order).
+class _SiloFields(BaseModel):
     id: int
     name: str
     epsilon: float
     delta: float
     dataset_size: int
     relation: Relation
+
+
+class SiloCreated(_SiloFields):
     api_key: str = Field(description="the silo's key, shown once")
 
 
-class SiloSummary(BaseModel):
-    id: int
-    name: str
-    epsilon: float
-    delta: float
-    dataset_size: int
-    relation: Relation
+class SiloSummary(_SiloFields):
     epsilon_spent: float | None
 
 

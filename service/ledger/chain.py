@@ -35,8 +35,11 @@ def silo_fields(silo: Silo) -> dict[str, Any]:
     }
     # Covered only where it is not the default that every silo before it had, so that their
     # create entries keep the hashes they were written with.
-    if getattr(silo.relation, "value", silo.relation) != Relation.add_remove.value:
-        fields["relation"] = str(getattr(silo.relation, "value", silo.relation))
+    # (A row read by a migration that predates the column has none: the default, by definition.)
+    relation = getattr(silo, "relation", None)
+    relation = getattr(relation, "value", relation) or Relation.add_remove.value
+    if relation != Relation.add_remove.value:
+        fields["relation"] = str(relation)
     return fields
 
 

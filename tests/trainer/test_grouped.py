@@ -102,7 +102,7 @@ def test_groups_come_from_the_ledger_and_the_coordinator_sees_no_budget(ledger: 
     assert algorithm.groups is not None and algorithm.groups.tolist() == NOISE_GROUPS
     with pytest.raises(Rejected) as refused:
         coordinator.silo(silos[0].silo_id)
-    assert refused.value.status_code == 403
+    assert refused.value.status_code == 404  # the strict gate: not even the silo's existence is told
 
 
 def test_different_budgets_with_the_same_norms_give_the_same_groups(ledger: str, coordinator: LedgerClient) -> None:

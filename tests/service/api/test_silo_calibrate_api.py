@@ -60,10 +60,14 @@ def test_sigma_fits_what_is_left_and_the_ledger_then_approves_exactly_the_planne
 def test_only_the_silo_and_admins_may_calibrate_and_bad_plans_are_422s(client, make_silo) -> None:  # type: ignore[no-untyped-def]
     silo, other = make_silo(dataset_size=SIZE), make_silo(dataset_size=SIZE)
     coordinator = client.post("/v1/keys", json={"role": "coordinator"}, headers=ADMIN).json()["api_key"]
+    auditor = client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
     plan = {"batch_size": BATCH, "steps_per_round": 10, "rounds": 2}
     path = f"/v1/silos/{silo.id}/calibrate"
-    assert client.post(path, json=plan, headers=bearer(coordinator)).status_code == 403  # a budget stays invisible
-    assert client.post(path, json=plan, headers=other.headers).status_code == 403
+    # A budget stays invisible: the coordinator and another silo are told the silo does not exist
+    # (a 403 would tell them which ids do); an auditor, who reads every silo, is refused.
+    assert client.post(path, json=plan, headers=bearer(coordinator)).status_code == 404
+    assert client.post(path, json=plan, headers=other.headers).status_code == 404
+    assert client.post(path, json=plan, headers=bearer(auditor)).status_code == 403
     assert client.post(path, json=plan, headers=ADMIN).status_code == 200
     too_big = client.post(path, json={**plan, "batch_size": SIZE + 1}, headers=silo.headers)
     assert too_big.status_code == 422 and too_big.json()["detail"][0]["loc"] == ["body", "batch_size"]

@@ -1,0 +1,136 @@
+"""The silo's ClientApp mod: every train message is approved by the silo's own ledger before it
+may touch the data (Flower's `Mod = (Message, Context, call_next) -> Message`).
+
+reserve → call_next → commit → report the noisy update's norm, all with the silo's own key from its
+node config. A denial, a replay of an approved round, or any ledger error answers a constant status
+without calling the trainer; nothing that could carry an ε or a budget (an exception's text
+included, which Flower would forward to the server) leaves the silo. A round that may have touched
+the data is committed, never released, even when training fails (fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import ConfigRecord, Context, Message, MessageType
+from flwr.clientapp.typing import ClientAppCallable
+
+from dpledger.flower import records
+from dpledger.flower.local import load_silo_file, round_mechanism
+from dpledger.flower.pmtl import record_level_mechanism
+from dpledger.flower.settings import SettingsError, SiloSettings
+from dpledger.trainer.client import Denied, LedgerClient, LedgerError
+
+log = logging.getLogger("flwr.dpledger.silo")
+
+
+def idempotency_key(job_id: int, round_index: int, silo_id: int) -> str:
+    return f"flower/job-{job_id}/round-{round_index}/silo-{silo_id}"
+
+
+def _order(message: Message) -> tuple[int, int, int, int]:
+    """(job id, round, local steps, batch size) of a train message; ValueError names what is wrong."""
+    if records.CONFIG not in message.content.config_records:
+        raise ValueError("train message without a config record")
+    config = message.content.config_records[records.CONFIG]
+    values = []
+    for key in ("job-id", "round", "local-steps", "batch-size"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "round" else 1):
+            raise ValueError(f"train config {key!r} must be a non-negative integer. Found {value!r}.")
+        values.append(value)
+    return values[0], values[1], values[2], values[3]
+
+
+def _pmtl_noise(message: Message) -> float | None:
+    """The server's noise multiplier when the round is PMTL's (the server noises the aggregate), else None."""
+    config = message.content.config_records[records.CONFIG]
+    if config.get("algorithm") != "pmtl":
+        return None
+    z = config.get("server-noise")
+    if isinstance(z, bool) or not isinstance(z, int | float) or not z > 0:
+        raise ValueError(f"train config 'server-noise' must be a number > 0. Found {z!r}.")
+    return float(z)
+
+
+def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    if message.metadata.message_type != MessageType.TRAIN:
+        return call_next(message, context)
+    try:
+        silo = SiloSettings.from_node_config(context.node_config)
+        job_id, round_index, steps, batch_size = _order(message)
+        server_noise = _pmtl_noise(message)
+        dataset_size = load_silo_file(silo.data_path).size
+        key = silo.api_key()
+    except (SettingsError, ValueError) as error:
+        log.error("round not run: %s", error)
+        return records.status_reply(message, records.FAILED)
+
+    with LedgerClient(silo.ledger_url, key) as ledger:
+        started = time.perf_counter()
+        try:
+            registered = ledger.silo(silo.silo_id).dataset_size
+            if dataset_size < registered:
+                # The ledger computes q from the registered size: sampling from fewer records would
+                # make the real q larger than the one charged.
+                log.error("round not run: %s holds %d records, fewer than the %d registered", silo.data_path,
+                          dataset_size, registered)
+                return records.status_reply(message, records.FAILED)
+            if server_noise is None:
+                mechanism = round_mechanism(dataset_size=dataset_size, batch_size=batch_size,
+                                            noise_multiplier=silo.noise_multiplier, steps=steps)
+            else:
+                # PMTL (Hu et al., "Private Multi-Task Learning", Alg. 1): the silo trains without
+                # noise and the trusted server adds N(0, z²γ²) to the sum of clipped updates. Every
+                # silo the server asks takes part (no amplification from client sampling, which the
+                # ledger cannot verify), and one record can move a clipped update by up to 2γ: the
+                # Gaussian with multiplier z/2 (`pmtl.record_level_mechanism`), the safe side of the
+                # client-level z.
+                mechanism = record_level_mechanism(server_noise=server_noise)
+            reservation = ledger.reserve(silo.silo_id, mechanism=mechanism,
+                                         idempotency_key=idempotency_key(job_id, round_index, silo.silo_id),
+                                         job_id=str(job_id), round=round_index)
+        except Denied:
+            log.info("round %d declined: over this silo's budget", round_index)
+            return records.status_reply(message, records.DECLINED)
+        except LedgerError as error:
+            log.error("round %d not run: %s", round_index, error)
+            return records.status_reply(message, records.FAILED)
+        if not reservation.fresh:
+            log.warning("round %d was approved before (charge %d, %s): not training it again", round_index,
+                        reservation.charge_id, reservation.status.value)
+            return records.status_reply(message, records.REPLAYED)
+        ledger_seconds = time.perf_counter() - started
+
+        context.state.config_records[records.APPROVAL] = ConfigRecord({
+            "job-id": job_id, "round": round_index, "steps": steps, "batch-size": batch_size,
+            "noise-multiplier": silo.noise_multiplier if server_noise is None else 0.0,
+        })
+        context.state.config_records.pop(records.OUTCOME, None)
+        try:
+            reply = call_next(message, context)
+        except Exception:
+            log.exception("round %d failed after approval; its charge is committed (it may have touched the data)",
+                          round_index)
+            reply = records.status_reply(message, records.FAILED)
+        finally:
+            del context.state.config_records[records.APPROVAL]
+
+        started = time.perf_counter()
+        try:
+            ledger.commit(reservation.charge_id)
+        except LedgerError as error:
+            log.error("round %d: commit of charge %d failed (%s); it stays reserved, i.e. spent", round_index,
+                      reservation.charge_id, error)
+        outcome = context.state.config_records.pop(records.OUTCOME, None)
+        norm = outcome.get("update-norm") if outcome is not None else None
+        if isinstance(norm, float) and records.reply_status(reply) == records.TRAINED:
+            try:
+                ledger.report_norm(job_id, round_index, silo_id=silo.silo_id, l2_norm=norm)
+            except LedgerError as error:
+                log.error("round %d: the norm was not recorded (%s)", round_index, error)
+        ledger_seconds += time.perf_counter() - started
+        if records.reply_status(reply) == records.TRAINED:
+            reply.content.metric_records[records.METRICS]["ledger-seconds"] = ledger_seconds
+        return reply

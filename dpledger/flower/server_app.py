@@ -1,0 +1,161 @@
+"""The ServerApp: one ledger job per run, FedAvg, MR-MTL or PMTL over the silos still training.
+
+It holds a coordinator key only (create the job; read groups), so nothing it could log or forward
+holds a budget, an ε or a norm: silos answer "declined" when they stop, and report their norms to
+the ledger themselves. A silo that declines or does not answer within the round's timeout gets no
+more train messages (a SuperNode that died mid-round keeps its reservation spent on its ledger).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from dpledger.flower import records
+from dpledger.flower.local import template
+from dpledger.flower.pmtl import server_step
+from dpledger.flower.settings import RunSettings
+from dpledger.trainer.client import LedgerClient
+
+# Under "flwr", so the lines reach the SuperLink log and `flwr run --stream` like Flower's own.
+log = logging.getLogger("flwr.dpledger.server")
+app = ServerApp()
+NODE_WAIT_SECONDS = 120.0
+
+
+@dataclass
+class RoundLog:
+    round: int
+    status: dict[int, str]  # silo id → status (absent: not asked)
+    seconds: float  # wall time of the round, as the server sees it
+    train_seconds: dict[int, float]
+    ledger_seconds: dict[int, float]
+
+
+@dataclass
+class RunLog:
+    job_id: int
+    algorithm: str
+    silos: dict[int, int]  # Flower node id → silo id
+    rounds: list[RoundLog] = field(default_factory=list)
+    accuracy: dict[int, float] = field(default_factory=dict)
+    reply_records: list[dict[str, object]] = field(default_factory=list)  # every non-array value the silos sent
+
+
+def _wait_for_nodes(grid: Grid, count: int) -> list[int]:
+    deadline = time.monotonic() + NODE_WAIT_SECONDS
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count or time.monotonic() > deadline:
+            return nodes
+        time.sleep(0.5)
+
+
+def _public_values(reply: Message) -> dict[str, object]:
+    if reply.has_error():
+        return {"error-code": reply.error.code}
+    values: dict[str, object] = {}
+    for name, config in reply.content.config_records.items():
+        values.update({f"{name}.{k}": v for k, v in config.items()})
+    for name, metrics in reply.content.metric_records.items():
+        values.update({f"{name}.{k}": v for k, v in metrics.items()})
+    return values
+
+
+def _ask_silo_ids(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int]:
+    asks = [Message(RecordDict(), node, MessageType.QUERY, group_id="silo-id") for node in nodes]
+    silos: dict[int, int] = {}
+    for reply in grid.send_and_receive(asks, timeout=timeout):
+        if not reply.has_error() and records.CONFIG in reply.content.config_records:
+            silo_id = reply.content.config_records[records.CONFIG].get("silo-id")
+            if isinstance(silo_id, int):
+                silos[reply.metadata.src_node_id] = silo_id
+    return silos
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    settings = RunSettings.from_run_config(context.run_config)
+    nodes = _wait_for_nodes(grid, settings.min_nodes)
+    silos = _ask_silo_ids(grid, nodes, settings.round_timeout)
+    if len(silos) < settings.min_nodes:
+        raise RuntimeError(f"{len(silos)} silos answered, fewer than min-nodes={settings.min_nodes}")
+    with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
+        job_id = ledger.create_job(name=f"flower-run-{context.run_id}", silo_ids=sorted(silos.values()))
+    run = RunLog(job_id=job_id, algorithm=settings.algorithm, silos=silos)
+    log.info("job %d: %s over %d silos, %d rounds", job_id, settings.algorithm, len(silos), settings.rounds)
+
+    model = template(seed=settings.seed)
+    shared = model.initial()  # FedAvg: the global model; MR-MTL: the mean of the personal models
+    latest = {node: shared.clone() for node in silos}  # MR-MTL: each silo's last personal model
+    active = set(silos)
+    for round_index in range(settings.rounds):
+        if not active:
+            log.info("round %d: no silo left to train", round_index)
+            break
+        config = ConfigRecord({
+            "job-id": job_id, "round": round_index, "algorithm": settings.algorithm, "seed": settings.seed,
+            "local-steps": settings.local_steps, "batch-size": settings.batch_size, "lr": settings.lr,
+            "clip-norm": settings.clip_norm, "lam": settings.lam, "server-noise": settings.server_noise,
+        })
+        messages = [
+            Message(RecordDict({records.ARRAYS: records.to_record(shared), records.CONFIG: config}), node,
+                    MessageType.TRAIN, group_id=str(round_index))
+            for node in sorted(active)
+        ]
+        started = time.perf_counter()
+        replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
+        entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
+        trained: list[torch.Tensor] = []
+        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl.server_step)
+        for node in asked:
+            reply = replies.get(node)
+            status = records.reply_status(reply) if reply is not None else "no reply"
+            entry.status[silos[node]] = status
+            if reply is not None:
+                run.reply_records.append(_public_values(reply))
+            if reply is not None and status == records.TRAINED:
+                params = records.from_record(reply.content.array_records[records.ARRAYS])
+                trained.append(params)
+                latest[node] = params
+                metrics = reply.content.metric_records[records.METRICS]
+                entry.train_seconds[silos[node]] = float(metrics["train-seconds"])  # type: ignore[arg-type]  # a float the silo wrote
+                entry.ledger_seconds[silos[node]] = float(metrics["ledger-seconds"])  # type: ignore[arg-type]  # idem
+            elif status != records.REPLAYED:
+                active.discard(node)  # declined, failed or gone: no more rounds for this silo
+        if settings.algorithm == "fedavg" and trained:
+            shared = torch.stack(trained).mean(0)
+        elif settings.algorithm == "mrmtl":
+            # The mean of all personal models, a stopped silo's frozen one included (post-processing).
+            shared = torch.stack([latest[node] for node in sorted(silos)]).mean(0)
+        elif settings.algorithm == "pmtl":
+            # Hu et al., "Private Multi-Task Learning", Alg. 1 line 8: clip each asked silo's update,
+            # sum those that trained, add N(0, z²γ²), divide by the number asked. The noise is drawn
+            # whatever answered, from OS randomness no silo can predict.
+            took_part = torch.tensor([entry.status[silos[node]] == records.TRAINED for node in asked])
+            shared = server_step(shared, torch.stack([latest[node] for node in asked]), took_part,
+                                 update_clip=settings.update_clip, server_noise=settings.server_noise,
+                                 generator=torch.Generator().manual_seed(secrets.randbits(63)))
+        run.rounds.append(entry)
+        counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
+        log.info("round %d: %s in %.2f s", round_index, counts, entry.seconds)
+
+    evaluations = [
+        Message(RecordDict({records.ARRAYS: records.to_record(shared),
+                            records.CONFIG: ConfigRecord({"algorithm": settings.algorithm, "seed": settings.seed})}),
+                node, MessageType.EVALUATE, group_id="evaluate")
+        for node in sorted(set(silos) & set(_wait_for_nodes(grid, 0)))
+    ]
+    for reply in grid.send_and_receive(evaluations, timeout=settings.round_timeout):
+        if not reply.has_error() and records.METRICS in reply.content.metric_records:
+            run.accuracy[silos[reply.metadata.src_node_id]] = float(reply.content.metric_records[records.METRICS]["accuracy"])  # type: ignore[arg-type]  # a float the silo wrote
+    log.info("accuracy per silo: %s", {k: round(v, 3) for k, v in run.accuracy.items()})
+    if settings.out is not None:
+        settings.out.write_text(json.dumps(asdict(run), indent=1, default=str))

@@ -1,0 +1,142 @@
+"""What each side may configure, and from where.
+
+A silo's own settings (its ledger, its id, the file holding its key, its data, its σ) come from its
+SuperNode's `--node-config` and nowhere else: the run config is written by whoever submits the run
+and reaches every node, so a value read from it could be set by the server side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+ConfigValue = bool | float | int | str
+Algorithm = Literal["fedavg", "mrmtl", "pmtl"]
+ALGORITHMS: tuple[Algorithm, ...] = ("fedavg", "mrmtl", "pmtl")
+
+
+class SettingsError(ValueError):
+    """A setting is missing or invalid; the message names it."""
+
+
+def _get(config: Mapping[str, ConfigValue], key: str, where: str) -> ConfigValue:
+    if key not in config:
+        raise SettingsError(f"{where}: missing {key!r}.")
+    return config[key]
+
+
+def _text(config: Mapping[str, ConfigValue], key: str, where: str) -> str:
+    value = _get(config, key, where)
+    if not isinstance(value, str) or not value:
+        raise SettingsError(f"{where}: {key!r} must be a non-empty string. Found {value!r}.")
+    return value
+
+
+def _int(config: Mapping[str, ConfigValue], key: str, where: str, *, minimum: int) -> int:
+    value = _get(config, key, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SettingsError(f"{where}: {key!r} must be an integer >= {minimum}. Found {value!r}.")
+    return value
+
+
+def _float(config: Mapping[str, ConfigValue], key: str, where: str, *, positive: bool) -> float:
+    value = _get(config, key, where)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SettingsError(f"{where}: {key!r} must be a finite number. Found {value!r}.")
+    if value < 0 or (positive and value == 0):
+        raise SettingsError(f"{where}: {key!r} must be {'> 0' if positive else '>= 0'}. Found {value!r}.")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SiloSettings:
+    """From `flower-supernode --node-config "ledger-url='…' silo-id=3 key-file='…' data-path='…' noise-multiplier=1.1"`."""
+
+    ledger_url: str
+    silo_id: int
+    key_file: Path
+    data_path: Path
+    noise_multiplier: float
+
+    @classmethod
+    def from_node_config(cls, config: Mapping[str, ConfigValue]) -> SiloSettings:
+        where = "node config"
+        return cls(
+            ledger_url=_text(config, "ledger-url", where),
+            silo_id=_int(config, "silo-id", where, minimum=1),
+            key_file=Path(_text(config, "key-file", where)),
+            data_path=Path(_text(config, "data-path", where)),
+            noise_multiplier=_float(config, "noise-multiplier", where, positive=True),
+        )
+
+    def api_key(self) -> str:
+        """The key is read from its file when needed and never copied into any record or log."""
+        try:
+            key = self.key_file.read_text().strip()
+        except OSError as error:
+            raise SettingsError(f"node config: 'key-file' {str(self.key_file)!r} cannot be read ({error.strerror}).") from None
+        if not key:
+            raise SettingsError(f"node config: 'key-file' {str(self.key_file)!r} is empty.")
+        return key
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The run config (`[tool.flwr.app.config]`, overridden with `flwr run -c`): public training
+    hyperparameters and the coordinator's own ledger access. Nothing in it is a silo's secret."""
+
+    algorithm: Algorithm
+    rounds: int
+    local_steps: int
+    batch_size: int
+    lr: float
+    clip_norm: float
+    lam: float
+    # PMTL: the server's noise multiplier z on the sum of clipped model updates (clip norm `update-clip`).
+    server_noise: float
+    update_clip: float
+    seed: int
+    min_nodes: int
+    round_timeout: float
+    ledger_url: str
+    coordinator_key_file: Path
+    out: Path | None
+
+    @classmethod
+    def from_run_config(cls, config: Mapping[str, ConfigValue]) -> RunSettings:
+        where = "run config"
+        algorithm = _text(config, "algorithm", where)
+        if algorithm not in ALGORITHMS:
+            raise SettingsError(f"{where}: 'algorithm' must be one of {list(ALGORITHMS)}. Found {algorithm!r}.")
+        out = config.get("out", "")
+        if not isinstance(out, str):
+            raise SettingsError(f"{where}: 'out' must be a path or ''. Found {out!r}.")
+        return cls(
+            algorithm=algorithm,  # narrowed to the Literal by the membership test above
+            rounds=_int(config, "rounds", where, minimum=1),
+            local_steps=_int(config, "local-steps", where, minimum=1),
+            batch_size=_int(config, "batch-size", where, minimum=1),
+            lr=_float(config, "lr", where, positive=True),
+            clip_norm=_float(config, "clip-norm", where, positive=True),
+            lam=_float(config, "lam", where, positive=False),
+            server_noise=_float(config, "server-noise", where, positive=True),
+            update_clip=_float(config, "update-clip", where, positive=True),
+            seed=_int(config, "seed", where, minimum=0),
+            min_nodes=_int(config, "min-nodes", where, minimum=1),
+            round_timeout=_float(config, "round-timeout", where, positive=True),
+            ledger_url=_text(config, "ledger-url", where),
+            coordinator_key_file=Path(_text(config, "coordinator-key-file", where)),
+            out=Path(out) if out else None,
+        )
+
+    def coordinator_key(self) -> str:
+        try:
+            key = self.coordinator_key_file.read_text().strip()
+        except OSError as error:
+            raise SettingsError(f"run config: 'coordinator-key-file' cannot be read ({error.strerror}).") from None
+        if not key:
+            raise SettingsError("run config: 'coordinator-key-file' is empty.")
+        return key

@@ -1,0 +1,159 @@
+"""A real federation on 127.0.0.1: `dpledger serve`, `flower-superlink --insecure`, three
+`flower-supernode`s (each its own data file and key file), and `flwr run` of FedAvg, MR-MTL, PMTL.
+
+Slow by nature (every round starts a ClientApp process per silo): one federation serves both runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("flwr", reason="flwr is not installed (the `flower` extra)")
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dp_accounting import dp_event as de
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from tests.flower.federation import DELTA, Federation, federation, kill
+
+TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
+ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
+RUN_TIMEOUT = 560.0
+
+
+def epsilon_after(rounds: int, pmtl_rounds: int = 0) -> float:
+    """dp-accounting's ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n,
+    then `pmtl_rounds` Gaussians at SERVER_NOISE / 2."""
+    accountant = rdp_lib.RdpAccountant()
+    event = de.PoissonSampledDpEvent(BATCH / TRAIN, de.GaussianDpEvent(SIGMA))
+    accountant.compose(de.SelfComposedDpEvent(event, STEPS * rounds))
+    if pmtl_rounds:
+        accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(SERVER_NOISE / 2), pmtl_rounds))
+    return float(accountant.get_epsilon(DELTA))
+
+
+# Silo 0 can afford exactly two rounds; the others all of them.
+BUDGETS = [epsilon_after(2), 50.0, 50.0]
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    with federation(tmp_path_factory.mktemp("flower"), budgets=BUDGETS, noise_multiplier=SIGMA, train=TRAIN, test=TEST) as f:
+        yield f
+
+
+SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
+
+
+def run_config(fed: Federation, algorithm: str, out: Path, rounds: int = ROUNDS) -> dict[str, Any]:
+    return {"algorithm": algorithm, "rounds": rounds, "local-steps": STEPS, "batch-size": BATCH, "lam": 0.5,
+            "server-noise": SERVER_NOISE,
+            "min-nodes": 3, "round-timeout": ROUND_TIMEOUT, "ledger-url": fed.ledger_url,
+            "coordinator-key-file": str(fed.coordinator_key_file), "out": str(out)}
+
+
+def trained_rounds(result: dict[str, Any]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for entry in result["rounds"]:
+        for silo, status in entry["status"].items():
+            counts[int(silo)] = counts.get(int(silo), 0) + (status == "trained")
+    return counts
+
+
+def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> None:
+    """Nothing the ServerApp received or logged holds an ε, a budget, or a silo's spent ε."""
+    keys = {key for values in result["reply_records"] for key in values}
+    assert keys <= {"status.status", "metrics.train-seconds", "metrics.ledger-seconds", "error-code"}, keys
+    statuses = {values.get("status.status") for values in result["reply_records"]} - {None}
+    assert statuses <= {"trained", "declined", "replayed", "failed"}
+    lowered = text.lower()
+    assert "epsilon" not in lowered and "budget" not in lowered and "ε" not in text
+    with fed.ledger() as admin:
+        secrets = [admin.silo(s.silo_id) for s in fed.silos]
+    numbers = set(re.findall(r"\d+\.\d+", text))
+    for detail in secrets:
+        for value in (detail.epsilon, detail.epsilon_spent, detail.epsilon_committed, detail.epsilon_remaining):
+            assert not any(n.startswith(f"{value:.3f}") for n in numbers if value > 0), value
+
+
+def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
+    # --- FedAvg: silo 0 trains two rounds, is declined in the third, and is asked no more.
+    out = fed.folder / "fedavg.json"
+    finished = fed.run(timeout=RUN_TIMEOUT, **run_config(fed, "fedavg", out))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    fedavg = json.loads(out.read_text())
+    ids = [s.silo_id for s in fed.silos]
+    assert len(fedavg["rounds"]) == ROUNDS
+    assert [e["status"].get(str(ids[0])) for e in fedavg["rounds"]] == ["trained", "trained", "declined", None]
+    assert trained_rounds(fedavg) == {ids[0]: 2, ids[1]: ROUNDS, ids[2]: ROUNDS}
+    with fed.ledger() as admin:
+        for silo, rounds in zip(ids, (2, ROUNDS, ROUNDS), strict=True):
+            detail = admin.silo(silo)
+            assert detail.epsilon_spent == pytest.approx(epsilon_after(rounds), rel=1e-9, abs=1e-9)
+            assert detail.epsilon_committed == pytest.approx(detail.epsilon_spent, rel=1e-12)
+    server_log = finished.stdout + finished.stderr + (fed.folder / "superlink.log").read_text()
+    assert_budget_blind(fed, server_log, fedavg)
+    assert min(fedavg["accuracy"][str(s)] for s in ids) > 0.2  # ten classes: chance is 0.1
+
+    # --- MR-MTL: silo 0 is declined at once; silo 1's SuperNode is killed while its round-1
+    # reservation is open; silo 2 finishes every round.
+    out = fed.folder / "mrmtl.json"
+    log_path = fed.folder / "flwr-run-mrmtl.log"
+    runner = fed.start_run(log_path, **run_config(fed, "mrmtl", out))
+    victim = fed.silos[1]
+    # Silo 1 committed ROUNDS rounds of FedAvg and round 0 of this run before round 1 opens.
+    committed_before_round_1 = epsilon_after(ROUNDS + 1) * (1 - 1e-9)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT / 2
+        with fed.ledger() as admin:
+            while time.monotonic() < deadline:
+                detail = admin.silo(victim.silo_id)
+                if detail.epsilon_spent > detail.epsilon_committed >= committed_before_round_1:
+                    break  # round 1's reservation is open: its ClientApp is training
+                time.sleep(0.05)
+            else:
+                pytest.fail("silo 1 never had an open reservation in round 1")
+            assert victim.process is not None
+            kill(victim.process)
+        runner.wait(timeout=RUN_TIMEOUT)
+    finally:
+        kill(runner)
+    text = log_path.read_text()
+    assert runner.returncode == 0, text[-3000:]
+    mrmtl = json.loads(out.read_text())
+    assert [e["status"].get(str(ids[0])) for e in mrmtl["rounds"]] == ["declined", None, None, None]
+    assert [e["status"].get(str(ids[1])) for e in mrmtl["rounds"]] == ["trained", "no reply", None, None]
+    assert [e["status"][str(ids[2])] for e in mrmtl["rounds"]] == ["trained"] * ROUNDS
+    with fed.ledger() as admin:
+        zero, one, two = (admin.silo(s) for s in ids)
+        history = admin.history(ids[1])
+    assert zero.epsilon_spent == pytest.approx(epsilon_after(2), rel=1e-9)
+    # The killed round stays reserved, i.e. spent: ROUNDS + 1 committed, 1 reserved.
+    assert one.epsilon_committed == pytest.approx(epsilon_after(ROUNDS + 1), rel=1e-9)
+    assert one.epsilon_spent == pytest.approx(epsilon_after(ROUNDS + 2), rel=1e-9)
+    assert [e.event for e in history].count("release") == 0
+    assert two.epsilon_spent == pytest.approx(epsilon_after(2 * ROUNDS), rel=1e-9)
+    assert_budget_blind(fed, text + (fed.folder / "superlink.log").read_text(), mrmtl)
+
+    # --- PMTL: the killed site comes back (a new SuperNode, the same key and data); the server
+    # noises the aggregate and each silo that trains is charged the Gaussian at z/2 per round.
+    fed.start_supernode(victim)
+    out = fed.folder / "pmtl.json"
+    finished = fed.run(timeout=RUN_TIMEOUT, **run_config(fed, "pmtl", out, rounds=2))
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    pmtl = json.loads(out.read_text())
+    assert [e["status"] for e in pmtl["rounds"]] == [
+        {str(ids[0]): "declined", str(ids[1]): "trained", str(ids[2]): "trained"},
+        {str(ids[1]): "trained", str(ids[2]): "trained"},
+    ]
+    with fed.ledger() as admin:
+        one, two = admin.silo(ids[1]), admin.silo(ids[2])
+    assert one.epsilon_spent == pytest.approx(epsilon_after(ROUNDS + 2, pmtl_rounds=2), rel=1e-9)
+    assert two.epsilon_spent == pytest.approx(epsilon_after(2 * ROUNDS, pmtl_rounds=2), rel=1e-9)
+    assert_budget_blind(fed, finished.stdout + finished.stderr, pmtl)

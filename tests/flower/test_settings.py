@@ -1,0 +1,56 @@
+"""Node and run settings: each missing or bad value is refused with its name and the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dpledger.flower.settings import RunSettings, SettingsError, SiloSettings
+
+NODE = {"ledger-url": "http://127.0.0.1:8000", "silo-id": 3, "key-file": "/k", "data-path": "/d.npz", "noise-multiplier": 1.1}
+RUN = {"algorithm": "fedavg", "rounds": 4, "local-steps": 5, "batch-size": 16, "lr": 0.5, "clip-norm": 1.0, "lam": 0.0,
+       "server-noise": 1.0, "update-clip": 1.0, "seed": 0, "min-nodes": 3, "round-timeout": 60.0,
+       "ledger-url": "http://127.0.0.1:8000", "coordinator-key-file": "/c", "out": ""}
+
+
+def test_a_node_config_parses() -> None:
+    silo = SiloSettings.from_node_config(NODE)
+    assert (silo.silo_id, silo.noise_multiplier, silo.key_file) == (3, 1.1, Path("/k"))
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("silo-id", 0, "node config: 'silo-id' must be an integer >= 1. Found 0."),
+    ("silo-id", True, "node config: 'silo-id' must be an integer >= 1. Found True."),
+    ("noise-multiplier", 0.0, "node config: 'noise-multiplier' must be > 0. Found 0.0."),
+    ("noise-multiplier", float("nan"), "node config: 'noise-multiplier' must be a finite number. Found nan."),
+    ("key-file", "", "node config: 'key-file' must be a non-empty string. Found ''."),
+])
+def test_a_bad_node_value_is_named(key: str, value: object, message: str) -> None:
+    with pytest.raises(SettingsError) as raised:
+        SiloSettings.from_node_config({**NODE, key: value})  # type: ignore[dict-item]  # deliberately wrong types
+    assert str(raised.value) == message
+
+
+def test_a_missing_node_value_is_named() -> None:
+    with pytest.raises(SettingsError) as raised:
+        SiloSettings.from_node_config({k: v for k, v in NODE.items() if k != "data-path"})
+    assert str(raised.value) == "node config: missing 'data-path'."
+
+
+def test_the_key_file_must_exist_and_hold_a_key(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot be read"):
+        SiloSettings.from_node_config({**NODE, "key-file": str(tmp_path / "missing")}).api_key()
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(SettingsError, match="is empty"):
+        SiloSettings.from_node_config({**NODE, "key-file": str(tmp_path / "empty")}).api_key()
+    (tmp_path / "key").write_text("secret\n")
+    assert SiloSettings.from_node_config({**NODE, "key-file": str(tmp_path / "key")}).api_key() == "secret"
+
+
+def test_a_run_config_parses_and_refuses_an_unknown_algorithm() -> None:
+    run = RunSettings.from_run_config(RUN)
+    assert (run.algorithm, run.rounds, run.out) == ("fedavg", 4, None)
+    with pytest.raises(SettingsError) as raised:
+        RunSettings.from_run_config({**RUN, "algorithm": "fedprox"})
+    assert str(raised.value) == "run config: 'algorithm' must be one of ['fedavg', 'mrmtl', 'pmtl']. Found 'fedprox'."
