@@ -2,7 +2,7 @@
 
 For every silo, in every state any interleaving of requests, retries and crashes can produce:
 ε_gate(committed + reserved) ≤ ε_k (the silo's proven gate, ledger/gate.py). So the check and the
-write share one transaction with the silo row locked (DESIGN.md), and it is shaped like
+write share one transaction with the silo row locked (docs/ARCHITECTURE.md), and it is shaped like
 dp-accounting's compose(): check, then append.
 
 Exactly once: an idempotency key names one charge of its silo for good. A retry of the same
