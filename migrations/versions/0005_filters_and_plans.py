@@ -69,7 +69,7 @@ def upgrade() -> None:
         # chain.filter_fields' subject; entry_hash reads only these attributes, so a namespace stands in
         # for the ORM row (the migration writes through SQL, not the models).
         subject = {"silo_id": silo.id, "filter": spec_json}
-        digest = chain.entry_hash(entry, subject=subject)  # type: ignore[arg-type]
+        digest = chain.entry_hash(entry, subject=subject)  # type: ignore[arg-type]  # the namespace above, for the row
         inserted = _entries.insert().values(hash=digest, **vars(entry)).returning(_entries.c.id)
         entry.id = connection.execute(inserted).scalar_one()
         entry.hash = digest
