@@ -12,13 +12,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: the demo runs in CI and on servers
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dpledger.trainer.loop import JobRun
@@ -129,6 +132,19 @@ def _round_axis(axis: Axes, rounds: int) -> None:
     axis.grid(alpha=0.3)
 
 
+def _finish(
+    figure: Figure, axes: Any, mappable: ScalarMappable, path: Path, *, ylabel: str, legend: str, title: str
+) -> None:
+    """Labels the first panel of `axes` (a 1×n grid), adds the budget colour bar and the title, saves
+    and closes."""
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(loc=legend, fontsize=8)
+    figure.colorbar(mappable, ax=axes[0].tolist(), label="silo's budget ε", fraction=0.025, pad=0.01)
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+
+
 def plot_accuracy(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> None:
     """Per algorithm: every silo's own test accuracy per round (colour: its budget), ✕ where the
     ledger refused it, the mean over silos, and the chance level."""
@@ -149,12 +165,8 @@ def plot_accuracy(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings
         axis.set_title(algorithm)
         axis.set_ylim(0.0, 1.0)
         _round_axis(axis, settings.rounds)
-    axes[0][0].set_ylabel("each silo's test accuracy (its own split)")
-    axes[0][0].legend(loc="upper left", fontsize=8)
-    figure.colorbar(mappable, ax=axes[0].tolist(), label="silo's budget ε", fraction=0.025, pad=0.01)
-    figure.suptitle(f"Accuracy per silo and round: {settings.caption()}", fontsize=10)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
+    _finish(figure, axes, mappable, path, ylabel="each silo's test accuracy (its own split)", legend="upper left",
+            title=f"Accuracy per silo and round: {settings.caption()}")
 
 
 def plot_epsilon(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> None:
@@ -178,12 +190,8 @@ def plot_epsilon(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings)
         axis.set_title(algorithm)
         axis.set_ylim(0.0, max(settings.epsilons) * 1.08)
         _round_axis(axis, settings.rounds)
-    axes[0][0].set_ylabel("ε spent at δ, per silo")
-    axes[0][0].legend(loc="lower right", fontsize=8)
-    figure.colorbar(mappable, ax=axes[0].tolist(), label="silo's budget ε", fraction=0.025, pad=0.01)
-    figure.suptitle(f"ε spent against each silo's own budget: {settings.caption()}", fontsize=10)
-    figure.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(figure)
+    _finish(figure, axes, mappable, path, ylabel="ε spent at δ, per silo", legend="lower right",
+            title=f"ε spent against each silo's own budget: {settings.caption()}")
 
 
 def format_table(runs: Mapping[str, JobRun], settings: DemoSettings) -> str:

@@ -11,22 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from dpledger.trainer.data import FederatedDataset
+from tests.trainer.test_data import Z, assert_same_dataset
 
 from research.additive_data import make_additive_regression
 from research.mean_estimation_data import make_mean_estimation
-
-# Two-sided 5 standard errors: a correct generator fails one such check ~6e-7 of the time.
-Z = 5.0
-
-
-def assert_same_dataset(a: FederatedDataset, b: FederatedDataset) -> None:
-    assert (a.task, a.n_features, a.n_classes, a.groups) == (b.task, b.n_features, b.n_classes, b.groups)
-    for silo_a, silo_b in zip(a.silos, b.silos, strict=True):
-        for name in ("x_train", "y_train", "x_test", "y_test"):
-            assert torch.equal(getattr(silo_a, name), getattr(silo_b, name)), (silo_a.silo_id, name)
-
-# --- paper 000 §6 mean estimation ---------------------------------------------------------------
 
 
 def test_mean_estimation_shapes_determinism_and_model() -> None:
