@@ -119,4 +119,4 @@ def _noise_floor(sigma: float, *, path: str) -> None:
 def _pld_gaussian(walk: _Walk, *, sigma: float, q: float, count: float) -> None:
     if sigma < MIN_PLD_NOISE_MULTIPLIER:
         walk.pld_skip = walk.pld_skip or f"noise multiplier {sigma!r} < {MIN_PLD_NOISE_MULTIPLIER}"
-    walk.pld_work += count * q / sigma**2
+    walk.pld_work += count * q / sigma / sigma  # not sigma**2: that overflows for σ near the float maximum
