@@ -1,5 +1,5 @@
 """Budget-blind grouping vs budget-based grouping: final accuracy of the global model on digits silos
-with MixGauss1 budgets (paper 001 Table 1 and Fig. 4; paper 003 Alg. 2).
+with MixGauss1 budgets (Liu et al. 2023 Table 1 and Fig. 4; FedHDP Alg. 2).
 
     python bench/budget_blind.py             # 10 silos, 20 rounds, seeds 0-2 (~5-7 min on 2 cores)
     python bench/budget_blind.py --quick     # 1 seed, 6 rounds, r in {0.001, 0.1} (< 60 s)
@@ -13,11 +13,11 @@ a real ledger (uvicorn on a temp SQLite file), each method on freshly registered
 
 - FedAvg: every round aggregates (uniform mean).
 - PFA (budget groups): round 0 is the warm-start round, then PFA with S_pub = the silos whose ε came
-  from the larger-ε mixture component (the "Before" partition of paper 001 Alg. 1, which only an
+  from the larger-ε mixture component (the "Before" partition of Liu et al. 2023 Alg. 1, which only an
   evaluation can know). The warm-start round is kept so that only the grouping differs.
 - PFA (norm groups): the same, with the groups the ledger clusters from the warm-start norms.
 - FedHDP (hand-tuned r): norm groups, r from `--ratios`, the best mean over seeds reported. That r
-  is chosen on the test accuracy without charging the search (paper 003 §5 Remark), so it is an
+  is chosen on the test accuracy without charging the search (FedHDP §5 Remark), so it is an
   optimistic reference, not a deployable method.
 - FedHDP (budget-blind r): norm groups, r_g estimated every round from the updates
   (`budget_blind_ratio`). Both FedHDP runs use no update clipping and no quantile query: the query

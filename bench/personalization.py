@@ -1,13 +1,13 @@
-"""Paper 000's personalization baselines at one common budget, every round gated by a real ledger:
+"""Liu et al. 2022's personalization baselines at one common budget, every round gated by a real ledger:
 local, FedAvg, local finetuning, Ditto, IFCA (every round and first 10%), MR-MTL and MR-MTL
-warm-started by IFCA (paper 000 Fig. 3, 4 and 6).
+warm-started by IFCA (Liu et al. 2022 Fig. 3, 4 and 6).
 
     python bench/personalization.py            # 20 silos, 30 rounds, seeds 0-2 (~6 min on 2 cores)
     python bench/personalization.py --quick    # 1 seed, 8 silos, 8 rounds, one λ (< 30 s)
 
 Setup per seed s: `make_rotated_masked_digits(n_silos, seed=s, mask_probability=p)` (four rotation
-groups, silo-specific masks: paper 000 §5's two layers). Every silo has the same budget (ε, δ).
-Alignment on the budget follows paper 000 §4 ("restricting the total number of iterations ... then
+groups, silo-specific masks: Liu et al. 2022 §5's two layers). Every silo has the same budget (ε, δ).
+Alignment on the budget follows Liu et al. 2022 §4 ("restricting the total number of iterations ... then
 account for any privacy overheads"): the DP-SGD noise σ is calibrated through the ledger so that
 R rounds of E plain DP-SGD steps spend exactly ε; every method uses that σ and is gated round by
 round, so a method with overhead (Ditto's E_p extra steps, IFCA's cluster selection) is refused
@@ -15,14 +15,14 @@ by the ledger before round R and stops there, its models frozen. The table repor
 each method got.
 
 - Local, FedAvg, MR-MTL(λ): R rounds of dpsgd(q, σ, E).
-- Finetuning: FedAvg for the first half of the rounds, local DP-SGD after (paper 000 Fig. 2).
-- Ditto(λ, E_p): dpsgd(q, σ, E + E_p) per round (paper 000 §4).
+- Finetuning: FedAvg for the first half of the rounds, local DP-SGD after (Liu et al. 2022 Fig. 2).
+- Ditto(λ, E_p): dpsgd(q, σ, E + E_p) per round (Liu et al. 2022 §4).
 - IFCA: selection in every round, charged as dpsgd(q_s = 1, σ_s, 1) on top (see
   `trainer/federated/ifca.py`); IFCA (10%): selection in the first ⌈0.1·R⌉ rounds only.
-- MR-MTL warm-started: IFCA (10%), then MR-MTL(λ) inside each cluster (paper 000 §5, Fig. 6).
+- MR-MTL warm-started: IFCA (10%), then MR-MTL(λ) inside each cluster (Liu et al. 2022 §5, Fig. 6).
 
 λ of MR-MTL, Ditto and the warm-started MR-MTL is the best of `--lams` by mean accuracy over seeds
-(paper 000's λ*): that choice reads the test sets and is not charged (issue 5's searches charge it),
+(Liu et al. 2022's λ*): that choice reads the test sets and is not charged (issue 5's searches charge it),
 so those three rows are optimistic in the same way. Accuracy: mean over silos of each silo's
 deployed model on its own test set after the last round; mean ± std over seeds. "purity" is the
 share of silos whose IFCA cluster's majority rotation group is their own.
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--silos", type=int, default=20, help="silos (rotation group k mod 4)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--epsilon", type=float, default=8.0, help="every silo's ε (δ = 1e-5)")
-    parser.add_argument("--mask-probability", type=float, default=0.1, help="paper 000 §5's second layer")
+    parser.add_argument("--mask-probability", type=float, default=0.1, help="Liu et al. 2022 §5's second layer")
     parser.add_argument("--lr", type=float, default=0.15)
     parser.add_argument("--local-steps", type=int, default=10, help="E")
     parser.add_argument("--personal-steps", type=int, default=5, help="Ditto's E_p")

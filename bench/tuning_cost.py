@@ -1,6 +1,6 @@
-"""Paper 000 §7, Fig. 7 logic on mean estimation: does privately tuning λ pay for itself?
+"""Liu et al. 2022 §7, Fig. 7 logic on mean estimation: does privately tuning λ pay for itself?
 
-Setup of paper 000 §6: K silos, n points each, data variance σ², heterogeneity τ², clip c, and each
+Setup of Liu et al. 2022 §6: K silos, n points each, data variance σ², heterogeneity τ², clip c, and each
 silo releases its local sum plus Gaussian noise of std z·c (sensitivity c). For every silo's budget
 (ε, δ) we compare, at the same budget:
 
@@ -12,7 +12,7 @@ silo releases its local sum plus Gaussian noise of std z·c (sensitivity c). For
 
 Errors are the closed form E(λ) of Lemma 6.7 (`MeanEstimationSetting.mse`); the search is credited
 with finding the grid's best λ exactly, so the tuned rows are optimistic for tuning. Calibration is a
-bisection over dp-accounting RDP curves that returns the noisier end (never over budget, STYLE.md).
+bisection over dp-accounting RDP curves that returns the noisier end (never over budget).
 
     python bench/tuning_cost.py [--quick] [--out tuning_cost.png]
 """
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     axis.set_xscale("log")
     axis.set_xlabel("λ")
     axis.set_ylabel("error E(λ) (Lemma 6.7)")
-    axis.set_title("Cost of tuning λ, paper 000 Fig. 7 logic")
+    axis.set_title("Cost of tuning λ, Liu et al. 2022 Fig. 7 logic")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(args.out, dpi=120)

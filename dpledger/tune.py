@@ -1,4 +1,4 @@
-"""`dpledger tune`: a private search over MR-MTL's λ (paper 000 §7; Papernot & Steinke 2022).
+"""`dpledger tune`: a private search over MR-MTL's λ (Liu et al. 2022 §7; Papernot & Steinke 2022).
 
 Each silo asks the ledger for one search whose trial mechanism is its whole MR-MTL run (every
 round's dpsgd, composed: `steps = rounds × local_steps`). The ledger charges repeat_and_select up

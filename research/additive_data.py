@@ -1,4 +1,4 @@
-"""The synthetic additive-model regression of paper 002 §6 ("Synthetic dataset").
+"""The synthetic additive-model regression of Bietti et al. 2022 §6 ("Synthetic dataset").
 
 N users, d = 100. A random θ_0 ~ N(0, 10² I_d); user i's ground truth θ*_i shares the first 95
 coordinates with θ_0 and perturbs the last 5: [θ*_i]_{96:100} = [θ_0]_{96:100} + δ_i,
@@ -29,7 +29,7 @@ PAPER_LOCAL_STD = 0.01
 
 @dataclass(frozen=True)
 class AdditiveRegressionData:
-    """The federation plus its ground truth, for the closed-form excess risk of paper 002 §6."""
+    """The federation plus its ground truth, for the closed-form excess risk of Bietti et al. 2022 §6."""
 
     dataset: FederatedDataset
     theta0: torch.Tensor
@@ -37,7 +37,7 @@ class AdditiveRegressionData:
     feature_variances: torch.Tensor
 
     def excess_risk(self, *, global_params: torch.Tensor, local_params: torch.Tensor) -> float:
-        """(1/N) Σ_i ‖w + θ_i − θ*_i‖²_Σ (paper 002 §6): the additive model predicts (w + θ_i)·x,
+        """(1/N) Σ_i ‖w + θ_i − θ*_i‖²_Σ (Bietti et al. 2022 §6): the additive model predicts (w + θ_i)·x,
         and with x ~ N(0, Σ) the excess squared loss over the noise floor τ² is exactly that norm."""
         if global_params.shape != self.theta0.shape:
             raise ValueError(
@@ -63,7 +63,7 @@ def make_additive_regression(
     local_std: float = PAPER_LOCAL_STD,
     label_noise_std: float = 0.01,
 ) -> AdditiveRegressionData:
-    """Paper 002 §6's synthetic regression as a `FederatedDataset` (task "regression").
+    """Bietti et al. 2022 §6's synthetic regression as a `FederatedDataset` (task "regression").
 
     x: (n, dim) float32, y: (n,) float32. Ground truth is kept in float64.
     """

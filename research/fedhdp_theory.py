@@ -1,4 +1,4 @@
-"""FedHDP federated point estimation (paper 003 §3.1): the generative model, the server's two-step
+"""FedHDP federated point estimation (FedHDP §3.1): the generative model, the server's two-step
 estimator with ratio r, a Monte Carlo simulator of its error, and the closed forms (Lemma 1, eq. (13)).
 
 Reading of the paper's model (§3.1, eqs. (5)–(8), Alg. 1 of its Appendix B):
@@ -30,7 +30,7 @@ _CHUNK_TRIALS = 200_000
 
 @dataclass(frozen=True)
 class PointEstimationSetup:
-    """N clients of which `n_nonprivate` = ρ_np·N opt out of privacy (paper 003 §3.1.1, Table 1)."""
+    """N clients of which `n_nonprivate` = ρ_np·N opt out of privacy (FedHDP §3.1.1, Table 1)."""
 
     n_clients: int
     n_nonprivate: int
@@ -73,7 +73,7 @@ class PointEstimationSetup:
         return self.n_private * self.gamma2
 
     def lemma1_ratio(self) -> float:
-        """r* = (α² + τ²)/(α² + τ² + (1 − ρ_np)Nγ²) (paper 003 Lemma 1)."""
+        """r* = (α² + τ²)/(α² + τ² + (1 − ρ_np)Nγ²) (FedHDP Lemma 1)."""
         return optimal_ratio(client_variance=self.client_variance, noise_variance=self.private_noise_variance)
 
     def server_variance(self, *, ratio: float) -> float:
@@ -89,7 +89,7 @@ class PointEstimationSetup:
         return (n_np * sc + ratio**2 * n_p * (sc + self.private_noise_variance)) / denominator**2
 
     def optimal_server_variance(self) -> float:
-        """σ²_s,opt = (1/N)·(α²+τ²)(α²+τ²+(1−ρ_np)Nγ²)/(α²+τ²+ρ_np(1−ρ_np)Nγ²) (paper 003 eq. (13))."""
+        """σ²_s,opt = (1/N)·(α²+τ²)(α²+τ²+(1−ρ_np)Nγ²)/(α²+τ²+ρ_np(1−ρ_np)Nγ²) (FedHDP eq. (13))."""
         sc, rho, n = self.client_variance, self.rho_np, self.n_clients
         return (sc * (sc + (1.0 - rho) * n * self.gamma2)) / (n * (sc + rho * (1.0 - rho) * n * self.gamma2))
 
@@ -129,7 +129,7 @@ def draw_updates(
 
 
 def two_step_estimate(updates: np.ndarray, *, n_nonprivate: int, ratio: float) -> np.ndarray:
-    """θ = (N_np θ_np + r N_p θ_p)/(N_np + r N_p) per row of `updates` [T, N] (paper 003 eq. (12)
+    """θ = (N_np θ_np + r N_p θ_p)/(N_np + r N_p) per row of `updates` [T, N] (FedHDP eq. (12)
     and Alg. 1's server line), the first `n_nonprivate` columns being the non-private clients."""
     if updates.ndim != 2:
         raise ValueError(f"updates must be [n_trials, N]. Found shape {updates.shape}.")

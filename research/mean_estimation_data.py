@@ -1,4 +1,4 @@
-"""The mean-estimation federation of paper 000 §6 ("Setup").
+"""The mean-estimation federation of Liu et al. 2022 §6 ("Setup").
 
 K silos, silo k holds n scalars x_{k,i} = w_k + z_{k,i} with z_{k,i} ~ N(0, σ²); the silo centers are
 w_k = θ + z with z ~ N(0, τ²) around a fixed meta-center θ. A large τ² means heterogeneous silos.
@@ -35,7 +35,7 @@ def draw_centers_and_points(
     meta_center: float = 0.0,
     batch: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One draw (or `batch` independent draws) of paper 000 §6's generative model.
+    """One draw (or `batch` independent draws) of Liu et al. 2022 §6's generative model.
 
     Returns (centers, points): centers w_k of shape (K,) and points x_{k,i} of shape (K, n), or
     (batch, K) and (batch, K, n). `data_variance` is σ², `heterogeneity` is τ² (variances, not
@@ -47,9 +47,9 @@ def draw_centers_and_points(
     _check_variance("data_variance", data_variance)
     _check_variance("heterogeneity", heterogeneity)
     lead: tuple[int, ...] = () if batch is None else (batch,)
-    # paper 000 §6 Setup: w_k = θ + z, z ~ N(0, τ²).
+    # Liu et al. 2022 §6 Setup: w_k = θ + z, z ~ N(0, τ²).
     centers = meta_center + math.sqrt(heterogeneity) * rng.standard_normal((*lead, n_silos))
-    # paper 000 §6 Setup: x_{k,i} = w_k + z_{k,i}, z_{k,i} ~ N(0, σ²).
+    # Liu et al. 2022 §6 Setup: x_{k,i} = w_k + z_{k,i}, z_{k,i} ~ N(0, σ²).
     points = centers[..., None] + math.sqrt(data_variance) * rng.standard_normal((*lead, n_silos, n_per_silo))
     return centers, points
 
@@ -73,7 +73,7 @@ def make_mean_estimation(
     n_test_per_silo: int = 1000,
     meta_center: float = 0.0,
 ) -> MeanEstimationData:
-    """Paper 000 §6's federation as a `FederatedDataset` with task "mean".
+    """Liu et al. 2022 §6's federation as a `FederatedDataset` with task "mean".
 
     x tensors have shape (n, 1) (float64, so estimates can be compared with the closed forms
     without float32 rounding); there are no labels, so y tensors have shape (n, 0) and still

@@ -1,6 +1,6 @@
-"""MR-MTL(λ) for private mean estimation: the closed forms of paper 000 §6 and a Monte Carlo check.
+"""MR-MTL(λ) for private mean estimation: the closed forms of Liu et al. 2022 §6 and a Monte Carlo check.
 
-Reading of the paper's notation (paper 000 §6, "Setup"):
+Reading of the paper's notation (Liu et al. 2022 §6, "Setup"):
 - σ² is the per-point data variance and τ² the variance of the silo centers around θ.
 - σ_DP² is the variance of the Gaussian noise ξ_k added to the *sum* Σ_i x_{k,i} (sensitivity c),
   not to the mean: the released local mean is ŵ_k = (ξ_k + Σ_i x_{k,i}) / n, so its privacy noise
@@ -29,7 +29,7 @@ _CHUNK_POINTS = 2_000_000
 
 
 def gaussian_mechanism_noise_std(*, epsilon: float, delta: float, clip: float) -> float:
-    """σ_DP = c·√(2 ln(1.25/δ))/ε, the noise scale paper 000 §6 uses for (ε, δ) sample-level DP.
+    """σ_DP = c·√(2 ln(1.25/δ))/ε, the noise scale Liu et al. 2022 §6 uses for (ε, δ) sample-level DP.
 
     This classic calibration (Dwork & Roth 2014, Thm A.1) is only proven for ε < 1, so larger ε is
     refused rather than silently under-noised.
@@ -44,7 +44,7 @@ def gaussian_mechanism_noise_std(*, epsilon: float, delta: float, clip: float) -
 
 
 def mr_mtl_weight(*, lam: float, n_silos: int) -> float:
-    """α = (K + λ)/((1 + λ)K) of Lemma 6.1 (paper 000 §6), the weight on the silo's own estimate.
+    """α = (K + λ)/((1 + λ)K) of Lemma 6.1 (Liu et al. 2022 §6), the weight on the silo's own estimate.
 
     λ = 0 gives exactly 1 (local training); λ = ∞ gives the limit 1/K (FedAvg's plain average).
     """
@@ -61,7 +61,7 @@ def release_local_means(
     points: np.ndarray, *, dp_noise_variance: float, rng: np.random.Generator
 ) -> np.ndarray:
     """Each silo's released estimate ŵ_k = (ξ_k + Σ_i x_{k,i})/n with ξ_k ~ N(0, σ_DP²)
-    (paper 000 §6, the argmin of F̃_k). `points` has silos and points on its last two axes."""
+    (Liu et al. 2022 §6, the argmin of F̃_k). `points` has silos and points on its last two axes."""
     if not (math.isfinite(dp_noise_variance) and dp_noise_variance >= 0.0):
         raise ValueError(f"dp_noise_variance must be a finite number >= 0. Found {dp_noise_variance}.")
     n = points.shape[-1]
@@ -74,7 +74,7 @@ def mr_mtl_estimates(released: np.ndarray, *, lam: float) -> np.ndarray:
     """ŵ_k(λ) = α·ŵ_k + (1 − α)·ŵ_{\\k} for every silo k (Lemma 6.1, eq. 4), silos on the last axis.
 
     ŵ_{\\k} is the average of the *other* silos' released estimates, so the server only ever
-    post-processes released values (no extra privacy cost, paper 000 §5).
+    post-processes released values (no extra privacy cost, Liu et al. 2022 §5).
     """
     n_silos = released.shape[-1]
     alpha = mr_mtl_weight(lam=lam, n_silos=n_silos)
@@ -85,7 +85,7 @@ def mr_mtl_estimates(released: np.ndarray, *, lam: float) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MeanEstimationSetting:
-    """The parameters of paper 000 §6: K silos, n points each, σ², τ², σ_DP² (variances)."""
+    """The parameters of Liu et al. 2022 §6: K silos, n points each, σ², τ², σ_DP² (variances)."""
 
     n_silos: int
     n: int

@@ -1,12 +1,12 @@
-"""PMTL's global learner (paper 004 Alg. 1, line 8): clip each selected task's model update,
+"""PMTL's global learner (Hu et al. 2023 Alg. 1, line 8): clip each selected task's model update,
 average, add Gaussian noise; and the mechanism one round of it runs.
 
 Line 8 reads w̄ ← w̄ + (1/|S_t|)·Σ_{k∈S_t} g_k·min(1, γ/‖g_k‖) + N(0, σ²I) with |S_t| = q fixed.
-Here the tasks (silos) are Poisson-sampled at rate p, as the declared mechanism says (STYLE.md:
+Here the tasks (silos) are Poisson-sampled at rate p, as the declared mechanism says (the house rule:
 the mechanism a worker declares is the sampler it runs), so the average divides by the *expected*
 count pK rather than the realised |S_t|: then one task moves the sum by at most γ whatever the
 others do, and noise of standard deviation z·γ on the sum is exactly the sampled Gaussian mechanism
-with noise multiplier z (paper 004 Thm 1 and eq. (17)–(19): σ on the mean = zγ/(pK)).
+with noise multiplier z (Hu et al. 2023 Thm 1 and eq. (17)–(19): σ on the mean = zγ/(pK)).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ def pmtl_server_step(
     sampling_rate: float,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """w̄ + (Σ_{k∈S} clip_γ(g_k) + N(0, z²γ²I)) / (pK): the next mean model [P] (paper 004 Alg. 1
+    """w̄ + (Σ_{k∈S} clip_γ(g_k) + N(0, z²γ²I)) / (pK): the next mean model [P] (Hu et al. 2023 Alg. 1
     line 8, with the expected-count denominator explained in the module docstring).
 
     `task_updates` [K, P] holds g_k = w_k − w̄ for every task; only the rows with `selected[k]` are
     read. The noise comes from `generator` and is drawn even when no task was selected, so the
     output's distribution is the declared mechanism's in every case. z = 0 is allowed (non-private
-    MR-MTL, paper 004 §4.3's σ = 0 case, Cor. 4) but then there is no mechanism to declare.
+    MR-MTL, Hu et al. 2023 §4.3's σ = 0 case, Cor. 4) but then there is no mechanism to declare.
     """
     check_updates(task_updates, name="task_updates")
     k, p_dim = task_updates.shape
@@ -76,11 +76,11 @@ def pmtl_server_step(
 
 def pmtl_round_mechanism(*, sampling_rate: float, noise_multiplier: float) -> PoissonSampledGaussian:
     """One round of `pmtl_server_step` for a silo: the Poisson-sampled Gaussian over silos
-    (paper 004 Thm 1), `{"type": "poisson_sampled", "sampling_rate": p, "event": {"type": "gaussian",
+    (Hu et al. 2023 Thm 1), `{"type": "poisson_sampled", "sampling_rate": p, "event": {"type": "gaussian",
     "noise_multiplier": z}}`.
 
-    This is paper 004's guarantee: client-level DP under adding or removing one silo (sensitivity γ),
-    towards everyone but the trusted global learner (paper 004 §4.1), with the selection S_t kept
+    This is Hu et al. 2023's guarantee: client-level DP under adding or removing one silo (sensitivity γ),
+    towards everyone but the trusted global learner (Hu et al. 2023 §4.1), with the selection S_t kept
     secret by that learner: amplification by sampling needs the sample to be unknown to whoever the
     guarantee is against. Where the selection is public, or for record-level neighbours (one record
     may move the silo's clipped update anywhere in the γ-ball, by up to 2γ), charge

@@ -1,13 +1,13 @@
-"""The coordinator's side of group-wise aggregation (DESIGN.md, "The round protocol", step 3), on
+"""The coordinator's side of group-wise aggregation (docs/ARCHITECTURE.md, "The round protocol", step 3), on
 top of the gated round loop `run_gated`.
 
-Round 0 is paper 001's warm-start round (§4.1, Alg. 1 line 4): every silo asks approval and trains
+Round 0 is Liu et al. 2023's warm-start round (§4.1, Alg. 1 line 4): every silo asks approval and trains
 once, charged like any round; each silo reports the L2 norm of its noisy update to the ledger with
 its own key; the global model is not updated. The coordinator, with a coordinator key (which reads
 no budget, ε or history), then asks the ledger for round 0's groups: a Gaussian mixture over the
 norms alone. Every later round aggregates by those groups (`GroupAggregated`).
 
-The "budget-based groups" baseline (paper 001 Alg. 1 line 3, "Before") is only possible where the
+The "budget-based groups" baseline (Liu et al. 2023 Alg. 1 line 3, "Before") is only possible where the
 budgets' mixture components are known, i.e. in an evaluation; it is passed in explicitly as
 `groups`, and the norms are still reported so that the two groupings can be compared.
 """
@@ -40,7 +40,7 @@ class GroupedRun:
 
 
 def issue_coordinator_key(admin: LedgerClient) -> str:
-    """A fresh coordinator key (role `coordinator`: jobs, norms and groups only; DESIGN.md, "Roles")."""
+    """A fresh coordinator key (role `coordinator`: jobs, norms and groups only; docs/ARCHITECTURE.md, "Roles")."""
     return admin.create_key(role=Role.coordinator).api_key
 
 

@@ -1,4 +1,4 @@
-"""The round loop (DESIGN.md, "The round protocol"): approval before every privacy-consuming step.
+"""The round loop (docs/ARCHITECTURE.md, "The round protocol"): approval before every privacy-consuming step.
 
 Per round and silo: reserve the round's mechanism (idempotency key from job, round, silo) → train →
 commit. A denial is final: that silo stops spending and its model stays frozen while the run goes

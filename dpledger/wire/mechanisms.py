@@ -1,7 +1,7 @@
 """Mechanisms on the wire: a pydantic tagged union that maps one to one onto `dp_accounting` events
 (the mapping itself is the service's: `dpledger.service.accounting.events`).
 
-A stored mechanism must read the same in five years (STYLE.md, dp-accounting): a kind is never
+A stored mechanism must read the same in five years (as dp-accounting does): a kind is never
 edited, only added. Every number is validated here, so a bad one is a 422 naming the field and
 nothing downstream ever sees NaN, infinity or an absurd count.
 """

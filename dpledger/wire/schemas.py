@@ -60,7 +60,7 @@ class _WithMechanism(_Request):
 
 
 class SiloCreateRequest(_Request):
-    """A budget given as (epsilon, delta), or chosen from the menu by `level` (paper 003 §2)."""
+    """A budget given as (epsilon, delta), or chosen from the menu by `level` (FedHDP §2)."""
 
     name: Text
     epsilon: Epsilon | None = None

@@ -1,11 +1,11 @@
-"""Privacy groups from the L2 norms of noisy updates, never from budgets (paper 001 §4.1, Alg. 1 line 4).
+"""Privacy groups from the L2 norms of noisy updates, never from budgets (Liu et al. 2023 §4.1, Alg. 1 line 4).
 
 Silos whose budgets are close add Gaussian noise of similar scale, so the norms of their noisy
-updates fall into clusters ordered by noise level (paper 001 §3.2, Fig. 2). The coordinator fits a
+updates fall into clusters ordered by noise level (Liu et al. 2023 §3.2, Fig. 2). The coordinator fits a
 1-D Gaussian mixture to the (log) norms of the warm-start round, picks the number of components by
 BIC, and reads the privacy groups off it; budgets stay secret. Clustering already-private outputs is
 post-processing and costs no budget
-(paper 001 §4.1, "Privacy Analysis").
+(Liu et al. 2023 §4.1, "Privacy Analysis").
 
 Pure: numpy and scikit-learn only, no database, no HTTP, no torch.
 """
@@ -30,7 +30,7 @@ MIN_REPORTS_TO_CLUSTER = 3
 # norm or a pair of nearly equal ones makes an almost-zero-variance component whose unbounded
 # likelihood beats the BIC penalty (the degeneracy of Gaussian-mixture maximum likelihood), and
 # 10 silos then split into spurious groups. Budgets within one privacy group spread by ~10% of
-# their mean (paper 001 Table 1: N(0.1, 0.01), N(1, 0.1), N(10, 1)) and noise scales with ~1/ε,
+# their mean (Liu et al. 2023 Table 1: N(0.1, 0.01), N(1, 0.1), N(10, 1)) and noise scales with ~1/ε,
 # so a component narrower than a 5% relative spread is fitting sampling noise, not a group.
 # Measured on the warm-start round of tests/service/accounting/test_clustering.py (20 seeds × 10
 # silos, share of silos in their budget group for MixGauss1/2/3): raw norms with sklearn's default
@@ -123,7 +123,7 @@ def _log_norms(values: np.ndarray) -> np.ndarray:
 
 
 def cluster_norms(norms: Mapping[int, float], *, seed: int = 0, max_components: int = 3) -> Grouping:
-    """Group silos by the L2 norms of their noisy updates (paper 001 §4.1, Alg. 1 line 4).
+    """Group silos by the L2 norms of their noisy updates (Liu et al. 2023 §4.1, Alg. 1 line 4).
 
     A Gaussian mixture with 1..max_components components is fitted to the log-norms; the number of
     components with the lowest BIC wins (ties go to fewer components). Never more components than

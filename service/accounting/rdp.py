@@ -1,7 +1,7 @@
 """RDP curves of mechanisms at a fixed order grid, their composition, and (ε, δ) read off them.
 
 Composition in RDP is addition of curves, so a ledger keeps a running sum and an approval costs
-O(number of orders), never O(history) (DESIGN.md, "The safety invariant"). Every curve comes from
+O(number of orders), never O(history) (docs/ARCHITECTURE.md, "The safety invariant"). Every curve comes from
 `dp_accounting.rdp.RdpAccountant`; this module only caches and adds them.
 """
 

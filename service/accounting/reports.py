@@ -65,7 +65,7 @@ def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float,
     margin above.
 
     dp-accounting brackets the root; we then step σ up until the ε it gives is within the target,
-    so rounding in the search can only cost noise, never privacy (STYLE.md, Opacus).
+    so rounding in the search can only cost noise, never privacy (as Opacus does).
     """
     epsilon = epsilon * (1 - CALIBRATION_MARGIN)
 

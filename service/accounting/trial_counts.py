@@ -1,8 +1,8 @@
 """The random number of trials K of a private hyperparameter search (Papernot & Steinke 2022).
 
 The accounting of `repeat_and_select` (dp-accounting's `RepeatAndSelectDpEvent`) holds only if K
-really is drawn from the distribution it assumes, so the service draws K itself (DESIGN.md,
-"Hyperparameter searches"; paper 000 §7). The distributions and their mean → parameter mapping
+really is drawn from the distribution it assumes, so the service draws K itself (docs/ARCHITECTURE.md,
+"Hyperparameter searches"; Liu et al. 2022 §7). The distributions and their mean → parameter mapping
 are dp-accounting's, read from `_compute_rdp_repeat_and_select`:
 
 - "poisson" (shape = ∞): P[K = k] = e^{-μ} μ^k / k!, k ≥ 0 (Papernot & Steinke, Thm 6; K = 0 is

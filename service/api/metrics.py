@@ -205,7 +205,7 @@ def scrape(
 ) -> Response:
     """Service metrics (latency) for anyone who can reach the port; the charge decisions by outcome
     and per-silo ε only with the admin key, since budgets are kept from other silos and the
-    coordinator (DESIGN.md, roles)."""
+    coordinator (docs/ARCHITECTURE.md, "Roles")."""
     key = None
     if credentials is not None:
         with db.read() as session:

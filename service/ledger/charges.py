@@ -2,7 +2,7 @@
 
 For every silo, in every state any interleaving of requests, retries and crashes can produce:
 ε_RDP(committed + reserved; δ_k) ≤ ε_k. So the check and the write share one transaction with the
-silo row locked (DESIGN.md), and it is shaped like dp-accounting's compose(): check, then append.
+silo row locked (docs/ARCHITECTURE.md), and it is shaped like dp-accounting's compose(): check, then append.
 
 Exactly once: an idempotency key names one charge of its silo for good. A retry of the same
 request is answered with that charge as it stands now (`replayed`, with its real status), never

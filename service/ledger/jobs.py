@@ -1,7 +1,7 @@
 """Training jobs, the norms their silos report, and the privacy levels of the menu.
 
 The coordinator's path (`round_norms`) reads only norm reports: no budget, no ε, no history, so its
-answers are the same whatever budgets the silos hold (paper 001: budgets are never exposed).
+answers are the same whatever budgets the silos hold (Liu et al. 2023: budgets are never exposed).
 """
 
 from __future__ import annotations

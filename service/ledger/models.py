@@ -133,7 +133,7 @@ class ApiKey(Base):
 
 
 class PrivacyLevel(Base):
-    """A menu entry (paper 003 §2): silos may register by choosing one; it is a budget like any other."""
+    """A menu entry (FedHDP §2): silos may register by choosing one; it is a budget like any other."""
 
     __tablename__ = "privacy_levels"
 
@@ -174,7 +174,7 @@ class NormReport(Base):
 
 
 class Search(Base):
-    """A private hyperparameter search (paper 000 §7; Papernot & Steinke 2022): one
+    """A private hyperparameter search (Liu et al. 2022 §7; Papernot & Steinke 2022): one
     repeat_and_select charge, reserved up front, and the K the service drew for it."""
 
     __tablename__ = "searches"

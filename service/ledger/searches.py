@@ -1,4 +1,4 @@
-"""Private hyperparameter searches (paper 000 §7; Papernot & Steinke 2022; DESIGN.md).
+"""Private hyperparameter searches (Liu et al. 2022 §7; Papernot & Steinke 2022; docs/ARCHITECTURE.md).
 
 A search is ONE `repeat_and_select` charge over the trial mechanism, reserved up front through
 `charges.reserve` (same lock, same idempotency, same refusal: an over-budget search writes nothing
@@ -154,7 +154,7 @@ def report_trial(
             search.status = SearchStatus.done
     if search.status == SearchStatus.done:
         # After the search row's own transaction: a crash in between leaves the charge reserved,
-        # which still counts as spent (the privacy-safe side, STYLE.md).
+        # which still counts as spent (the privacy-safe side).
         _commit(db, search.charge_id)
     return search
 

@@ -40,7 +40,7 @@ def test_mean_estimation_shapes_determinism_and_model() -> None:
         assert abs(residuals.var() - 4.0) <= Z * 4.0 * math.sqrt(2 / (residuals.size - 1))
 
 
-# --- paper 002 §6 additive model ----------------------------------------------------------------
+# --- Bietti et al. 2022 §6 additive model ----------------------------------------------------------------
 
 
 def test_additive_regression_follows_the_paper_recipe() -> None:

@@ -1,4 +1,4 @@
-"""FedHDP point estimation (paper 003 §3.1): the simulated server error against Lemma 1 and eq. (13)."""
+"""FedHDP point estimation (FedHDP §3.1): the simulated server error against Lemma 1 and eq. (13)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from research.fedhdp_theory import (
     two_step_estimate,
 )
 
-# Paper 003 Fig. 1 (left): N = 20, ρ_np = 0.05 (one non-private client), σ_c² = α² + τ² = 11, γ² = 4;
+# FedHDP Fig. 1 (left): N = 20, ρ_np = 0.05 (one non-private client), σ_c² = α² + τ² = 11, γ² = 4;
 # plus a setting with more non-private clients, where r* is larger and the curve flatter.
 FIGURE_1 = PointEstimationSetup(n_clients=20, n_nonprivate=1, alpha2=10.0, tau2=1.0, gamma2=4.0)
 QUARTER_OPT_OUT = PointEstimationSetup(n_clients=20, n_nonprivate=5, alpha2=1.0, tau2=0.5, gamma2=0.2)

@@ -1,4 +1,4 @@
-"""MR-MTL(λ) mean estimation (paper 000 §6): closed forms against simulation, and the endpoints."""
+"""MR-MTL(λ) mean estimation (Liu et al. 2022 §6): closed forms against simulation, and the endpoints."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Server-side aggregation: PFA (paper 001 Alg. 1), FedHDP's two-step average and ratio (paper 003
+"""Server-side aggregation: PFA (Liu et al. 2023 Alg. 1), FedHDP's two-step average and ratio (FedHDP
 §3.1.2, Lemma 1), and adaptive clipping by a noisy
-quantile (paper 003 Alg. 2). PMTL ("Private Multi-Task Learning", Alg. 1) is research code:
+quantile (FedHDP Alg. 2). PMTL ("Private Multi-Task Learning", Alg. 1) is research code:
 tests/research/test_pmtl.py."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def orthonormal_basis(p: int, k: int, seed: int) -> torch.Tensor:
     return q
 
 
-# ----- PFA (paper 001 Alg. 1) ------------------------------------------------------------------
+# ----- PFA (Liu et al. 2023 Alg. 1) ------------------------------------------------------------------
 
 
 def test_subspace_of_updates_in_a_k_dim_subspace_keeps_a_mean_in_it_and_removes_an_orthogonal_part() -> None:
@@ -103,14 +103,14 @@ def test_public_mask_takes_the_least_noisy_groups() -> None:
     assert public_mask(groups, n_public_groups=2).tolist() == [False, True, True, True, False]
 
 
-# ----- FedHDP (paper 003) ------------------------------------------------------------------------
+# ----- FedHDP (FedHDP) ------------------------------------------------------------------------
 
 
 def test_fedhdp_weights_are_n1_over_n1_plus_r_n2() -> None:
     updates = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 10.0], [0.0, 20.0], [0.0, 30.0]], dtype=torch.float64)
     groups = torch.tensor([0, 0, 1, 1, 1])
     r = 0.25
-    w1, w2 = 2 / (2 + r * 3), r * 3 / (2 + r * 3)  # paper 003 §4
+    w1, w2 = 2 / (2 + r * 3), r * 3 / (2 + r * 3)  # FedHDP §4
     expected = w1 * torch.tensor([2.0, 0.0], dtype=torch.float64) + w2 * torch.tensor([0.0, 20.0], dtype=torch.float64)
     assert torch.allclose(fedhdp_aggregate(updates, groups, ratios=[1.0, r]), expected, atol=1e-12)
     # r = 1 is HDP-FedAvg, the plain mean; r = 0 keeps the least noisy group only.
@@ -145,7 +145,7 @@ def test_optimal_ratio_is_lemma_1() -> None:
 def synthetic_updates(
     *, d: int, sizes: list[int], noise_variances: list[float], client_variance: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """u_i = s + h_i + l_i (paper 003 §3.1 per coordinate): a shared signal s, silo deviations h_i of
+    """u_i = s + h_i + l_i (FedHDP §3.1 per coordinate): a shared signal s, silo deviations h_i of
     variance σ_c², DP noise l_i of variance γ_g² in group g."""
     g = generator(seed)
     signal = 3.0 * torch.randn(d, generator=g, dtype=torch.float64)
@@ -161,7 +161,7 @@ def synthetic_updates(
 @pytest.mark.parametrize(
     ("sizes", "noise_variances", "client_variance"),
     [
-        ([6, 10], [0.0, 19 * 4.0], 11.0),  # paper 003 Fig. 1: non-private reference, (1−ρ)Nγ² = 19·4
+        ([6, 10], [0.0, 19 * 4.0], 11.0),  # FedHDP Fig. 1: non-private reference, (1−ρ)Nγ² = 19·4
         ([6, 10], [0.5, 4.0], 1.0),
         ([6, 10, 8], [0.2, 1.5, 12.0], 1.0),
         ([1, 9], [0.05, 3.0], 1.0),  # MixGauss1 over 10 silos: one lone liberal silo in group 0
@@ -211,7 +211,7 @@ def test_budget_blind_ratio_needs_a_group_of_two_and_a_non_empty_group_0() -> No
     assert budget_blind_ratio(updates, torch.tensor([0, 0, 2]))[1].item() == 0.0
 
 
-# ----- adaptive clipping (paper 003 Alg. 2; Andrew et al. 2021) --------------------------------
+# ----- adaptive clipping (FedHDP Alg. 2; Andrew et al. 2021) --------------------------------
 
 
 def test_one_quantile_step_is_the_closed_form_and_declares_its_gaussian() -> None:

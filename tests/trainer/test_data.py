@@ -1,5 +1,5 @@
-"""The federated data sources: containers, rotated & masked digits (paper 000 §5), user .npz
-folders, and paper 001 Table 1 budgets. The research generators are tested in
+"""The federated data sources: containers, rotated & masked digits (Liu et al. 2022 §5), user .npz
+folders, and Liu et al. 2023 Table 1 budgets. The research generators are tested in
 tests/research/test_datasets.py."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_containers_validate_shapes_and_ids() -> None:
     assert dataset.silos == (silo,) and dataset[0] is silo and len(dataset) == 1
 
 
-# --- rotated & masked digits (paper 000 §5) -----------------------------------------------------
+# --- rotated & masked digits (Liu et al. 2022 §5) -----------------------------------------------------
 
 
 def test_digits_shapes_partition_and_determinism() -> None:
@@ -162,7 +162,7 @@ def test_digits_refuses_bad_arguments() -> None:
         make_rotated_masked_digits(n_silos=4, seed=0, patch_size=3)
 
 
-# --- paper 001 Table 1 budgets ------------------------------------------------------------------
+# --- Liu et al. 2023 Table 1 budgets ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mixture", ["MixGauss1", "MixGauss2", "MixGauss3"])

@@ -337,7 +337,7 @@ def test_ppsgd_linear_regression_additive_model_reduces_error() -> None:
     shared = torch.randn(FEATURES, generator=g)
     data: dict[str, list[torch.Tensor]] = {"x_train": [], "y_train": [], "x_test": [], "y_test": []}
     for _ in range(5):
-        personal = shared + 0.3 * torch.randn(FEATURES, generator=g)  # paper 002 eq. (3): w + θ_i
+        personal = shared + 0.3 * torch.randn(FEATURES, generator=g)  # Bietti et al. 2022 eq. (3): w + θ_i
         for split, n in (("train", 120), ("test", 40)):
             x = torch.randn(n, FEATURES, generator=g)
             data[f"x_{split}"].append(x)

@@ -1,7 +1,7 @@
 """Group-wise aggregation against a real ledger over HTTP: the warm-start round is charged but leaves
-the global model alone (paper 001 §4.1), the groups come from the ledger's clustering of the norms
-and not from budgets, PFA projects the noisy group onto the public subspace (paper 001 Alg. 1),
-FedHDP weighs groups by r (paper 003 Alg. 2) and its quantile query is charged."""
+the global model alone (Liu et al. 2023 §4.1), the groups come from the ledger's clustering of the norms
+and not from budgets, PFA projects the noisy group onto the public subspace (Liu et al. 2023 Alg. 1),
+FedHDP weighs groups by r (FedHDP Alg. 2) and its quantile query is charged."""
 
 from __future__ import annotations
 

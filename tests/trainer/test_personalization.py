@@ -1,4 +1,4 @@
-"""IFCA with charged cluster selection, local finetuning and warm-started MR-MTL (paper 000 §4–5)."""
+"""IFCA with charged cluster selection, local finetuning and warm-started MR-MTL (Liu et al. 2022 §4–5)."""
 
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ def test_a_selecting_round_costs_more_than_a_plain_one_by_the_selection(ledger: 
 
 
 def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> None:
-    """Paper 000 Fig. 4: at one budget, selecting every round buys fewer rounds than selecting
+    """Liu et al. 2022 Fig. 4: at one budget, selecting every round buys fewer rounds than selecting
     only at the start. The budget fits 6 plain rounds plus one selection."""
     args, _ = digits_args(2, seed=1)
     rounds = 8

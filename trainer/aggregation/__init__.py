@@ -1,12 +1,12 @@
 """Server-side aggregation over stacked silo updates [K, P]: pure torch functions, no state.
 
-- `pfa_aggregate`: projected federated averaging (paper 001 Alg. 1).
+- `pfa_aggregate`: projected federated averaging (Liu et al. 2023 Alg. 1).
 - `fedhdp_aggregate`, `optimal_ratio`, `estimate_noise_variance_from_norms`, `budget_blind_ratio`:
-  FedHDP's two-step aggregation and its ratio r (paper 003 §3.1.2, Lemma 1, Alg. 2).
-- `noisy_quantile_clip_update`: adaptive clipping by a noisy quantile query (paper 003 Alg. 2;
+  FedHDP's two-step aggregation and its ratio r (FedHDP §3.1.2, Lemma 1, Alg. 2).
+- `noisy_quantile_clip_update`: adaptive clipping by a noisy quantile query (FedHDP Alg. 2;
   Andrew et al. 2021), returning the mechanism that query ran.
 
-Aggregating already-private updates is post-processing (DESIGN.md, "The privacy model"); only the
+Aggregating already-private updates is post-processing (docs/ARCHITECTURE.md, "The privacy model"); only the
 quantile query is a mechanism, and it returns what it must be charged as. (PMTL's noisy global
 learner, "Private Multi-Task Learning" Alg. 1, lives in the repository's research/ folder: no
 algorithm runs it.)

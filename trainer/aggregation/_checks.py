@@ -1,5 +1,5 @@
 """Input checks shared by the aggregation functions: every one fails with a ValueError that names
-the argument, the constraint and the value found (STYLE.md), never with an `assert`."""
+the argument, the constraint and the value found, never with an `assert`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Update clipping, and the clip norm adapted to a quantile of the update norms by a noisy query
-(paper 003 Alg. 2, last line; Andrew, Thakkar, McMahan, Ramaswamy 2021, "Differentially private
+(FedHDP Alg. 2, last line; Andrew, Thakkar, McMahan, Ramaswamy 2021, "Differentially private
 learning with adaptive clipping", Alg. 1)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dpledger.trainer.dpsgd.clip import clip_rows
 
 
 def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
-    """Each row scaled to norm ≤ C: u·C/max(‖u‖, C) (paper 003 Alg. 2 Clip; paper 004 Alg. 1 line 8).
+    """Each row scaled to norm ≤ C: u·C/max(‖u‖, C) (FedHDP Alg. 2 Clip; Hu et al. 2023 Alg. 1 line 8).
 
     Exact for ‖u‖ ≤ C (factor 1) and safe at u = 0, with no ε added to the norm that could let a
     clipped row exceed C by rounding."""
@@ -42,7 +42,7 @@ def noisy_quantile_clip_update(
     noise_multiplier: float,
     generator: torch.Generator,
 ) -> QuantileClipUpdate:
-    """S ← S·exp(−η_b(b̃ − κ)), b̃ = (Σ_i 1[‖Δ_i‖ ≤ S] + N(0, σ_b²)) / N (paper 003 Alg. 2; Andrew
+    """S ← S·exp(−η_b(b̃ − κ)), b̃ = (Σ_i 1[‖Δ_i‖ ≤ S] + N(0, σ_b²)) / N (FedHDP Alg. 2; Andrew
     et al. 2021 Alg. 1, geometric update).
 
     With b̃ the exact fraction of unclipped updates, the clip shrinks while more than a κ fraction

@@ -1,10 +1,10 @@
-"""FedHDP's two-step aggregation and its weight ratio r (paper 003 §3.1.2 and §4, Alg. 2).
+"""FedHDP's two-step aggregation and its weight ratio r (FedHDP §3.1.2 and §4, Alg. 2).
 
 Step 1 averages the updates of each privacy group; step 2 takes a weighted average of the group
 means, where a silo of a noisier group weighs r times a silo of the least noisy one:
-w_g ∝ r_g·N_g (paper 003 §4: w_1 = N_1/(N_1 + rN_2), w_2 = rN_2/(N_1 + rN_2)). Lemma 1 gives the r
+w_g ∝ r_g·N_g (FedHDP §4: w_1 = N_1/(N_1 + rN_2), w_2 = rN_2/(N_1 + rN_2)). Lemma 1 gives the r
 that minimises the server's error when the variances are known; `budget_blind_ratio` estimates it
-from the updates alone, so the coordinator needs no budget (paper 001's setting).
+from the updates alone, so the coordinator needs no budget (Liu et al. 2023's setting).
 
 In the cross-silo worker each silo's update is already private (local DP-SGD), so the averages
 here are post-processing and cost nothing.
@@ -35,7 +35,7 @@ def _n_groups(groups: torch.Tensor, n_groups: int | None) -> int:
 def group_means(
     updates: torch.Tensor, groups: torch.Tensor, *, n_groups: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 (paper 003 eq. (12)): ([G, P] mean update of each group, [G] group sizes).
+    """Step 1 (FedHDP eq. (12)): ([G, P] mean update of each group, [G] group sizes).
     An empty group's mean is all zeros and its size 0."""
     check_updates(updates)
     g = _n_groups(groups, n_groups)
@@ -49,7 +49,7 @@ def group_means(
 def fedhdp_aggregate(
     updates: torch.Tensor, groups: torch.Tensor, *, ratios: Sequence[float] | torch.Tensor
 ) -> torch.Tensor:
-    """Σ_g w_g θ̄_g with w_g = r_g N_g / Σ_h r_h N_h (paper 003 §4, Alg. 2 step 2; §3.1.2 for two
+    """Σ_g w_g θ̄_g with w_g = r_g N_g / Σ_h r_h N_h (FedHDP §4, Alg. 2 step 2; §3.1.2 for two
     groups). `ratios[g]` is r_g, the weight of one silo of group g relative to the others; give the
     least noisy group 1 and each noisier group its `optimal_ratio` / `budget_blind_ratio`. All ratios
     equal is FedAvg over silos (HDP-FedAvg, r = 1). Returns the aggregate update [P]."""
@@ -67,7 +67,7 @@ def fedhdp_aggregate(
 
 
 def optimal_ratio(*, client_variance: float, noise_variance: float, reference_noise_variance: float = 0.0) -> float:
-    """r* = (σ_c² + v_ref) / (σ_c² + v): paper 003 Lemma 1, r* = (α²+τ²)/(α²+τ²+(1−ρ_np)Nγ²).
+    """r* = (σ_c² + v_ref) / (σ_c² + v): FedHDP Lemma 1, r* = (α²+τ²)/(α²+τ²+(1−ρ_np)Nγ²).
 
     σ_c² = α² + τ² is the variance of a silo's own estimate around the global parameter (data noise
     plus heterogeneity), v the DP-noise variance of one silo's update in the noisier group (Lemma 1:
@@ -89,14 +89,14 @@ def estimate_noise_variance_from_norms(
 ) -> torch.Tensor:
     """[G]: each group's per-coordinate DP-noise variance in excess of group 0's, from norms alone.
 
-    Model (paper 003 §3.1, eq. (5)–(8), per coordinate): u_i = s + h_i + l_i with a shared signal s,
+    Model (FedHDP §3.1, eq. (5)–(8), per coordinate): u_i = s + h_i + l_i with a shared signal s,
     a silo deviation h_i of variance σ_c² and DP noise l_i of variance γ_g² in silo i's group g, all
     independent, so E‖u_i‖² = ‖s‖² + d(σ_c² + γ_g²). The estimator is
 
         γ̂_g² − γ̂_0² = (mean_{i∈g} ‖u_i‖² − mean_{i∈0} ‖u_i‖²) / d,  clamped at 0,
 
     unbiased for γ_g² − γ_0² (before the clamp). Norms identify only this difference: ‖s‖² + dσ_c² +
-    dγ_0² is one unknown. It is the absolute γ_g² when group 0 adds no noise (paper 003's
+    dγ_0² is one unknown. It is the absolute γ_g² when group 0 adds no noise (FedHDP's
     non-private silos). An empty group gives 0.
     """
     if isinstance(dimension, bool) or not isinstance(dimension, int) or dimension < 1:
@@ -165,7 +165,7 @@ def budget_blind_ratio(updates: torch.Tensor, groups: torch.Tensor, *, n_groups:
       noisy group h with at least 2 silos (an independent estimate of s), less that mean's own
       variance: unbiased, and again free of the 2sᵀ(h_i + l_i) term that makes ‖u_i‖²/d − ‖s‖²/d
       imprecise for one silo. A lone least-noisy silo is the common case for MixGauss1 budgets over
-      10 silos (paper 001 Table 1: weight 0.1 at ε ≈ 10).
+      10 silos (Liu et al. 2023 Table 1: weight 0.1 at ε ≈ 10).
     Variances are clamped at 0; r_g = V̂_0/V̂_g (1 where both are 0, 0 for an empty group, and
     possibly above 1 where a noisier-looking group turns out less variable). Needs at least one
     group with 2 silos and a non-empty group 0.

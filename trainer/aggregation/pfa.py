@@ -1,9 +1,9 @@
-"""Projected federated averaging (PFA; paper 001 Alg. 1, lines 14–19, after Liu et al. VLDB 2021).
+"""Projected federated averaging (PFA; Liu et al. 2023 Alg. 1, lines 14–19, after Liu et al. VLDB 2021).
 
 The "public" silos (the least noisy privacy group found by `cluster_norms`) span a low-dimensional
 subspace that holds most of the signal; the mean update of the "private" silos is projected onto it,
 which discards the part of their heavy DP noise that lies outside it. Everything here operates on
-already-private updates, so it is post-processing and costs no budget (paper 001 §4.1).
+already-private updates, so it is post-processing and costs no budget (Liu et al. 2023 §4.1).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dpledger.trainer.aggregation._checks import check_mask, check_updates
 
 def public_mask(groups: torch.Tensor, *, n_public_groups: int = 1) -> torch.Tensor:
     """bool [K]: the silos in the `n_public_groups` least noisy groups (group ids from
-    `cluster_norms`, where group 0 is the least noisy) form PFA's S_pub (paper 001 Alg. 1 line 4)."""
+    `cluster_norms`, where group 0 is the least noisy) form PFA's S_pub (Liu et al. 2023 Alg. 1 line 4)."""
     if isinstance(n_public_groups, bool) or not isinstance(n_public_groups, int) or n_public_groups < 1:
         raise ValueError(f"n_public_groups must be an integer >= 1. Found {n_public_groups!r}.")
     if not isinstance(groups, torch.Tensor) or groups.dim() != 1 or groups.dtype not in (torch.int32, torch.int64):
@@ -25,7 +25,7 @@ def public_mask(groups: torch.Tensor, *, n_public_groups: int = 1) -> torch.Tens
 
 def top_k_subspace(updates: torch.Tensor, *, k: int) -> torch.Tensor:
     """[P, k] orthonormal columns: the top-k eigenvectors of the second-moment matrix
-    (1/n)·Σ_m Δx_m Δx_mᵀ of the given updates (paper 001 Alg. 1 line 15).
+    (1/n)·Σ_m Δx_m Δx_mᵀ of the given updates (Liu et al. 2023 Alg. 1 line 15).
 
     They are the top-k right singular vectors of the stacked [n, P] updates, so the SVD of that
     small matrix replaces the eigendecomposition of a P×P matrix (P is the model size, n ≤ a few
@@ -43,7 +43,7 @@ def top_k_subspace(updates: torch.Tensor, *, k: int) -> torch.Tensor:
 
 def project_onto(vector: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """V Vᵀ x: the orthogonal projection of `vector` [P] onto the span of `basis` [P, k]'s
-    orthonormal columns (paper 001 Alg. 1 line 16)."""
+    orthonormal columns (Liu et al. 2023 Alg. 1 line 16)."""
     if vector.dim() != 1 or basis.dim() != 2 or basis.shape[0] != vector.shape[0]:
         raise ValueError(
             f"vector must be [P] and basis [P, k] with the same P. Found {tuple(vector.shape)} and {tuple(basis.shape)}."
@@ -52,7 +52,7 @@ def project_onto(vector: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 
 def pfa_aggregate(updates: torch.Tensor, public: torch.Tensor, *, k: int) -> torch.Tensor:
-    """Δx̄ = (|S_pub|/|S|)·Δx̄_pub + (|S_pri|/|S|)·V_k V_kᵀ Δx̄_pri (paper 001 Alg. 1, lines 15–18).
+    """Δx̄ = (|S_pub|/|S|)·Δx̄_pub + (|S_pri|/|S|)·V_k V_kᵀ Δx̄_pri (Liu et al. 2023 Alg. 1, lines 15–18).
 
     `updates` [K, P] are the silos' noisy updates; `public` (bool [K]) marks S_pub, whose updates
     both give the subspace V_k (top-k, `top_k_subspace`) and enter the average unprojected. With no

@@ -2,16 +2,16 @@
 
 Every source returns a `FederatedDataset`: a tuple of per-silo `SiloData`, each with its own
 train/test split, because in cross-silo FL each silo evaluates its own (possibly personalized)
-model on its own local distribution (paper 000 §3).
+model on its own local distribution (Liu et al. 2022 §3).
 
 Sources (the research generators, the means of
 "On Privacy and Personalization in Cross-Silo Federated Learning" §6 and the additive model of
 "Personalization Improves Privacy-Accuracy Tradeoffs in Federated Learning" §6, live in the
 repository's research/ folder):
-- `make_rotated_masked_digits`: sklearn's 8×8 digits in the spirit of paper 000 §5's rotated and
+- `make_rotated_masked_digits`: sklearn's 8×8 digits in the spirit of Liu et al. 2022 §5's rotated and
   masked MNIST.
 - `load_npz_folder`: a user's own data, one `.npz` per silo.
-- `draw_budgets`: per-silo ε from paper 001 Table 1's MixGauss1–3.
+- `draw_budgets`: per-silo ε from Liu et al. 2023 Table 1's MixGauss1–3.
 """
 
 from __future__ import annotations

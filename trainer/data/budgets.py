@@ -1,8 +1,8 @@
-"""Per-silo privacy budgets ε drawn from paper 001 Table 1's Gaussian mixtures MixGauss1–3.
+"""Per-silo privacy budgets ε drawn from Liu et al. 2023 Table 1's Gaussian mixtures MixGauss1–3.
 
-The mixture component a silo's ε came from is its "budget-based privacy group" (paper 001 §4.1):
+The mixture component a silo's ε came from is its "budget-based privacy group" (Liu et al. 2023 §4.1):
 the ground truth that clustering the norms of noisy updates should recover. It is for evaluation
-only; the coordinator must never be given it (paper 001: budgets are not exposed).
+only; the coordinator must never be given it (Liu et al. 2023: budgets are not exposed).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class MixtureComponent:
     std: float
 
 
-# paper 001 Table 1 ("Distribution of clients' privacy budgets"). The table writes N(a, b); b is
+# Liu et al. 2023 Table 1 ("Distribution of clients' privacy budgets"). The table writes N(a, b); b is
 # read as the standard deviation (the scale passed to a normal sampler), as in the brief.
 MIXGAUSS_TABLE: Final[Mapping[str, tuple[MixtureComponent, ...]]] = MappingProxyType(
     {

@@ -1,5 +1,5 @@
 """scikit-learn's bundled 8×8 digits, split into K silos with two layers of heterogeneity, after
-paper 000 §5 ("MR-MTL under structured heterogeneity"; Fig. 6, rotated & masked MNIST).
+Liu et al. 2022 §5 ("MR-MTL under structured heterogeneity"; Fig. 6, rotated & masked MNIST).
 
 Layer 1, 4-way rotation: each silo belongs to one of four groups that rotates all its images by
 0°, 90°, 180° or 270° (paper: 4 groups of 10 silos); this creates 4 well-defined clusters.
@@ -125,9 +125,9 @@ def make_rotated_masked_digits(
     silos = []
     for silo_id, indices in enumerate(parts):
         group = int(groups[silo_id])
-        # paper 000 §5, layer 1: the whole silo is rotated by its group's angle.
+        # Liu et al. 2022 §5, layer 1: the whole silo is rotated by its group's angle.
         silo_images = np.rot90(images[indices], k=group, axes=(1, 2))
-        # paper 000 §5, layer 2: one fixed mask per silo, the same pixels for every image.
+        # Liu et al. 2022 §5, layer 2: one fixed mask per silo, the same pixels for every image.
         mask = _silo_mask(mask_rng, probability=mask_probability, patch_size=patch_size)
         silo_images = np.where(mask[None, :, :], mask_fill, silo_images)
         order = split_rng.permutation(len(indices))

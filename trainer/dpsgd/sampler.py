@@ -1,7 +1,7 @@
 """Poisson sampling of batches, and the mechanism that sampling implies.
 
 The sampler is the single source of the sampling rate: the mechanism a worker asks the ledger to
-approve comes from the sampler it runs (STYLE.md, "the mechanism a worker declares is the sampler
+approve comes from the sampler it runs ("the mechanism a worker declares is the sampler
 it runs"), and the service recomputes q = batch_size / dataset_size from the silo's registered
 size rather than trusting ours.
 """

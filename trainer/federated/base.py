@@ -1,9 +1,9 @@
 """The interface every federated algorithm offers the round loop, and the batched DP-SGD they share.
 
-Round protocol (DESIGN.md, "The round protocol"): the loop asks `round_mechanisms(r)`, gets each
+Round protocol (docs/ARCHITECTURE.md, "The round protocol"): the loop asks `round_mechanisms(r)`, gets each
 silo's mechanism approved (or not) by the ledger, then calls `run_round(r, approved)`. Only approved
-silos touch their data; the others' state stays bitwise unchanged. Privacy model: paper 000 Def. 3.1
-(silo-specific sample-level DP); only dataset queries cost (paper 000 §3), so what each algorithm
+silos touch their data; the others' state stays bitwise unchanged. Privacy model: Liu et al. 2022 Def. 3.1
+(silo-specific sample-level DP); only dataset queries cost (Liu et al. 2022 §3), so what each algorithm
 declares is exactly its number of DP-SGD steps on the silo's data in that round.
 """
 
@@ -139,7 +139,7 @@ class FederatedAlgorithm(ABC):
             make_generator(derive_seed(config.seed, STREAM_NOISE, k), self.device) for k in range(self.num_silos)
         ]
         self._expected_batch = torch.tensor(self.batch_sizes, dtype=torch.float32, device=self.device)
-        # Each silo may calibrate its own σ to its own budget (paper 000 Def. 3.1: silo-specific
+        # Each silo may calibrate its own σ to its own budget (Liu et al. 2022 Def. 3.1: silo-specific
         # (ε_k, δ_k)); by default every silo uses config.noise_multiplier.
         if noise_multipliers is None:
             noise_multipliers = [config.noise_multiplier] * self.num_silos
@@ -291,7 +291,7 @@ class FederatedAlgorithm(ABC):
         lam: float = 0.0,
     ) -> torch.Tensor:
         """`steps` DP-SGD steps from `params` ([A, P]); with an anchor, the objective gains
-        λ/2‖w − anchor‖² (paper 000 §5 / Alg. A1; Ditto's personal objective, paper 000 §4).
+        λ/2‖w − anchor‖² (Liu et al. 2022 §5 / Alg. A1; Ditto's personal objective, Liu et al. 2022 §4).
 
         The regulariser's gradient λ(w − anchor) is not a function of the data beyond already-private
         quantities, so it is added after clipping and noise (post-processing) and costs nothing."""

@@ -1,9 +1,9 @@
 """DP-SGD for many silos at once: one batched computation over stacked [K, P] parameters.
 
-The phases follow Opacus (STYLE.md): Poisson batches per silo, padded to a common size with a mask;
+The phases follow Opacus: Poisson batches per silo, padded to a common size with a mask;
 per-sample gradients; per-sample clipping to C; sum; Gaussian noise N(0, σ²C²) per silo from that
 silo's own generator; division by the silo's expected batch size B_k (Abadi et al. 2016, Alg. 1;
-paper 000 §5, "Federation as noise reduction", writes the same step with a noise term per silo).
+Liu et al. 2022 §5, "Federation as noise reduction", writes the same step with a noise term per silo).
 
 The models here are small (at most a few thousand parameters), so per-sample gradients are
 materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (trainer/dpsgd/norms.py) is what
@@ -124,7 +124,7 @@ def gaussian_noise(
     generators: Sequence[torch.Generator], *, size: int, std: float, device: torch.device
 ) -> torch.Tensor:
     """[A, size] noise, row a drawn from generators[a]: each silo privatises its own sum with its
-    own randomness (paper 000 §3: no trusted server, and §5 fn. 4: noise independent across silos)."""
+    own randomness (Liu et al. 2022 §3: no trusted server, and §5 fn. 4: noise independent across silos)."""
     return torch.stack([noise.gaussian_noise((size,), std=1.0, generator=g, device=device) for g in generators]) * std
 
 

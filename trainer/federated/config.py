@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 Task = Literal["classification", "regression"]
-# How the server averages silo models. Paper 000 §2 calls FedAvg's server step "a simple (weighted)
+# How the server averages silo models. Liu et al. 2022 §2 calls FedAvg's server step "a simple (weighted)
 # average"; its analysis (§6) uses the uniform mean w̄ = (1/K) Σ_k w_k, which is also the mean the
 # MR-MTL regulariser pulls towards (§5). "dataset_size" weights by n_k (McMahan et al. 2017); n_k is
 # registered with the ledger and public to the federation, so using it costs no privacy.
@@ -44,7 +44,7 @@ class DPSGDConfig:
     noise_multiplier: float = 1.0
     # Expected Poisson batch size; a silo with fewer records than this samples at q = 1.
     batch_size: int = 16
-    # DP-SGD steps per round on the model that is shared (paper 000 §4: one local epoch per round
+    # DP-SGD steps per round on the model that is shared (Liu et al. 2022 §4: one local epoch per round
     # is about n_k / B_k steps; 150 records / 16 ≈ 10).
     local_steps: int = 10
     seed: int = 0

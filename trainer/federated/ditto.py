@@ -1,4 +1,4 @@
-"""Ditto (Li et al. 2021) under silo-specific sample-level DP, as benchmarked in paper 000 §4."""
+"""Ditto (Li et al. 2021) under silo-specific sample-level DP, as benchmarked in Liu et al. 2022 §4."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class Ditto(FederatedAlgorithm):
     objective loss_k(v_k) + λ/2‖v_k − w‖² (w: the global model at the start of the round; Ditto
     Alg. 1 order), then E = `config.local_steps` DP-SGD steps on a copy of w; the server averages
     the copies. Both sets of steps query the silo's data with the same sampler and σ, so the round
-    costs dpsgd(q_k, σ, E + E_p): this is Ditto's privacy overhead (paper 000 §4, Fig. 4; §5,
+    costs dpsgd(q_k, σ, E + E_p): this is Ditto's privacy overhead (Liu et al. 2022 §4, Fig. 4; §5,
     property (2)), and it must be charged, not hidden.
     """
 

@@ -1,5 +1,5 @@
 """FedAvg under silo-specific sample-level DP: local DP-SGD from the global model, server average
-(paper 000 §2-4; McMahan et al. 2017)."""
+(Liu et al. 2022 §2-4; McMahan et al. 2017)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class FedAvg(FederatedAlgorithm):
     """Each round, each approved silo copies the global model, runs E DP-SGD steps, and the server
     averages the approved silos' results (uniformly by default; see `Weighting`).
 
-    Cost per round: dpsgd(q_k, σ, E), identical to local training (paper 000 §3). Each silo deploys
+    Cost per round: dpsgd(q_k, σ, E), identical to local training (Liu et al. 2022 §3). Each silo deploys
     the global model; averaging already-private updates is post-processing, so the global model may
     keep improving from other silos after a silo's budget is spent at no cost to that silo.
     """

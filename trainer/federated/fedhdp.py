@@ -1,22 +1,22 @@
-"""FedHDP in the cross-silo worker: two-step aggregation by privacy group (paper 003 §4, Alg. 2),
-with groups found from update norms after paper 001's warm-start round (`GroupAggregated`).
+"""FedHDP in the cross-silo worker: two-step aggregation by privacy group (FedHDP §4, Alg. 2),
+with groups found from update norms after Liu et al. 2023's warm-start round (`GroupAggregated`).
 
 What is kept of Alg. 2 and why:
 - Step 1 averages each group's updates, step 2 weighs the group means by w_g ∝ r_g·N_g
-  (`fedhdp_aggregate`; paper 003 §4, two groups: w_1 = N_1/(N_1 + rN_2)).
-- r is either a fixed hyperparameter (paper 003 §5 tunes it by grid search) or estimated each round
+  (`fedhdp_aggregate`; FedHDP §4, two groups: w_1 = N_1/(N_1 + rN_2)).
+- r is either a fixed hyperparameter (FedHDP §5 tunes it by grid search) or estimated each round
   from the updates alone (`budget_blind_ratio`, Lemma 1's inverse-variance weighting), so the
-  coordinator needs no budget. The estimate is clamped to [0, 1], the range paper 003 §4 asks of r
+  coordinator needs no budget. The estimate is clamped to [0, 1], the range FedHDP §4 asks of r
   (a noisier group never outweighs the reference one).
 - Updates may be clipped at S (Alg. 2 Clip), and S adapted by the noisy quantile query of Alg. 2's
   last line (Andrew et al. 2021). Each silo's indicator b = 1[‖Δθ‖ ≤ S] is read by that query, so
-  the round's mechanism becomes composed(dpsgd, gaussian(σ_b)) (DESIGN.md lists the quantile query
+  the round's mechanism becomes composed(dpsgd, gaussian(σ_b)) (docs/ARCHITECTURE.md lists the quantile query
   as a charged query). Strictly, b is computed from the already-noisy DP-SGD output and is
   post-processing; charging it is conservative and keeps the ledger's view equal to Alg. 2's.
 - Not kept: Alg. 2's server-side Gaussian noise per group (client-level DP against the server);
-  here each silo's sample-level DP comes from its own DP-SGD (DESIGN.md, "The privacy model"), so
+  here each silo's sample-level DP comes from its own DP-SGD (docs/ARCHITECTURE.md, "The privacy model"), so
   the aggregate is post-processing. Nor Alg. 2's personalized θ_j (Ditto-like): every silo deploys
-  the global model, the quantity paper 003 reports as Acc_g.
+  the global model, the quantity FedHDP reports as Acc_g.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class AdaptiveClip:
 
 
 class FedHDP(GroupAggregated):
-    """Global model from local DP-SGD, aggregated as Σ_g w_g ū_g with w_g ∝ r_g N_g (paper 003 Alg. 2).
+    """Global model from local DP-SGD, aggregated as Σ_g w_g ū_g with w_g ∝ r_g N_g (FedHDP Alg. 2).
 
     `ratio`: r of every group but the least noisy one (r_0 = 1), or "budget_blind" to estimate r_g
     per round from the updates. `update_clip`: a fixed S (post-processing, free), or
@@ -119,7 +119,7 @@ class FedHDP(GroupAggregated):
         counts = torch.bincount(groups, minlength=n_groups)
         if int(counts.max()) < 2:
             # No group has two silos, so no within-group variance can be estimated (see
-            # `budget_blind_ratio`): fall back to r = 1, HDP-FedAvg (paper 003 §5).
+            # `budget_blind_ratio`): fall back to r = 1, HDP-FedAvg (FedHDP §5).
             return torch.ones(n_groups, dtype=torch.float64)
         return budget_blind_ratio(updates, groups, n_groups=n_groups).clamp(0.0, 1.0)
 

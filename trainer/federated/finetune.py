@@ -1,4 +1,4 @@
-"""Local finetuning: FedAvg, then local DP-SGD from the global model (paper 000 §4, Fig. 2; refs
+"""Local finetuning: FedAvg, then local DP-SGD from the global model (Liu et al. 2022 §4, Fig. 2; refs
 [99, 104, 19])."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class Finetuning(PersonalAfterWarmStart, FedAvg):
     on its own copy of the last global model and deploys it.
 
     Every round, federated or finetuning, queries the silo's data with E DP-SGD steps and is charged
-    dpsgd(q_k, σ, E): the finetuning steps are not free, and paper 000 Fig. 2 shows why the method
+    dpsgd(q_k, σ, E): the finetuning steps are not free, and Liu et al. 2022 Fig. 2 shows why the method
     disappoints under silo-specific DP (the noise averaging of FedAvg stops when finetuning starts).
     """
 

@@ -1,10 +1,10 @@
-"""IFCA / HypCluster with private cluster selection, and MR-MTL warm-started by it (paper 000 §4–5).
+"""IFCA / HypCluster with private cluster selection, and MR-MTL warm-started by it (Liu et al. 2022 §4–5).
 
 The server keeps k cluster models. In a clustering round every approved silo picks the cluster
 whose model has the lowest loss on its own data, trains that model with DP-SGD, and the server
 averages each cluster's trained copies (Ghosh et al. 2020, IFCA; Mansour et al. 2020, HypCluster;
-paper 000 refs [33, 69]). Picking a cluster reads the silo's data, so under silo-specific
-sample-level DP it is a query of its own that must be paid for (paper 000 §3 and §4, Fig. 4: "the
+Liu et al. 2022 refs [33, 69]). Picking a cluster reads the silo's data, so under silo-specific
+sample-level DP it is a query of its own that must be paid for (Liu et al. 2022 §3 and §4, Fig. 4: "the
 privacy overhead of cluster selection").
 
 How selection is made private, and what it is charged as: the silo draws a Poisson sample of its
@@ -20,10 +20,10 @@ exponential mechanism because it maps one to one onto a dp-accounting event, so 
 composition of it is exact.
 
 A clustering round therefore costs composed(dpsgd(q, σ, E), dpsgd(q_s, σ_s, 1)), a plain round
-dpsgd(q, σ, E). "IFCA (10%)" of paper 000 Fig. 3 clusters only in the first 10% of rounds and keeps
+dpsgd(q, σ, E). "IFCA (10%)" of Liu et al. 2022 Fig. 3 clusters only in the first 10% of rounds and keeps
 the last assignment afterwards (reusing an already-private choice is free).
 
-`ClusteredMRMTL` is paper 000 §5's warm start ("IFCA 5%" in Fig. 6): IFCA for the first rounds,
+`ClusteredMRMTL` is Liu et al. 2022 §5's warm start ("IFCA 5%" in Fig. 6): IFCA for the first rounds,
 then MR-MTL(λ) inside each formed cluster, each silo's model pulled towards the mean of its cluster's
 personalized models, starting from its cluster's model.
 """
@@ -202,7 +202,7 @@ class IFCA(FederatedAlgorithm):
 
 
 class ClusteredMRMTL(PersonalAfterWarmStart, IFCA):
-    """MR-MTL(λ) warm-started by IFCA (paper 000 §5, Fig. 6): rounds < `selection_rounds` run IFCA;
+    """MR-MTL(λ) warm-started by IFCA (Liu et al. 2022 §5, Fig. 6): rounds < `selection_rounds` run IFCA;
     from then on each silo trains its own model, starting from its cluster's, with
     loss_k(w_k) + λ/2‖w_k − w̄_c‖², w̄_c the mean of the personalized models of its cluster c.
 

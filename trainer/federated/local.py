@@ -1,4 +1,4 @@
-"""Local training: each silo runs DP-SGD on its own model and never federates (paper 000 §3-4, one
+"""Local training: each silo runs DP-SGD on its own model and never federates (Liu et al. 2022 §3-4, one
 end of the personalization spectrum)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
 class LocalTraining(FederatedAlgorithm):
     """Each round, each approved silo runs E = `config.local_steps` DP-SGD steps on its own model.
 
-    Declared cost per round: dpsgd(q_k = B_k/n_k, σ, E), the same as FedAvg's (paper 000 §3,
+    Declared cost per round: dpsgd(q_k = B_k/n_k, σ, E), the same as FedAvg's (Liu et al. 2022 §3,
     consequence (1): local training and FedAvg have identical privacy costs).
     """
 

@@ -21,7 +21,7 @@ ModelFactory = Callable[[], nn.Module]
 
 
 def build_model(architecture: Architecture, *, in_features: int, out_features: int, hidden: int = 32) -> nn.Module:
-    """`linear`: logistic regression (classification) or linear regression (paper 002 §6's additive
+    """`linear`: logistic regression (classification) or linear regression (Bietti et al. 2022 §6's additive
     linear model); `mlp`: one hidden tanh layer (tanh rather than ReLU keeps per-sample gradients
     bounded and smooth, which suits clipping; Papernot et al. 2021, tempered sigmoids)."""
     if architecture == "linear":
@@ -62,7 +62,7 @@ class FlatModel:
         return cast(torch.Tensor, functional_call(self.module, self.unflatten(flat), (x,)))
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean loss over a batch: cross-entropy, or half squared error (paper 002 §6, squared loss)."""
+        """Mean loss over a batch: cross-entropy, or half squared error (Bietti et al. 2022 §6, squared loss)."""
         if self.task == "classification":
             return nn.functional.cross_entropy(out, y)
         return 0.5 * ((out.squeeze(-1) - y) ** 2).mean()

@@ -1,16 +1,16 @@
-"""Aggregation by privacy group after a warm-start round (paper 001 §4.1, Alg. 1), and PFA itself.
+"""Aggregation by privacy group after a warm-start round (Liu et al. 2023 §4.1, Alg. 1), and PFA itself.
 
-Paper 001 Alg. 1 line 4 ("After"): in a *warm-start* round every silo trains once from the initial
+Liu et al. 2023 Alg. 1 line 4 ("After"): in a *warm-start* round every silo trains once from the initial
 model and uploads its noisy update; the server clusters the updates' L2 norms into privacy groups
 and does *not* update the global model in that round. From round 2 on (line 5) the server
 aggregates the noisy updates by group. `GroupAggregated` is that round structure for any
 group-wise aggregation rule; `PFA` plugs in projected federated averaging (Alg. 1 lines 14–19) and
-`trainer.federated.fedhdp.FedHDP` plugs in FedHDP's two-step average (paper 003 Alg. 2).
+`trainer.federated.fedhdp.FedHDP` plugs in FedHDP's two-step average (FedHDP Alg. 2).
 
 The groups are handed in by the coordinator (`set_groups`), which gets them from the ledger's
 clustering of the reported norms (`trainer.grouped`); this module never sees a budget. Privacy:
 each round, each silo runs E DP-SGD steps on its data (dpsgd(q_k, σ_k, E)), the warm-start round
-included; grouping and aggregating already-private updates is post-processing (paper 001 §4.1,
+included; grouping and aggregating already-private updates is post-processing (Liu et al. 2023 §4.1,
 "Privacy Analysis"), so the per-round cost is exactly FedAvg's.
 """
 
@@ -39,14 +39,14 @@ def compact_groups(groups: torch.Tensor) -> torch.Tensor:
 
 class GroupAggregated(FederatedAlgorithm):
     """A global model trained by local DP-SGD; round `WARM_START_ROUND` only collects the updates
-    (paper 001 §4.1), every later round aggregates the approved silos' updates by privacy group.
+    (Liu et al. 2023 §4.1), every later round aggregates the approved silos' updates by privacy group.
 
-    Every silo deploys the global model (paper 001 reports the global model's accuracy, Fig. 4).
+    Every silo deploys the global model (Liu et al. 2023 reports the global model's accuracy, Fig. 4).
     The warm-start round is declared and charged like any other (the base class's E steps per
     round): the silos' data is queried just the same.
     """
 
-    # Paper 001 Alg. 1: the warm-start round precedes the rounds t = 2..T of line 5.
+    # Liu et al. 2023 Alg. 1: the warm-start round precedes the rounds t = 2..T of line 5.
     WARM_START_ROUND: ClassVar[int] = 0
     coordinated = True  # set_groups() after the warm-start round
 
@@ -82,7 +82,7 @@ class GroupAggregated(FederatedAlgorithm):
             assert self.groups is not None  # run_round checked it before training
             groups = compact_groups(self.groups[silos.cpu()]).to(updates.device)
             self.global_model = self.global_model + self._aggregate_updates(round_index, silos, updates, groups)
-        # Paper 001 §4.1: in the warm-start round the server only collects the noisy updates, whose
+        # Liu et al. 2023 §4.1: in the warm-start round the server only collects the noisy updates, whose
         # norms are what the coordinator clusters; the global model stays as it was.
         return update_norms(updates)
 
@@ -102,7 +102,7 @@ class GroupAggregated(FederatedAlgorithm):
 
 
 class PFA(GroupAggregated):
-    """Projected federated averaging with norm-based privacy groups (paper 001 Alg. 1).
+    """Projected federated averaging with norm-based privacy groups (Liu et al. 2023 Alg. 1).
 
     The silos of the `n_public_groups` least noisy groups are S_pub; the mean update of the others
     is projected onto the top-k subspace of the public updates (line 15–16) and the two means are

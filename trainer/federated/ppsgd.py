@@ -1,16 +1,16 @@
-"""Personalized-Private-SGD (PPSGD) with client sampling, paper 002 Alg. 2, adapted to
-silo-specific sample-level DP (paper 000 Def. 3.1).
+"""Personalized-Private-SGD (PPSGD) with client sampling, Bietti et al. 2022 Alg. 2, adapted to
+silo-specific sample-level DP (Liu et al. 2022 Def. 3.1).
 
-Model: additive, as in paper 002 eq. (3): silo k predicts with parameters w + θ_k (a global w and a
-local θ_k). For the linear model this is exactly paper 002's f(x) = (w + θ_k)ᵀx; for the MLP it is
+Model: additive, as in Bietti et al. 2022 eq. (3): silo k predicts with parameters w + θ_k (a global w and a
+local θ_k). For the linear model this is exactly Bietti et al. 2022's f(x) = (w + θ_k)ᵀx; for the MLP it is
 the same additive split applied to every weight.
 
-Privacy unit, and why it differs from paper 002. Paper 002 protects a *user* in the billboard model
+Privacy unit, and why it differs from Bietti et al. 2022. Bietti et al. 2022 protects a *user* in the billboard model
 and proves joint DP (its Thm. 4.1/5.1): only the aggregate of clipped per-user global gradients is
 noised, and θ_i is computed from user i's raw data, unnoised, because under JDP user i's own output
-need not be private towards user i. Here a silo is paper 002's "user", but what must be private is
-each *record* of silo k, in every output silo k deploys (paper 000 Def. 3.1) — and the deployed
-model w + θ_k contains θ_k. Paper 002's JDP argument therefore does not cover θ_k, and its per-user
+need not be private towards user i. Here a silo is Bietti et al. 2022's "user", but what must be private is
+each *record* of silo k, in every output silo k deploys (Liu et al. 2022 Def. 3.1) — and the deployed
+model w + θ_k contains θ_k. Bietti et al. 2022's JDP argument therefore does not cover θ_k, and its per-user
 clipping of a minibatch sum gives no per-record sensitivity either. We instead:
 
 - clip each record's gradient to C and add N(0, σ²C²) per silo, on a Poisson batch of rate
@@ -18,8 +18,8 @@ clipping of a minibatch sum gives no per-record sensitivity either. We instead:
 - use that single noisy gradient ĝ_k for both updates. In the additive model ∇_θ loss = ∇_w loss
   at the same point (both equal the gradient at w + θ_k), so θ_k ← θ_k − η ĝ_k and the message
   ĝ_k sent to the server are post-processing of the same query and cost nothing more;
-- noise per silo rather than once at the server (paper 002 Alg. 2 line 12), since in the
-  cross-silo model no silo trusts the server (paper 000 §3, point 2).
+- noise per silo rather than once at the server (Bietti et al. 2022 Alg. 2 line 12), since in the
+  cross-silo model no silo trusts the server (Liu et al. 2022 §3, point 2).
 
 The declared mechanism is then an honest upper bound on silo k's sample-level cost for everything
 it releases and deploys. Client sampling (Alg. 2 line 4) is a public coin per round: a sampled silo
@@ -44,10 +44,10 @@ from dpledger.trainer.federated.config import (
 
 class PPSGD(FederatedAlgorithm):
     """Each round: silos are sampled with probability `client_rate` (p); each sampled and
-    approved silo runs E = `config.local_steps` synchronous iterations of paper 002 Alg. 2:
+    approved silo runs E = `config.local_steps` synchronous iterations of Bietti et al. 2022 Alg. 2:
     θ_k ← θ_k − η ĝ_k, then the server sets w ← w − αη · mean_k ĝ_k over the participants.
 
-    α is the global/local step ratio (paper 002 §4): α = 0 is local learning (w never moves), large
+    α is the global/local step ratio (Bietti et al. 2022 §4): α = 0 is local learning (w never moves), large
     α moves the shared component faster. w starts at the template's initial model rather than 0
     (Alg. 2 line 2) because an all-zero MLP has no gradient signal to break symmetry; θ_k starts
     at 0, so every silo's initial deployed model is the same as in the other algorithms.

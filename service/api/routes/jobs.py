@@ -48,7 +48,7 @@ def report_norm(job_id: IdPath, round: Round, body: NormReportRequest, caller: P
 @router.get("/jobs/{job_id}/rounds/{round}/groups", response_model=GroupsResponse, name="round_groups")
 def round_groups(job_id: IdPath, round: Round, caller: PrincipalDep, db: DbDep) -> GroupsResponse:
     """A Gaussian mixture over the round's reported norms (1–3 components by BIC, fixed seed);
-    groups numbered by increasing mean norm. Reads no budget (paper 001)."""
+    groups numbered by increasing mean norm. Reads no budget (Liu et al. 2023)."""
     caller.require(Role.coordinator, Role.admin, Role.auditor)
     norms = jobs.round_norms(db, job_id=job_id, round=round)
     if not norms:

@@ -1,4 +1,4 @@
-"""Private hyperparameter searches (paper 000 §7): start one, report its trials, quote its cost.
+"""Private hyperparameter searches (Liu et al. 2022 §7): start one, report its trials, quote its cost.
 
 The wire models live here, beside their only routes, so that this feature's API stays in one file.
 """

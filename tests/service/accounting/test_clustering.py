@@ -1,4 +1,4 @@
-"""Privacy groups from the norms of noisy updates (paper 001 §4.1): synthetic norms, the contract,
+"""Privacy groups from the norms of noisy updates (Liu et al. 2023 §4.1): synthetic norms, the contract,
 and the issue's acceptance check on a real warm-start round of DP-SGD over NIID digits silos."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_bad_options_are_refused() -> None:
 
 # ----- the issue's acceptance check: a real warm-start round ----------------------------------
 #
-# Paper 001 §4.1 / Alg. 1 line 4: every silo runs one round of local DP-SGD (logistic regression,
+# Liu et al. 2023 §4.1 / Alg. 1 line 4: every silo runs one round of local DP-SGD (logistic regression,
 # as in the paper's MNIST-LogR) with the noise its own budget needs, reports the L2 norm of its
 # noisy update, and the norms alone must recover the budget-based groups (Table 1's components).
 #
@@ -223,7 +223,7 @@ def test_closed_form_gradients_match_torch_func() -> None:
 
 
 def warm_start_norms(x: torch.Tensor, y: torch.Tensor, sigmas: torch.Tensor, *, seed: int) -> np.ndarray:
-    """One warm-start round of DP-SGD per silo from a zero model (paper 001 Alg. 1 line 4): STEPS
+    """One warm-start round of DP-SGD per silo from a zero model (Liu et al. 2023 Alg. 1 line 4): STEPS
     Poisson-sampled steps at rate q, noise N(0, σ_k²C²) on the clipped sum, divided by the expected
     batch q·n. Returns ‖Δ_k‖ per silo. x: [K, n, 64], y: [K, n], sigmas: [K]."""
     k, n, _ = x.shape

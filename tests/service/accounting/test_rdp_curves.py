@@ -1,4 +1,4 @@
-"""RDP curves, the pyramid of STYLE.md (dp-accounting): an independent oracle, algebraic identities,
+"""RDP curves, the test pyramid of dp-accounting: an independent oracle, algebraic identities,
 and published numbers; then the running sum a ledger keeps, and the per-leaf cache.
 
 The oracle is ONE `dp_accounting.rdp.RdpAccountant` per history, composing dp_accounting events that

@@ -1,4 +1,4 @@
-"""Every route × every role → the answer DESIGN.md's role table and the issue's contract give."""
+"""Every route × every role → the answer the role table of docs/ARCHITECTURE.md and the issue's contract give."""
 
 from __future__ import annotations
 

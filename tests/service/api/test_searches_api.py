@@ -1,4 +1,4 @@
-"""Private hyperparameter searches (paper 000 §7; Papernot & Steinke 2022) through the real app,
+"""Private hyperparameter searches (Liu et al. 2022 §7; Papernot & Steinke 2022) through the real app,
 against dp-accounting's own RepeatAndSelectDpEvent, plus the law of the K the service draws."""
 
 from __future__ import annotations
