@@ -20,7 +20,6 @@ from sqlalchemy import create_engine, text
 
 from dpledger.harness import ServerProcess
 from tests.conftest import ADMIN_KEY
-from tests.gate_oracle import filter_of
 from tests.reliability.loadgen import (
     Oracle,
     RunStats,
@@ -75,7 +74,7 @@ def test_sigkill_loses_nothing_and_charges_each_key_once(ledger_url: str, tmp_pa
         outcomes, stats = asyncio.run(
             run_clients(server.url, queue, silos, pool, clients=CLIENTS, retry=True, background=killer)
         )
-        approved = [o for o in outcomes if o.status == 201]
+        approved = [o for o in outcomes if o.status in (200, 201)]
         summary = {
             "database": kind, "workers": WORKERS, "clients": CLIENTS, "approval_requests": len(outcomes),
             "approved": len(approved), "refused": sum(o.status == 409 for o in outcomes), "wall_s": round(stats.wall_s, 1),
@@ -90,7 +89,7 @@ def test_sigkill_loses_nothing_and_charges_each_key_once(ledger_url: str, tmp_pa
         assert len(kills) == KILLS
         assert sum(k["in_flight"] for k in kills) > 0  # the kills did land on requests
 
-        assert Counter(o.status for o in outcomes).keys() <= {201, 409}, Counter(o.status for o in outcomes)
+        assert Counter(o.status for o in outcomes).keys() <= {200, 201, 409}, Counter(o.status for o in outcomes)
         for o in approved:
             # Retried commits whose first try had landed before a kill find the charge committed.
             committed = (o.commit_status == 200 and o.commit_body["status"] == "committed") or (
@@ -123,8 +122,8 @@ def test_sigkill_loses_nothing_and_charges_each_key_once(ledger_url: str, tmp_pa
                 if row.silo_id == silo.id and row.status in ("reserved", "committed"):
                     pair, steps = steps_of_stored(row.mechanism)
                     counts[pair] += steps
+            expected = oracle.epsilon(counts)
             detail = silo_detail(server.url, silo.id)
-            expected = oracle.epsilon(counts, gate=filter_of(detail))
             assert detail["epsilon_spent"] == pytest.approx(expected, rel=1e-9)
             assert detail["epsilon_committed"] == pytest.approx(expected, rel=1e-9)
             assert expected <= silo.epsilon * (1 + 1e-9)
