@@ -15,24 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dpledger.service.accounting.events import MechanismError
-from dpledger.wire.mechanisms import (
-    AnyMechanism,
-    Composed,
-    DpSgd,
-    Gaussian,
-    Laplace,
-    PoissonSampled,
-    RepeatAndSelect,
-    SampledWithoutReplacement,
-    SelfComposed,
-    children,
-)
+from dpledger.wire import mechanisms as m
 
 # Below this σ one Gaussian release costs ε in the thousands (RDP α/(2σ²)): no budget the service
 # admits (ε ≤ 10^4) is served by it, and dp-accounting's work on it only grows.
 MIN_NOISE_MULTIPLIER = 0.01
 # Estimated seconds of RDP work per distinct leaf (the curve cache makes repeats free).
-_RDP_SECONDS = {SampledWithoutReplacement: 0.3, PoissonSampled: 0.1, DpSgd: 0.1, RepeatAndSelect: 0.05}
+_RDP_SECONDS = {m.SampledWithoutReplacement: 0.3, m.PoissonSampled: 0.1, m.DpSgd: 0.1, m.RepeatAndSelect: 0.05}
 _RDP_SECONDS_CLOSED_FORM = 0.001  # gaussian, laplace, zcdp: a formula per order
 MAX_RDP_SECONDS = 1.5
 MAX_NODES = 10_000  # nodes of the mechanism tree walked; far beyond any plan a person writes
@@ -53,7 +42,7 @@ class _Walk:
     pld_skip: str | None = None
 
 
-def check(mechanism: AnyMechanism, *, path: str = "mechanism") -> str | None:
+def check(mechanism: m.AnyMechanism, *, path: str = "mechanism") -> str | None:
     """Refuses (MechanismError) a mechanism whose RDP work exceeds the bound; returns why its PLD
     report must be skipped, or None where the PLD accountant's work is within bounds too."""
     walk = _Walk()
@@ -75,32 +64,32 @@ def check(mechanism: AnyMechanism, *, path: str = "mechanism") -> str | None:
     return None if walk.pld_skip is None else f"PLD report skipped: {walk.pld_skip}"
 
 
-def _visit(mechanism: AnyMechanism, walk: _Walk, *, count: float, path: str) -> None:
+def _visit(mechanism: m.AnyMechanism, walk: _Walk, *, count: float, path: str) -> None:
     walk.nodes += 1
     if walk.nodes > MAX_NODES:
         raise MechanismError(path, f"has more than {MAX_NODES} parts; one request may hold at most that many")
     match mechanism:
-        case SelfComposed(count=n, event=inner):
+        case m.SelfComposed(count=n, event=inner):
             _visit(inner, walk, count=count * n, path=f"{path}.event")
             return
-        case Composed(events=events):
+        case m.Composed(events=events):
             for i, event in enumerate(events):
                 _visit(event, walk, count=count, path=f"{path}.events.{i}")
             return
-        case Gaussian(noise_multiplier=sigma) | DpSgd(noise_multiplier=sigma):
+        case m.Gaussian(noise_multiplier=sigma) | m.DpSgd(noise_multiplier=sigma):
             _noise_floor(sigma, path=f"{path}.noise_multiplier")
-            q = 1.0 if isinstance(mechanism, Gaussian) else (mechanism.sampling_rate or 1.0)
-            steps = 1 if isinstance(mechanism, Gaussian) else mechanism.steps
+            q = 1.0 if isinstance(mechanism, m.Gaussian) else (mechanism.sampling_rate or 1.0)
+            steps = 1 if isinstance(mechanism, m.Gaussian) else mechanism.steps
             _pld_gaussian(walk, sigma=sigma, q=q, count=count * steps)
-        case Laplace(noise_multiplier=b):
+        case m.Laplace(noise_multiplier=b):
             if b < MIN_PLD_LAPLACE_SCALE:
                 walk.pld_skip = walk.pld_skip or f"Laplace scale {b!r} < {MIN_PLD_LAPLACE_SCALE}"
             walk.pld_work += count / b
-        case PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)):
+        case m.PoissonSampled(sampling_rate=q, event=m.Gaussian(noise_multiplier=sigma)):
             _noise_floor(sigma, path=f"{path}.event.noise_multiplier")
             _pld_gaussian(walk, sigma=sigma, q=q or 1.0, count=count)
         case _:
-            for child in children(mechanism):  # one `event` each: Composed was handled above
+            for child in m.children(mechanism):  # one `event` each: Composed was handled above
                 _visit(child, walk, count=count, path=f"{path}.event")
     key = mechanism.model_dump_json()
     if key not in walk.leaves:

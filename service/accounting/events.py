@@ -42,40 +42,19 @@ def resolve(
     which charge nobody) a raw rate is taken as given, and batch sizes still need a dataset size.
     """
     if isinstance(mechanism, DpSgd):
-        if charged and mechanism.sampling_rate is not None:
-            raise MechanismError(
-                f"{path}.sampling_rate",
-                "is not taken on a silo's charge: send batch_size (the expected Poisson batch) and the service "
-                "computes q = batch_size / the silo's registered dataset_size",
-            )
-        if mechanism.batch_size is None:
-            return mechanism
-        rate = _rate(mechanism.batch_size, dataset_size, field=f"{path}.batch_size")
-        if mechanism.sampling_rate is not None and not math.isclose(mechanism.sampling_rate, rate, rel_tol=1e-9):
-            raise MechanismError(
-                f"{path}.sampling_rate",
-                f"must equal batch_size / dataset_size = {mechanism.batch_size}/{dataset_size} = {rate!r}. "
-                f"Found {mechanism.sampling_rate!r}.",
-            )
-        return mechanism.model_copy(update={"sampling_rate": rate})
+        rate = _declared_size_rate(
+            mechanism.sampling_rate, mechanism.batch_size, "batch_size", "the expected Poisson batch",
+            dataset_size=dataset_size, charged=charged, path=path,
+        )
+        return mechanism if rate is None else mechanism.model_copy(update={"sampling_rate": rate})
     if isinstance(mechanism, PoissonSampled):
-        if charged and mechanism.sampling_rate is not None:
-            raise MechanismError(
-                f"{path}.sampling_rate",
-                "is not taken on a silo's charge: send expected_batch_size (the expected number of records "
-                "sampled) and the service computes q = expected_batch_size / the silo's registered dataset_size",
-            )
+        rate = _declared_size_rate(
+            mechanism.sampling_rate, mechanism.expected_batch_size, "expected_batch_size",
+            "the expected number of records sampled", dataset_size=dataset_size, charged=charged, path=path,
+        )
         event = resolve(mechanism.event, dataset_size=dataset_size, charged=charged, path=f"{path}.event")
-        if mechanism.expected_batch_size is None:
-            return mechanism.model_copy(update={"event": event})
-        rate = _rate(mechanism.expected_batch_size, dataset_size, field=f"{path}.expected_batch_size")
-        if mechanism.sampling_rate is not None and not math.isclose(mechanism.sampling_rate, rate, rel_tol=1e-9):
-            raise MechanismError(
-                f"{path}.sampling_rate",
-                f"must equal expected_batch_size / dataset_size = {mechanism.expected_batch_size}/{dataset_size} = "
-                f"{rate!r}. Found {mechanism.sampling_rate!r}.",
-            )
-        return mechanism.model_copy(update={"sampling_rate": rate, "event": event})
+        update: dict[str, object] = {"event": event} if rate is None else {"sampling_rate": rate, "event": event}
+        return mechanism.model_copy(update=update)
     if isinstance(mechanism, SampledWithoutReplacement) and charged and mechanism.source_size != dataset_size:
         raise MechanismError(
             f"{path}.source_size",
@@ -92,6 +71,30 @@ def resolve(
         return mechanism
     event = resolve(inner, dataset_size=dataset_size, charged=charged, path=f"{path}.event")
     return mechanism.model_copy(update={"event": event})
+
+
+def _declared_size_rate(
+    declared: float | None, size: int | None, size_field: str, meaning: str, *,
+    dataset_size: int | None, charged: bool, path: str,
+) -> float | None:
+    """q from a declared size over the registered dataset size (None: no size given, keep the rate).
+
+    A silo's charge may not declare q itself; elsewhere a declared q must agree with the size's."""
+    if charged and declared is not None:
+        raise MechanismError(
+            f"{path}.sampling_rate",
+            f"is not taken on a silo's charge: send {size_field} ({meaning}) and the service "
+            f"computes q = {size_field} / the silo's registered dataset_size",
+        )
+    if size is None:
+        return None
+    rate = _rate(size, dataset_size, field=f"{path}.{size_field}")
+    if declared is not None and not math.isclose(declared, rate, rel_tol=1e-9):
+        raise MechanismError(
+            f"{path}.sampling_rate",
+            f"must equal {size_field} / dataset_size = {size}/{dataset_size} = {rate!r}. Found {declared!r}.",
+        )
+    return rate
 
 
 def _rate(batch: int, dataset_size: int | None, *, field: str) -> float:

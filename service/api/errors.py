@@ -3,9 +3,12 @@ its context (MechanismError, a 422 naming the field), and validation errors kept
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request, status
+from collections.abc import Callable
+
+from fastapi import APIRouter, FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.types import DecoratedCallable
 
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.ledger.errors import (
@@ -67,3 +70,18 @@ def install(app: FastAPI) -> None:
             epsilon_if_approved=finite_or_none(error.epsilon_if_approved),
         )
         return JSONResponse(body.model_dump(), status_code=status.HTTP_409_CONFLICT)
+
+
+
+def spend_route(
+    router: APIRouter, path: str, *, model: type, name: str, replay: str, over_budget: str
+) -> Callable[[DecoratedCallable], DecoratedCallable]:
+    """POST `path` as a route that may spend budget: 201 a fresh spend, and besides it the documented
+    replay of the idempotency key (200, the same model) and refusal over budget (409)."""
+    return router.post(
+        path, status_code=status.HTTP_201_CREATED, response_model=model, name=name,
+        responses={
+            200: {"model": model, "description": f"a replay (header Idempotent-Replayed: true): {replay}"},
+            409: {"model": OverBudgetResponse, "description": f"over budget: {over_budget}"},
+        },
+    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -124,29 +125,27 @@ def private_gradient(
     return PrivateGradient(params=clipped.params, grads=[g.div_(expected_batch_size) for g in noisy], norms=clipped.norms)
 
 
+class NoiseArgs(TypedDict):
+    """private_gradient's noise arguments, which dp_sgd_step passes through unchanged."""
+
+    max_grad_norm: float
+    noise_multiplier: float
+    expected_batch_size: float
+    generator: torch.Generator
+
+
 def dp_sgd_step(
-    model: nn.Module,
-    loss_fn: LossFn,
-    x: Tensor,
-    y: Tensor,
-    *,
-    max_grad_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    generator: torch.Generator,
-    optimizer: torch.optim.Optimizer,
+    model: nn.Module, loss_fn: LossFn, x: Tensor, y: Tensor, *, optimizer: torch.optim.Optimizer,
+    **noise: Unpack[NoiseArgs],
 ) -> StepStats:
     """`private_gradient`, written into every trainable parameter's `.grad`, then `optimizer.step()`."""
-    private = private_gradient(
-        model, loss_fn, x, y, max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size, generator=generator,
-    )
+    private = private_gradient(model, loss_fn, x, y, **noise)
     for param, value in zip(private.params, private.grads, strict=True):
         param.grad = value
     update_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in private.grads]))
     optimizer.step()
     batch_size = int(private.norms.shape[0])
-    clipped_count = (private.norms > max_grad_norm).sum()
+    clipped_count = (private.norms > noise["max_grad_norm"]).sum()
     # One host transfer for both numbers: each .item() would be its own device sync on CUDA.
     update_norm_value, clipped_count_value = torch.stack([update_norm.double(), clipped_count.double()]).tolist()
     return StepStats(

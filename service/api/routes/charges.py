@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
+from dpledger.service.api.errors import spend_route
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
@@ -19,7 +20,6 @@ from dpledger.wire.schemas import (
     ChargeRequest,
     ChargeReserved,
     ChargeSettled,
-    OverBudgetResponse,
     Text,
     finite_or_none,
 )
@@ -39,18 +39,9 @@ def _answer(found: charges.ChargeView, signer: SignerDep | None) -> ChargeReserv
     )
 
 
-@router.post(
-    "/v1/silos/{silo_id}/charges",
-    status_code=status.HTTP_201_CREATED,
-    response_model=ChargeReserved,
-    name="reserve_charge",
-    responses={
-        200: {
-            "model": ChargeReserved,
-            "description": "a replay (header Idempotent-Replayed: true): the charge as it stands, no new approval",
-        },
-        409: {"model": OverBudgetResponse, "description": "over budget: nothing was written"},
-    },
+@spend_route(
+    router, "/v1/silos/{silo_id}/charges", model=ChargeReserved, name="reserve_charge",
+    replay="the charge as it stands, no new approval", over_budget="nothing was written",
 )
 def reserve_charge(
     silo_id: IdPath, body: ChargeRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,

@@ -17,11 +17,12 @@ from dpledger.service.accounting.trial_counts import (
     distribution,
 )
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
+from dpledger.service.api.errors import spend_route
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.ledger import searches
 from dpledger.service.ledger.models import Role, Search, SearchStatus
 from dpledger.wire.mechanisms import Mechanism, check_nesting
-from dpledger.wire.schemas import Delta, OverBudgetResponse, Text, finite_or_none
+from dpledger.wire.schemas import Delta, Text, finite_or_none
 from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted, TrialReport
 
 router = APIRouter(tags=["searches"])
@@ -98,15 +99,9 @@ def _detail(search: Search) -> SearchDetail:
     )
 
 
-@router.post(
-    "/v1/silos/{silo_id}/searches",
-    status_code=status.HTTP_201_CREATED,
-    response_model=SearchStarted,
-    name="start_search",
-    responses={
-        200: {"model": SearchStarted, "description": "a replay (header Idempotent-Replayed: true): the search already started"},
-        409: {"model": OverBudgetResponse, "description": "over budget: nothing was written, no K drawn"},
-    },
+@spend_route(
+    router, "/v1/silos/{silo_id}/searches", model=SearchStarted, name="start_search",
+    replay="the search already started", over_budget="nothing was written, no K drawn",
 )
 def start_search(
     silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
