@@ -55,7 +55,7 @@ from sqlalchemy.orm import Session
 from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
-from dpledger.service.ledger import audit, charges, silos
+from dpledger.service.ledger import audit, charges, gate, silos
 from dpledger.service.ledger.db import Database, make_engine, migrate
 from dpledger.service.ledger.models import (
     Charge,
@@ -108,7 +108,7 @@ def _allocate_charge_ids(session: Session, count: int) -> list[int]:
     return list(range(start, start + count))
 
 
-_EPSILON_PATHS: dict[tuple[str, float, int, int, int], list[float]] = {}
+_EPSILON_PATHS: dict[tuple[str, str, float, int, int, int], list[float]] = {}
 
 
 def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:
@@ -124,7 +124,7 @@ def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: 
         for k, sigma in enumerate(SEED_SIGMAS):
             priced = charges.price(seed_mechanism(k), silo=silo, charged=True)
             pairs[sigma] = (priced.curve, priced.mechanism.model_dump_json(), curve_to_json(priced.curve))
-        path_key = (silo.rdp_spent, silo.delta, silo.dataset_size, start, count)
+        path_key = (silo.rdp_spent, silo.filter_spec, silo.delta, silo.dataset_size, start, count)
     path = _EPSILON_PATHS.get(path_key)
     fresh_path: list[float] = []
     done = 0
@@ -143,7 +143,7 @@ def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: 
                 if path is not None:
                     eps = path[done + j]
                 else:
-                    eps, _ = rdp.epsilon(candidate.curve(), delta=silo.delta)
+                    eps = gate.reading(silo, candidate).epsilon  # the silo's filter, as reserve() reads it
                     fresh_path.append(eps)
                 if not rdp.within_budget(eps, budget=silo.epsilon):
                     raise RuntimeError(f"seeding went over budget at charge {i}: ε={eps}")
@@ -152,7 +152,7 @@ def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: 
                     id=ids[j], silo_id=silo_id, idempotency_key=f"seed-{i}",
                     request_hash=charges.request_hash(mechanism=mechanism, job_id="seed", round=i),
                     mechanism=mechanism_json, rdp=curve_json, order_grid=rdp.ORDER_GRID_ID,
-                    conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id="seed", round=i,
+                    conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.reserved, job_id="seed", round=i,
                     epsilon_spent_after=eps, created_at=now,
                 )
                 session.add(charge)

@@ -248,8 +248,10 @@ def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> list[dict[str
 
 def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
     """Replays each silo's entries: the chain links, and the ε each entry states against the RDP
-    composition (dp-accounting) of the mechanisms of the charges reserved and not released."""
-    from dpledger.service.accounting import rdp
+    composition of the mechanisms of the charges reserved and not released, read as the gate reads
+    it: through the silo's filter (its create or filter entry), or its plan's ε once it declared one."""
+    from dpledger.service.accounting import filter as rdp_filter
+    from dpledger.service.accounting import plans, rdp
     from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
     from dpledger.wire.mechanisms import Mechanism
 
@@ -260,6 +262,8 @@ def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
     for silo_id, silo_records in sorted(by_silo.items()):
         silo_records.sort(key=lambda r: r["entry"]["seq"])
         delta: float | None = None
+        spec: rdp_filter.FilterSpec | None = None  # none: a silo from before filters, gated on dp-accounting's ε
+        plan: plans.Plan | None = None
         live: dict[int, np.ndarray] = {}
         total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
         prev_hash, seq = "0" * 64, 0
@@ -271,25 +275,40 @@ def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
             prev_hash, seq = entry["hash"], entry["seq"]
             if entry["event"] == "create":
                 delta = subject["delta"]
+                spec = rdp_filter.FilterSpec.from_json(subject["filter"]) if "filter" in subject else None
                 continue
+            if entry["event"] == "filter":
+                spec = rdp_filter.FilterSpec.from_json(subject["filter"])
+            elif entry["event"] == "plan":
+                plan = plans.Plan.from_json(subject["plan"])
             if delta is None:
                 out.problems.append(f"{name}: the silo's create entry is missing")
                 return
             charge_id = entry["charge_id"]
             if entry["event"] == "reserve":
                 try:
-                    curve = rdp.rdp_curve(adapter.validate_json(subject["mechanism"]))
+                    mechanism = adapter.validate_json(subject["mechanism"])
                 except (ValidationError, ValueError) as error:
                     out.problems.append(f"{name}: charge {charge_id}'s mechanism does not parse: {error}")
                     continue
                 stored = curve_from_json(subject["rdp"])
-                if stored.shape != curve.shape or not np.allclose(stored, curve, rtol=1e-9, equal_nan=False):
+                # Today's charges store the certified curve; charges from before it, dp-accounting's.
+                matches = [c for c in (rdp.certified_curve(mechanism), rdp.rdp_curve(mechanism))
+                           if c.shape == stored.shape and np.allclose(stored, c, rtol=1e-9, equal_nan=False)]
+                if not matches:
                     out.problems.append(f"{name}: charge {charge_id}'s stored RDP curve is not its mechanism's")
+                curve = matches[0] if matches else rdp.certified_curve(mechanism)
                 live[charge_id] = curve
                 total = total.add(curve)
             elif entry["event"] == "release" and charge_id in live:
                 total = total.subtract(live.pop(charge_id))
-            composed, _ = rdp.epsilon(total.curve(), delta=delta)
+            running = total.curve()
+            if plan is not None:
+                composed = 0.0 if not np.any(running) else plan.epsilon
+            elif spec is not None:
+                composed = rdp_filter.read(spec, running, delta=delta).epsilon
+            else:
+                composed, _ = rdp.epsilon(running, delta=delta)
             stated = math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"]
             if not (math.isinf(composed) and math.isinf(stated)) and not math.isclose(composed, stated, rel_tol=EPSILON_RTOL):
                 out.problems.append(f"{name} ({entry['event']} of charge {charge_id}) states ε={stated:.6g}, "

@@ -76,6 +76,11 @@ def bearer(key: str) -> dict[str, str]:
 ADMIN = bearer(ADMIN_KEY)
 
 
+# The workload most of these tests charge (one DP-SGD step at q = 10/1000, σ = 1.1), declared at
+# registration as a real silo would: its filter commits to the order where that workload is cheapest.
+TEST_HORIZON: dict[str, object] = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
+
+
 @dataclass(frozen=True)
 class SiloHandle:
     id: int
@@ -89,8 +94,13 @@ class SiloHandle:
 def make_silo(client: TestClient):  # type: ignore[no-untyped-def]
     counter = iter(range(1_000_000))
 
-    def make(*, epsilon: float = 1.0, delta: float = 1e-5, dataset_size: int = 1000, name: str | None = None) -> SiloHandle:
+    def make(
+        *, epsilon: float = 1.0, delta: float = 1e-5, dataset_size: int = 1000, name: str | None = None,
+        horizon: dict[str, object] | None = TEST_HORIZON,
+    ) -> SiloHandle:
         body = {"name": name or f"silo-{next(counter)}", "epsilon": epsilon, "delta": delta, "dataset_size": dataset_size}
+        if horizon is not None:
+            body["horizon"] = horizon
         response = client.post("/v1/silos", json=body, headers=ADMIN)
         assert response.status_code == 201, response.text
         data = response.json()

@@ -92,3 +92,10 @@ def test_only_the_composition_layer_imports_both_planes() -> None:
     composing = {p.name for p in (ROOT / "dpledger").glob("*.py") if any(_is(n, q) for n in _imported(p) for q in planes)}
     assert composing <= COMPOSITION
     assert {"cli.py", "demo.py", "harness.py"} <= composing  # the walk sees real imports
+    # Libraries under the root package (dpledger.flower, a silo's side) take one plane at most.
+    both = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "dpledger").rglob("*.py")
+        if p.parent != ROOT / "dpledger" and all(any(_is(n, q) for n in _imported(p)) for q in planes)
+    ]
+    assert both == []

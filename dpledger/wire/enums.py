@@ -23,6 +23,8 @@ class EntryEvent(enum.StrEnum):
     reserve = "reserve"
     commit = "commit"
     release = "release"
+    filter = "filter"  # the silo's filter orders and δ shares, for silos that held charges before filters
+    plan = "plan"  # a plan declared before the silo's first charge
 
 
 class SearchStatus(enum.StrEnum):

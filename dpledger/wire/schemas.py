@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -72,6 +72,16 @@ class SiloCreateRequest(_Request):
         description="the silo's neighbouring relation: add_remove (default), or replace_one when its size is public; "
         "mechanisms analysed under the other relation are refused on this silo",
     )
+    horizon: Mechanism | None = Field(
+        None,
+        description="the workload the silo expects to spend its budget on; its filter's committed order is "
+        "where that workload, scaled to the budget, has its lowest ε (default: DP-SGD at batch 256, noise 1)",
+    )
+
+    @field_validator("horizon", mode="before")
+    @classmethod
+    def _bounded_nesting(cls, value: Any) -> Any:
+        return value if value is None else check_nesting(value)
 
     @model_validator(mode="after")
     def _budget_or_level(self) -> SiloCreateRequest:
@@ -101,11 +111,32 @@ class SiloSummary(_SiloFields):
     epsilon_spent: float | None
 
 
+class FilterView(BaseModel):
+    orders: list[float] = Field(description="the Rényi orders of the silo's filter, fixed before its first charge")
+    weights: list[float] = Field(description="each order's share of δ (union bound)")
+    source: str = Field(description="horizon (from the budget and a horizon at registration) or legacy")
+
+
+class PlanView(BaseModel):
+    mechanism: dict[str, Any]
+    epsilon: float = Field(description="the plan's ε at the silo's δ (dp-accounting's PLD accountant)")
+    units: int
+    units_used: int
+    after: str = Field(description="closed: the plan is the silo's whole budget; nothing outside it is approved")
+
+
 class SiloDetail(SiloSummary):
     epsilon_committed: float | None
     epsilon_remaining: float
     rho: float | None
     order: float
+    filter: FilterView | None = None
+    plan: PlanView | None = None
+    gated_on: Literal["rdp_filter", "plan"] = "rdp_filter"
+
+
+class PlanRequest(_WithMechanism):
+    """One fixed plan, declared before the silo's first charge: the mechanisms it will run, in order."""
 
 
 class ChargeRequest(_WithMechanism):
@@ -149,6 +180,7 @@ class HistoryEntry(BaseModel):
     charge_id: int | None
     event: EntryEvent
     mechanism: dict[str, Any] | None
+    subject: dict[str, Any] | None = Field(None, description="the filter (create, filter) or plan (plan) the entry's hash covers")
     job_id: str | None
     round: int | None
     epsilon_spent: float | None
@@ -183,6 +215,14 @@ class QuoteResponse(BaseModel):
     delta: float
     silo_epsilon_spent: float | None = None
     epsilon_if_approved: float | None = None
+    epsilon_rdp_proven: float | None = Field(
+        None, description="ε by the union-bound Rényi filter: the silo's (spent + this), or without a silo, a filter "
+        "committed to this mechanism's best order")
+    epsilon_plan: float | None = Field(
+        None, description="the PLD ε if this mechanism were declared as the silo's plan (null where it cannot be one)")
+    plan_note: str | None = None
+    gated_on: Literal["rdp_filter", "plan"] | None = Field(
+        None, description="what the silo's approvals are checked against (null without a silo)")
 
 
 class CalibrateRequest(_Request):

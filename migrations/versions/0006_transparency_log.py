@@ -14,7 +14,7 @@ from dpledger.service.ledger import chain, transparency
 from dpledger.wire import merkle
 
 revision = '0006'
-down_revision = '0003'
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

@@ -19,6 +19,7 @@ import numpy as np
 from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
+from dpledger.service.accounting import fractional
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
@@ -41,6 +42,11 @@ _ORDERS_ARRAY = np.array(ORDERS)
 # Stored with every charge so a history can be reproduced after a library upgrade.
 ORDER_GRID_ID = "dp_accounting.DEFAULT_RDP_ORDERS:" + hashlib.sha256(json.dumps(ORDERS).encode()).hexdigest()[:16]
 CONVERSION_ID = f"dp_accounting.rdp.compute_epsilon@{version('dp-accounting')}"
+# What the ledger stores since the proven gate: curves from certified_curve (fractional orders of
+# Poisson-sampled Gaussians certified, see fractional.py), converted by the silo's union-bound
+# filter (filter.py) with dp-accounting's per-order conversion.
+LEDGER_CONVERSION_ID = f"dpledger.filter.union_bound+certified_fractional@{version('dp-accounting')}"
+_FRACTIONAL = np.array([not float(a).is_integer() for a in ORDERS])
 
 # The cache holds one curve per distinct leaf mechanism (a (q, σ) pair for DP-SGD): computing one
 # costs dp-accounting 50–65 ms, and a training job repeats the same pair every round.
@@ -68,6 +74,42 @@ def rdp_curve(mechanism: AnyMechanism) -> np.ndarray:
             step = PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))
             return steps * _leaf_curve(step.model_dump_json())
     return _leaf_curve(mechanism.model_dump_json())
+
+
+def certified_curve(mechanism: AnyMechanism) -> np.ndarray:
+    """rdp_curve, except that every Poisson-sampled Gaussian (a DP-SGD step) is charged at each
+    fractional order the lower of dp-accounting's value and fractional.rdp_upper: both are upper
+    bounds, and the second is within 1e-6 of the exact divergence. Integer orders are
+    dp-accounting's own (exact) values."""
+    match mechanism:
+        case SelfComposed(count=count, event=inner):
+            return count * certified_curve(inner)
+        case Composed(events=events):
+            total: np.ndarray = np.sum([certified_curve(e) for e in events], axis=0)
+            return total
+        case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
+            if q is None:
+                raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
+            return steps * np.array(_sampled_gaussian_cached(q, sigma))
+        case PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)):
+            return np.array(_sampled_gaussian_cached(q, sigma))
+    return rdp_curve(mechanism)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _sampled_gaussian_cached(q: float, sigma: float) -> tuple[float, ...]:
+    step = PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))
+    curve = _leaf_curve(step.model_dump_json())
+    if 0 < q < 1:
+        for i in np.flatnonzero(_FRACTIONAL):
+            try:
+                with np.errstate(over="ignore", under="ignore"):  # an overflowed term gives ∞: not used
+                    certified = fractional.rdp_upper(q=q, sigma=sigma, alpha=ORDERS[i])
+            except (ArithmeticError, ValueError):  # e.g. an overflow at extreme σ: dp-accounting's bound stands
+                continue
+            if math.isfinite(certified):
+                curve[i] = min(curve[i], certified)
+    return tuple(curve.tolist())
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)

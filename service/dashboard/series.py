@@ -2,12 +2,12 @@
 
 An entry stores ε of committed + reserved charges after it; ε of committed charges alone is not
 stored, so it is recomputed by composing the curves of the charges committed so far, through the
-same dp-accounting conversion that the ledger uses.
+conversion the ledger uses for that silo (its gate's reading, passed in as `convert`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dpledger.service.accounting import rdp
@@ -23,14 +23,14 @@ class Step:
     epsilon_spent: float
 
 
-def points(steps: Iterable[Step], *, delta: float) -> list[Point]:
+def points(steps: Iterable[Step], *, delta: float, convert: Callable[[RunningSum], float] | None = None) -> list[Point]:
     committed = RunningSum.empty(len(rdp.ORDERS))
     eps_committed = 0.0
     out = []
     for step in steps:
         if step.event == "commit" and step.charge_rdp is not None:
             committed = committed.add(curve_from_json(step.charge_rdp))
-            eps_committed, _ = rdp.epsilon(committed.curve(), delta=delta)
+            eps_committed = rdp.epsilon(committed.curve(), delta=delta)[0] if convert is None else convert(committed)
         out.append(Point(seq=step.seq, committed=eps_committed, spent=step.epsilon_spent))
     return out
 

@@ -70,6 +70,7 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
     entries = session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo.id).order_by(LedgerEntry.seq))
     prev_hash, expected_seq = chain.GENESIS, 1
     status_from_log: dict[int, ChargeStatus] = {}
+    filter_entries: list[int] = []
     for entry in entries:
         report.entries += 1
         charge = charges.get(entry.charge_id) if entry.charge_id is not None else None
@@ -84,8 +85,15 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} has an unknown event {entry.event!r}", entry.charge_id)
         if event is None:
             subject = {}
-        elif event is EntryEvent.create:
-            subject = chain.silo_fields(silo)
+        elif event in (EntryEvent.create, EntryEvent.filter, EntryEvent.plan):
+            subject = chain.subject(event, silo, None)
+            if event is EntryEvent.filter:
+                filter_entries.append(entry.seq)
+                if entry.seq != silo.filter_seq:
+                    report.flag(silo.id, entry.seq,
+                                f"entry {entry.seq} records a filter, but the silo's filter is at entry {silo.filter_seq}")
+            if event is EntryEvent.plan and silo.plan is None:
+                report.flag(silo.id, entry.seq, f"entry {entry.seq} records a plan the silo does not hold")
         elif charge is None:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} names charge {entry.charge_id}, which is not this silo's")
             subject = {}
@@ -104,6 +112,9 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
         prev_hash, expected_seq = entry.hash, entry.seq + 1
     if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:
         report.flag(silo.id, expected_seq, "the silo's chain head is not the last entry (an entry was removed)")
+    if silo.filter_seq != 1 and filter_entries != [silo.filter_seq]:
+        # Seq 1 is the create entry, whose hash covers the filter; otherwise exactly one filter entry must.
+        report.flag(silo.id, None, f"the silo's filter (entry {silo.filter_seq}) is covered by no filter entry of its chain")
     _verify_charges(silo, charges, status_from_log, report)
 
 

@@ -11,7 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from dpledger.service.ledger.models import Charge, LedgerEntry, Silo
+from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Silo
 from dpledger.wire.enums import Relation
 
 GENESIS = "0" * 64
@@ -41,6 +41,36 @@ def silo_fields(silo: Silo) -> dict[str, Any]:
     if relation != Relation.add_remove.value:
         fields["relation"] = str(relation)
     return fields
+
+
+def create_fields(silo: Silo) -> dict[str, Any]:
+    """The create entry covers the budget and, for silos registered with one, the filter (stored
+    text, hashed verbatim: an edited or unparsable filter breaks the chain, never the audit)."""
+    fields = silo_fields(silo)
+    if silo.filter_seq == 1:
+        fields["filter"] = silo.filter_spec
+    return fields
+
+
+def filter_fields(silo: Silo) -> dict[str, Any]:
+    return {"silo_id": silo.id, "filter": silo.filter_spec}
+
+
+def plan_fields(silo: Silo) -> dict[str, Any]:
+    return {"silo_id": silo.id, "plan": silo.plan}
+
+
+def subject(event: EntryEvent, silo: Silo, charge: Charge | None) -> dict[str, Any]:
+    """What an entry of this kind covers besides itself."""
+    if event is EntryEvent.create:
+        return create_fields(silo)
+    if event is EntryEvent.filter:
+        return filter_fields(silo)
+    if event is EntryEvent.plan:
+        return plan_fields(silo)
+    if charge is None:
+        raise ValueError(f"a {event.value} entry names a charge")
+    return charge_fields(charge)
 
 
 def charge_fields(charge: Charge) -> dict[str, Any]:

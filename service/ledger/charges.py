@@ -1,8 +1,9 @@
 """Reserve, commit, release: the safety invariant lives here.
 
 For every silo, in every state any interleaving of requests, retries and crashes can produce:
-ε_RDP(committed + reserved; δ_k) ≤ ε_k. So the check and the write share one transaction with the
-silo row locked (docs/ARCHITECTURE.md), and it is shaped like dp-accounting's compose(): check, then append.
+ε_gate(committed + reserved) ≤ ε_k (the silo's proven gate, ledger/gate.py). So the check and the
+write share one transaction with the silo row locked (docs/ARCHITECTURE.md), and it is shaped like
+dp-accounting's compose(): check, then append.
 
 Exactly once: an idempotency key names one charge of its silo for good. A retry of the same
 request is answered with that charge as it stands now (`replayed`, with its real status), never
@@ -29,7 +30,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import keys, silos, transparency
+from dpledger.service.ledger import gate, keys, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import (
     Conflict,
@@ -115,16 +116,18 @@ def price(mechanism: AnyMechanism, *, silo: Silo | None, charged: bool, path: st
     resolved = resolve(mechanism, dataset_size=None if silo is None else silo.dataset_size, charged=charged, path=path)
     check_relation(resolved, silo_relation=None if silo is None else silo.relation, path=path)
     skip = cost.check(resolved, path=path)
-    return Priced(resolved, rdp.rdp_curve(resolved), skip)
+    return Priced(resolved, rdp.certified_curve(resolved), skip)
 
 
 def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False) -> BudgetCheck:
-    """The gate: approve only when ε(spent + curve; δ) ≤ the silo's ε, with no tolerance."""
+    """The gate: the silo's Rényi filter, fixed before its first charge (ledger/gate.py; O(orders)),
+    approves only when its proven ε(spent + curve) ≤ the silo's ε. A silo on a declared plan is
+    checked by gate.follow_plan instead (the plan's PLD ε fit the budget when it was declared)."""
     spent = RunningSum.from_json(silo.rdp_spent)
     candidate = spent.add(curve)
-    eps_candidate, _ = rdp.epsilon(candidate.curve(), delta=silo.delta)
-    fits = rdp.within_budget(eps_candidate, budget=silo.epsilon)
-    eps_now = rdp.epsilon(spent.curve(), delta=silo.delta)[0] if with_spent or not fits else None
+    eps_candidate = gate.reading(silo, candidate).epsilon
+    fits = silo.plan is not None or rdp.within_budget(eps_candidate, budget=silo.epsilon)
+    eps_now = gate.reading(silo, spent).epsilon if with_spent or not fits else None
     return BudgetCheck(candidate, eps_now, eps_candidate, fits)
 
 
@@ -194,6 +197,7 @@ def reserve_locked(
     if earlier is not None:  # a concurrent retry landed between the caller's read and this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
+    gate.follow_plan(silo, priced.mechanism)  # on a plan: only its next units (advances it), else a 409
     decision = check_budget(silo, priced.curve)
     if not decision.fits:
         assert decision.epsilon_spent is not None
@@ -204,7 +208,7 @@ def reserve_locked(
     charge = Charge(
         silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
         mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,
-        conversion=rdp.CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
+        conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
         epsilon_spent_after=decision.epsilon_if_approved, created_at=now,
     )
     session.add(charge)

@@ -77,6 +77,14 @@ class Silo(Base):
     chain_seq: Mapped[int] = mapped_column(Integer, default=0)
     chain_head: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The gate's Rényi filter (accounting/filter.py FilterSpec JSON), fixed before the first charge,
+    # and the seq of the entry whose hash covers it: 1 (the create entry) for silos registered with
+    # it, a `filter` entry for silos that held charges before the filter existed.
+    filter_spec: Mapped[str] = mapped_column(Text)
+    filter_seq: Mapped[int] = mapped_column(Integer)
+    # A declared plan (ledger/plans.py JSON) and how many of its units charges have used.
+    plan: Mapped[str | None] = mapped_column(Text)
+    plan_used: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class Charge(Base):

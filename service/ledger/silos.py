@@ -9,15 +9,17 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from dpledger.service.accounting import rdp, reports
-from dpledger.service.accounting.events import MechanismError
+from dpledger.service.accounting import filter as rdp_filter
+from dpledger.service.accounting import plans, rdp, reports
+from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain, transparency
+from dpledger.service.ledger import chain, gate, transparency
 from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
+from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
 from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
 from dpledger.wire.enums import Relation
+from dpledger.wire.mechanisms import AnyMechanism
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,27 @@ class BudgetStatus:
     order: float
 
 
+def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyMechanism | None = None) -> rdp_filter.FilterSpec:
+    """The filter a new silo commits to: from its budget and a declared horizon (the workload it
+    expects), or the default DP-SGD horizon; never from anything a charge returns."""
+    if horizon is None:
+        return rdp_filter.default_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
+    try:
+        curve = rdp.certified_curve(resolve(horizon, dataset_size=dataset_size, path="horizon"))
+        return rdp_filter.horizon_spec(epsilon=epsilon, delta=delta, horizon=curve)
+    except MechanismError as error:
+        raise InvalidRequest(error.field if error.field.startswith("horizon") else "horizon", error.message) from error
+    except ValueError as error:
+        raise InvalidRequest("horizon", str(error)) from error
+
+
 def register(
-    db: Database, *, name: str, epsilon: float, delta: float, dataset_size: int, relation: Relation = Relation.add_remove
+    db: Database, *, name: str, epsilon: float, delta: float, dataset_size: int, relation: Relation = Relation.add_remove,
+    horizon: AnyMechanism | None = None,
 ) -> tuple[Silo, str]:
-    """Creates the silo, its chain's genesis entry and its first key, in one transaction."""
+    """Creates the silo with its filter, its chain's genesis entry (covering both) and its first key,
+    in one transaction."""
+    spec = filter_for(epsilon=epsilon, delta=delta, dataset_size=dataset_size, horizon=horizon)
     empty = RunningSum.empty(len(rdp.ORDERS)).to_json()
     now = datetime.now(UTC)
     try:
@@ -40,6 +59,7 @@ def register(
             silo = Silo(
                 name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size, relation=relation,
                 rdp_spent=empty, rdp_committed=empty, chain_seq=0, chain_head=chain.GENESIS, created_at=now,
+                filter_spec=spec.to_json(), filter_seq=1, plan=None, plan_used=0,
             )
             session.add(silo)
             session.flush()
@@ -59,7 +79,7 @@ def append_entry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
     )
-    subject = chain.silo_fields(silo) if charge is None else chain.charge_fields(charge)
+    subject = chain.subject(event, silo, charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
     session.add(entry)
     silo.chain_seq = entry.seq
@@ -90,19 +110,53 @@ def list_all(session: Session) -> list[Silo]:
 
 
 def status(silo: Silo) -> BudgetStatus:
-    spent = rdp.guarantee(RunningSum.from_json(silo.rdp_spent).curve(), delta=silo.delta)
-    committed, _ = rdp.epsilon(RunningSum.from_json(silo.rdp_committed).curve(), delta=silo.delta)
+    """The silo's proven ε (its gate's: filter or plan), and zCDP ρ of its running sum."""
+    running = RunningSum.from_json(silo.rdp_spent)
+    spent = gate.reading(silo, running)
+    committed = gate.reading(silo, RunningSum.from_json(silo.rdp_committed))
     return BudgetStatus(
         epsilon_spent=spent.epsilon,
-        epsilon_committed=committed,
-        epsilon_remaining=max(0.0, silo.epsilon - spent.epsilon),
-        rho=spent.rho,
+        epsilon_committed=committed.epsilon,
+        epsilon_remaining=remaining(silo, spent.epsilon),
+        rho=rdp.rho(running.curve()),
         order=spent.order,
     )
 
 
+def remaining(silo: Silo, epsilon_spent: float) -> float:
+    if silo.plan is not None:
+        return 0.0  # a declared plan is the silo's whole budget (plans.AFTER_PLAN)
+    return max(0.0, silo.epsilon - epsilon_spent)
+
+
 def epsilon_spent(silo: Silo) -> float:
-    return rdp.epsilon(RunningSum.from_json(silo.rdp_spent).curve(), delta=silo.delta)[0]
+    return gate.reading(silo, RunningSum.from_json(silo.rdp_spent)).epsilon
+
+
+def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plans.Plan:
+    """Fixes the silo's plan: only before its first charge, once, and only if its PLD ε fits."""
+    with db.read() as session:
+        silo = get(session, silo_id)
+        dataset_size, delta, budget = silo.dataset_size, silo.delta, silo.epsilon
+    try:
+        resolved = resolve(mechanism, dataset_size=dataset_size)
+        segments = plans.segments(resolved)
+        price = plans.pld_epsilon(resolved, delta=delta)
+    except MechanismError as error:
+        raise InvalidRequest(error.field, error.message) from error
+    if not rdp.within_budget(price.epsilon, budget=budget):
+        raise OverBudget(budget=budget, epsilon_spent=0.0, epsilon_if_approved=price.epsilon)
+    declared = plans.Plan(mechanism=resolved.model_dump_json(), segments=tuple(segments), epsilon=price.epsilon)
+    with db.write() as session:
+        silo = lock(session, silo_id)
+        if silo.plan is not None:
+            raise Conflict(f"silo {silo_id} has declared its plan already; a plan is fixed once")
+        if session.scalars(select(Charge.id).where(Charge.silo_id == silo_id)).first() is not None:
+            raise Conflict(f"silo {silo_id} holds charges already; a plan must be declared before the first charge")
+        silo.plan = declared.to_json()
+        silo.plan_used = 0
+        append_entry(session, silo, event=EntryEvent.plan, charge=None, epsilon_spent=0.0, now=datetime.now(UTC))
+    return declared
 
 
 @dataclass(frozen=True)
@@ -122,10 +176,14 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     if batch_size > silo.dataset_size:
         raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
     sampling_rate = batch_size / silo.dataset_size
+    if silo.plan is not None:
+        raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
+    spec = gate.spec(silo)
     try:
         found = reports.calibrate_remaining(
             RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon, delta=silo.delta,
             sampling_rate=sampling_rate, steps=steps,
+            epsilon_of=lambda curve: rdp_filter.read(spec, curve, delta=silo.delta).epsilon,  # the gate's conversion
         )
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error

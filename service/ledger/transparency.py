@@ -32,6 +32,7 @@ from dpledger.service.ledger import chain
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo, VerifiedHead
 from dpledger.wire import merkle
+from dpledger.wire.enums import EntryEvent
 from dpledger.wire.receipts import SignedTreeHead
 
 STATE_ID = 1
@@ -213,12 +214,23 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
             continue
         if entry.charge_id is None:
             silo = silos.get(entry.silo_id)
-            subject = {} if silo is None else chain.silo_fields(silo)
+            subject = {} if silo is None else _silo_subject(entry, silo)
         else:
             charge = charges.get(entry.charge_id)
             subject = {} if charge is None else chain.charge_fields(charge)
         out.append((entry, leaf_record(entry, subject=subject, salt=row.salt)))
     return out
+
+
+def _silo_subject(entry: LedgerEntry, silo: Silo) -> dict[str, Any]:
+    """What a charge-less entry covers: its create, filter or plan subject (chain.subject)."""
+    try:
+        event = EntryEvent(entry.event)
+    except ValueError:  # an edited event: recomputed as a create, so the leaf no longer matches
+        event = EntryEvent.create
+    if event not in (EntryEvent.create, EntryEvent.filter, EntryEvent.plan):
+        event = EntryEvent.create
+    return chain.subject(event, silo, None)
 
 
 def leaves(session: Session, *, start: int, limit: int) -> list[LogLeaf]:

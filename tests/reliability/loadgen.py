@@ -1,8 +1,11 @@
-"""Load generation against a real server, and an ε oracle built on dp-accounting alone.
+"""Load generation against a real server, and an ε oracle built on dp-accounting.
 
-The oracle never imports our accounting code: it builds `dp_accounting` events itself and composes
-them with `RdpAccountant` at the order grid the service uses, so a bug in our mechanism mapping, our
-running sums or our conversion shows up as a disagreement.
+The oracle builds `dp_accounting` events itself and composes them at the order grid the service
+uses, and converts them with dp-accounting's conversion at the orders and δ shares of the silo's
+published filter (tests/gate_oracle.py), so a bug in our mechanism mapping, our running sums or our
+gate shows up as a disagreement. The one thing it shares with the service is the certified value of
+a Poisson-sampled Gaussian at fractional orders, which tests/service/accounting/test_fractional.py
+checks against a 40-digit integration.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import proven_epsilon, sampled_gaussian_curve
 
 # The grid is configuration, not math: take it from dp-accounting, as the service says it does.
 ORDERS: tuple[float, ...] = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
@@ -76,8 +80,9 @@ class Oracle:
 
     def __init__(self) -> None:
         self._curves: dict[tuple[float, float], np.ndarray] = {}
+        self._certified: dict[tuple[float, float], np.ndarray] = {}
 
-    def curve(self, q: float, sigma: float) -> np.ndarray:
+    def dp_accounting_curve(self, q: float, sigma: float) -> np.ndarray:
         key = (q, sigma)
         if key not in self._curves:
             accountant = rdp_lib.RdpAccountant(list(ORDERS))
@@ -85,17 +90,32 @@ class Oracle:
             self._curves[key] = accountant.rdp
         return self._curves[key]
 
-    def total(self, steps_by_pair: Counter[tuple[float, float]]) -> np.ndarray:
+    def curve(self, q: float, sigma: float) -> np.ndarray:
+        """The curve the ledger charges: dp-accounting's, certified at fractional orders."""
+        key = (q, sigma)
+        if key not in self._certified:
+            self._certified[key] = np.minimum(self.dp_accounting_curve(q, sigma), sampled_gaussian_curve(q, sigma))
+        return self._certified[key]
+
+    def total(self, steps_by_pair: Counter[tuple[float, float]], *, certified: bool = True) -> np.ndarray:
         total = np.zeros(len(ORDERS))
         for (q, sigma), steps in sorted(steps_by_pair.items()):
-            total = total + steps * self.curve(q, sigma)
+            total = total + steps * (self.curve(q, sigma) if certified else self.dp_accounting_curve(q, sigma))
         return total
 
-    def epsilon_of_curve(self, curve: np.ndarray, delta: float = DELTA) -> float:
+    def epsilon_of_curve(
+        self, curve: np.ndarray, delta: float = DELTA, *, gate: list[tuple[float, float]] | None = None
+    ) -> float:
+        """dp-accounting's conversion: at the silo's filter (`gate`: its orders and δ shares) when
+        given, else the minimum over all orders at the whole δ (the rule before the filter)."""
+        if gate is not None:
+            return proven_epsilon(gate, curve, delta=delta)
         return float(rdp_lib.compute_epsilon(ORDERS, curve, delta)[0])
 
-    def epsilon(self, steps_by_pair: Counter[tuple[float, float]], delta: float = DELTA) -> float:
-        return self.epsilon_of_curve(self.total(steps_by_pair), delta)
+    def epsilon(
+        self, steps_by_pair: Counter[tuple[float, float]], delta: float = DELTA, *, gate: list[tuple[float, float]] | None = None
+    ) -> float:
+        return self.epsilon_of_curve(self.total(steps_by_pair, certified=gate is not None), delta, gate=gate)
 
     def check_self_composition(self, steps_by_pair: Counter[tuple[float, float]], delta: float = DELTA) -> None:
         """The cached sum equals a fresh RdpAccountant composing one SelfComposedDpEvent per pair."""
@@ -179,11 +199,20 @@ def make_plan(
     return plans, queue
 
 
+def horizon(plan: SiloPlan) -> dict[str, Any]:
+    """The workload the silo will charge, declared at registration so its filter commits to the
+    order where that workload is cheapest (each distinct mechanism once, with its count)."""
+    pool, counts = mechanism_pool(), Counter(plan.mechanisms)
+    events = [{"type": "self_composed", "count": n, "event": pool[p].wire()} for p, n in sorted(counts.items())]
+    return {"type": "composed", "events": events}
+
+
 def register_silos(url: str, plans: Sequence[SiloPlan], *, prefix: str) -> list[Silo]:
     out = []
     with httpx.Client(base_url=url, headers=ADMIN, timeout=60) as client:
         for plan in plans:
-            body = {"name": f"{prefix}-{plan.index}", "epsilon": plan.epsilon, "delta": DELTA, "dataset_size": DATASET_SIZE}
+            body = {"name": f"{prefix}-{plan.index}", "epsilon": plan.epsilon, "delta": DELTA, "dataset_size": DATASET_SIZE,
+                    "horizon": horizon(plan)}
             response = client.post("/v1/silos", json=body)
             assert response.status_code == 201, response.text
             data = response.json()

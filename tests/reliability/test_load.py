@@ -19,6 +19,7 @@ import pytest
 
 from dpledger.harness import ServerProcess
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import filter_of
 from tests.reliability.loadgen import (
     Oracle,
     Outcome,
@@ -101,8 +102,9 @@ def check_silo(url: str, silo: Silo, outcomes: list[Outcome], pool: Sequence[Poo
         assert (pair, steps) == ((asked.q, asked.noise_multiplier), asked.steps)
         stored_pairs.append((pair, steps))
 
-    expected = oracle.epsilon(steps_by_pair([pool[o.request.pool_index] for o in approved]))
     detail = silo_detail(url, silo.id)
+    gate = filter_of(detail)  # the orders and δ shares the silo committed to at registration
+    expected = oracle.epsilon(steps_by_pair([pool[o.request.pool_index] for o in approved]), gate=gate)
     assert detail["epsilon_spent"] == pytest.approx(expected, rel=1e-9)
     assert detail["epsilon_committed"] == pytest.approx(expected, rel=1e-9)
     assert expected <= silo.epsilon * (1 + 1e-9)
@@ -114,7 +116,7 @@ def check_silo(url: str, silo: Silo, outcomes: list[Outcome], pool: Sequence[Poo
     prefix = np.zeros((len(stored_pairs) + 1, len(oracle.curve(*stored_pairs[0][0]))))
     for k, ((q, sigma), steps) in enumerate(stored_pairs):
         prefix[k + 1] = prefix[k] + steps * oracle.curve(q, sigma)
-    prefix_eps = np.array([oracle.epsilon_of_curve(c) for c in prefix])
+    prefix_eps = np.array([oracle.epsilon_of_curve(c, gate=gate) for c in prefix])
     assert np.all(np.diff(prefix_eps) > 0)
     position = {e["charge_id"]: k for k, e in enumerate(reserves)}
     for r in refused:
@@ -122,7 +124,7 @@ def check_silo(url: str, silo: Silo, outcomes: list[Outcome], pool: Sequence[Poo
         k = int(np.argmin(np.abs(prefix_eps - r.body["epsilon_spent"])))
         assert prefix_eps[k] == pytest.approx(r.body["epsilon_spent"], rel=1e-9)
         m = pool[r.request.pool_index]
-        with_it = oracle.epsilon_of_curve(prefix[k] + m.steps * oracle.curve(m.q, m.noise_multiplier))
+        with_it = oracle.epsilon_of_curve(prefix[k] + m.steps * oracle.curve(m.q, m.noise_multiplier), gate=gate)
         assert with_it > silo.epsilon, (with_it, silo.epsilon)
         assert with_it == pytest.approx(r.body["epsilon_if_approved"], rel=1e-9)
         # ...and that state is one the refusal could have seen: every approval answered before it

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -25,7 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import create_engine, delete, select, text
+from sqlalchemy import MetaData, create_engine, delete, select, text
 from sqlalchemy.orm import Session
 
 from dpledger.cli import main
@@ -33,7 +34,7 @@ from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger import chain, transparency
+from dpledger.service.ledger import chain, gate, transparency
 from dpledger.service.ledger.db import alembic_config, migrate
 from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo
 from dpledger.service.ledger.signer import SigningKeyError
@@ -41,9 +42,11 @@ from dpledger.service.settings import Settings
 from dpledger.service.transparency_cli import Get, RefusedError, audit, verify_receipts
 from dpledger.trainer.client import LedgerClient
 from dpledger.wire import merkle
+from dpledger.wire.enums import EntryEvent
 from dpledger.wire.mechanisms import Mechanism
 from dpledger.wire.receipts import PublicKey, Receipt, SignedTreeHead, check_receipt, is_fork
 from tests.conftest import ADMIN, ADMIN_KEY, bearer
+from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 SEARCH = {"trial": STEP, "mean_trials": 2, "distribution": {"kind": "geometric"}}
@@ -181,7 +184,7 @@ class Operator:
                 charges = {c.id: c for c in session.scalars(select(Charge).where(Charge.silo_id == silo.id))}
                 if recompute_epsilon:
                     for c in charges.values():
-                        c.rdp = curve_to_json(rdp.rdp_curve(adapter.validate_json(c.mechanism)))
+                        c.rdp = curve_to_json(rdp.certified_curve(adapter.validate_json(c.mechanism)))
                 spent = committed = RunningSum.empty(len(rdp.ORDERS))
                 prev, seq = chain.GENESIS, 0
                 for e in session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo.id).order_by(LedgerEntry.seq)):
@@ -194,11 +197,11 @@ class Operator:
                             spent = spent.subtract(curve)
                         else:
                             committed = committed.add(curve)
-                        e.epsilon_spent = rdp.epsilon(spent.curve(), delta=silo.delta)[0]
+                        e.epsilon_spent = gate.reading(silo, spent).epsilon
                         if e.event == "reserve":
                             c.epsilon_spent_after = e.epsilon_spent
                     e.prev_hash = prev
-                    e.hash = chain.entry_hash(e, subject=chain.silo_fields(silo) if c is None else chain.charge_fields(c))
+                    e.hash = chain.entry_hash(e, subject=chain.subject(EntryEvent(e.event), silo, c))
                     prev, seq = e.hash, e.seq
                 silo.chain_head, silo.chain_seq = prev, seq
                 if recompute_epsilon:
@@ -210,8 +213,8 @@ class Operator:
             session.execute(delete(LogNode))
             frontier: list[bytes] = []
             for index, e in enumerate(session.scalars(select(LedgerEntry).order_by(LedgerEntry.id))):
-                subject = (chain.silo_fields(session.get_one(Silo, e.silo_id)) if e.charge_id is None
-                           else chain.charge_fields(session.get_one(Charge, e.charge_id)))
+                subject = chain.subject(EntryEvent(e.event), session.get_one(Silo, e.silo_id),
+                                        None if e.charge_id is None else session.get_one(Charge, e.charge_id))
                 salt = salts.get(e.id, "00" * 16)
                 leaf = merkle.leaf_hash(transparency.leaf_record(e, subject=subject, salt=salt).encode())
                 frontier, completed, _ = merkle.append(frontier, index, leaf)
@@ -304,8 +307,9 @@ def test_an_edited_epsilon_is_found_by_recomposing_the_charges_even_without_an_e
     operator.rebuild(recompute_epsilon=False)
     assert chain_ok(ledger.client)
     fresh = audit(ledger.auditor.get(), None)  # an auditor that never saw the log before
-    expected = rdp.epsilon(sum(rdp.rdp_curve(TypeAdapter(Mechanism).validate_python(
-        {**STEP, "sampling_rate": 0.01})) for _ in range(2)), delta=1e-5)[0]  # b0 and b2 (b1 released)
+    # b0 and b2 (b1 released), read through b's filter as the gate reads it (tests/gate_oracle.py).
+    detail = ledger.client.get(f"/v1/silos/{ledger.ids['b']}", headers=ADMIN).json()
+    expected = proven_epsilon(filter_of(detail), dpsgd_curve([(0.01, STEP["noise_multiplier"], STEP["steps"])] * 2), delta=1e-5)
     reserve_seq = 6
     line = next(p for p in fresh.problems if p.startswith(f"silo {ledger.ids['b']} entry {reserve_seq} "))
     assert f"states ε={expected / 2:.6g}, but its charges' mechanisms compose to ε={expected:.6g}" in line
@@ -454,10 +458,51 @@ def test_the_migration_backfills_a_ledger_that_had_entries_before_the_log(url: s
     """An existing ledger upgraded to this revision: its entries become the log's first leaves."""
     ledger = build(app_over())
     command.downgrade(alembic_config(url), "0003")
+    restate_as_before_filters(url)
     command.upgrade(alembic_config(url), "head")
     out = audit(Party(app_over(), ledger.auditor.headers).get(), None)
     assert out.ok, problems(out)
-    assert out.head is not None and out.head.tree_size == 12  # 2 creates + 10 budget entries, every hash recomputed
+    # 2 creates + 10 budget entries, every hash recomputed, then the filter entry that revision 0005
+    # appends to each silo that held charges (the log is older than filters: 0003 → 0006 → 0004 → 0005).
+    assert out.head is not None and out.head.tree_size == 14
+
+
+def restate_as_before_filters(url: str) -> None:
+    """The downgrade drops the filters, but the entries still state the ε the filters gave: restate
+    them as a ledger of revision 0003 wrote them (dp-accounting's ε of the running sum), hashes too."""
+    engine = create_engine(url)
+    tables = MetaData()
+    tables.reflect(engine, only=["silos", "charges", "ledger_entries"])
+    silos_t, charges_t, entries_t = (tables.tables[n] for n in ("silos", "charges", "ledger_entries"))
+    with engine.begin() as connection:
+        for silo in connection.execute(select(silos_t)).mappings():
+            charges = {c["id"]: SimpleNamespace(**c) for c in connection.execute(
+                select(charges_t).where(charges_t.c.silo_id == silo["id"])).mappings()}
+            live: dict[int, Any] = {}
+            prev = chain.GENESIS
+            for e in connection.execute(select(entries_t).where(entries_t.c.silo_id == silo["id"])
+                                        .order_by(entries_t.c.seq)).mappings().all():
+                entry = SimpleNamespace(**e)
+                charge = charges.get(entry.charge_id)
+                if charge is not None:
+                    if entry.event == "reserve":
+                        live[charge.id] = curve_from_json(charge.rdp)
+                    elif entry.event == "release":
+                        live.pop(charge.id, None)
+                    total = sum(live.values(), RunningSum.empty(len(rdp.ORDERS)).curve())
+                    entry.epsilon_spent = rdp.epsilon(total, delta=silo["delta"])[0]
+                    if entry.event == "reserve":
+                        charge.epsilon_spent_after = entry.epsilon_spent
+                        connection.execute(charges_t.update().where(charges_t.c.id == charge.id)
+                                           .values(epsilon_spent_after=entry.epsilon_spent))
+                entry.prev_hash = prev
+                subject = chain.silo_fields(SimpleNamespace(**silo)) if charge is None else chain.charge_fields(charge)
+                entry.hash = chain.entry_hash(entry, subject=subject)  # type: ignore[arg-type]  # a namespace row
+                connection.execute(entries_t.update().where(entries_t.c.id == entry.id).values(
+                    epsilon_spent=entry.epsilon_spent, prev_hash=entry.prev_hash, hash=entry.hash))
+                prev = entry.hash
+            connection.execute(silos_t.update().where(silos_t.c.id == silo["id"]).values(chain_head=prev))
+    engine.dispose()
 
 
 def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that_audits(database_url: str) -> None:

@@ -15,7 +15,7 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, Principal
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.dashboard import pages, series
 from dpledger.service.dashboard.parameters import parameters
-from dpledger.service.ledger import audit, charges, keys, silos, transparency
+from dpledger.service.ledger import audit, charges, gate, keys, silos, transparency
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
@@ -178,7 +178,8 @@ def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -
         last_round=refused.last.round, epsilon_spent=refused.last.epsilon_spent,
         epsilon_if_approved=refused.last.epsilon_if_approved,
     )
-    return _html(pages.silo(row, series.points(steps, delta=silo.delta), charge_rows, verification, refusals))
+    points = series.points(steps, delta=silo.delta, convert=lambda running: gate.reading(silo, running).epsilon)
+    return _html(pages.silo(row, points, charge_rows, verification, refusals))
 
 
 def _charge_rows(history: list[charges.HistoryRow], *, delta: float) -> list[pages.ChargeRow]:

@@ -1,4 +1,5 @@
-"""Approval, settlement and idempotency through the real app, against dp-accounting's own numbers."""
+"""Approval, settlement and idempotency through the real app, against dp-accounting's own numbers
+converted by the silo's published filter (tests/gate_oracle.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from tests.conftest import ADMIN
+from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
 
 Q, SIGMA = 0.01, 1.1
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": SIGMA, "steps": 1}  # dataset_size 1000 → q = 0.01
@@ -22,6 +24,12 @@ def dp_accounting_epsilon(rounds: int, *, delta: float = 1e-5, steps: int = 1) -
     return accountant.get_epsilon(delta)
 
 
+def proven(client, silo, rounds: int, *, steps: int = 1) -> float:  # type: ignore[no-untyped-def]
+    """The silo's gate on `rounds` × `steps` DP-SGD steps: dp-accounting's curve, its filter's conversion."""
+    detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
+    return proven_epsilon(filter_of(detail), dpsgd_curve([(Q, SIGMA, rounds * steps)]), delta=silo.delta)
+
+
 def charge(client, silo, key: str, mechanism=None, **extra):  # type: ignore[no-untyped-def]
     body = {"mechanism": mechanism or STEP, "idempotency_key": key, **extra}
     return client.post(f"/v1/silos/{silo.id}/charges", json=body, headers=silo.headers)
@@ -32,12 +40,13 @@ def history_length(client, silo) -> int:  # type: ignore[no-untyped-def]
 
 
 def test_a_budget_that_admits_exactly_k_rounds_approves_k_and_refuses_the_next(client, make_silo) -> None:
-    k = 7
-    silo = make_silo(epsilon=dp_accounting_epsilon(k))
+    silo = make_silo(epsilon=dp_accounting_epsilon(7) * 1.02)
+    k = max(r for r in range(1, 50) if proven(client, silo, r) <= silo.epsilon)
+    assert k >= 5 and proven(client, silo, k + 1) > silo.epsilon
     for i in range(k):
         response = charge(client, silo, f"r{i}")
         assert response.status_code == 201, response.text
-        assert response.json()["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(i + 1), rel=1e-9)
+        assert response.json()["epsilon_spent"] == pytest.approx(proven(client, silo, i + 1), rel=1e-9)
     entries = history_length(client, silo)
 
     refused = charge(client, silo, "one-too-many")
@@ -45,13 +54,24 @@ def test_a_budget_that_admits_exactly_k_rounds_approves_k_and_refuses_the_next(c
     assert refused.status_code == 409
     body = refused.json()
     assert body["epsilon"] == silo.epsilon
-    assert body["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(k), rel=1e-9)
-    assert body["epsilon_if_approved"] == pytest.approx(dp_accounting_epsilon(k + 1), rel=1e-9)
+    assert body["epsilon_spent"] == pytest.approx(proven(client, silo, k), rel=1e-9)
+    assert body["epsilon_if_approved"] == pytest.approx(proven(client, silo, k + 1), rel=1e-9)
     assert history_length(client, silo) == entries  # a refused request writes nothing
 
 
+def test_the_gate_costs_a_little_more_than_the_unproven_rule_never_less(client, make_silo) -> None:
+    silo = make_silo(epsilon=dp_accounting_epsilon(1, steps=20) * 1.05)
+    assert charge(client, silo, "a", mechanism={**STEP, "steps": 20}).status_code == 201
+    spent = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["epsilon_spent"]
+    # The old rule's ε (some order of 156, each with the whole δ) is below the proven one; the union
+    # bound over the silo's committed order costs a few percent at most on its own horizon.
+    assert dp_accounting_epsilon(1, steps=20) <= spent <= dp_accounting_epsilon(1, steps=20) * 1.05
+
+
 def test_release_returns_the_reservation_and_commit_keeps_it(client, make_silo) -> None:
-    silo = make_silo(epsilon=dp_accounting_epsilon(2))
+    probe = make_silo(epsilon=dp_accounting_epsilon(2) * 1.01)
+    silo = make_silo(epsilon=(proven(client, probe, 2) + proven(client, probe, 3)) / 2)
+    assert proven(client, silo, 2) <= silo.epsilon < proven(client, silo, 3)
     first = charge(client, silo, "a").json()["charge_id"]
     second = charge(client, silo, "b").json()["charge_id"]
     assert charge(client, silo, "c").status_code == 409
@@ -61,16 +81,16 @@ def test_release_returns_the_reservation_and_commit_keeps_it(client, make_silo) 
 
     assert committed.status_code == 200 and committed.json()["status"] == "committed"
     assert released.status_code == 200 and released.json()["status"] == "released"
-    assert released.json()["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+    assert released.json()["epsilon_spent"] == pytest.approx(proven(client, silo, 1), rel=1e-9)
     detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
-    assert detail["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
-    assert detail["epsilon_committed"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
-    assert detail["epsilon_remaining"] == pytest.approx(silo.epsilon - dp_accounting_epsilon(1), rel=1e-9)
+    assert detail["epsilon_spent"] == pytest.approx(proven(client, silo, 1), rel=1e-9)
+    assert detail["epsilon_committed"] == pytest.approx(proven(client, silo, 1), rel=1e-9)
+    assert detail["epsilon_remaining"] == pytest.approx(silo.epsilon - proven(client, silo, 1), rel=1e-9)
     assert charge(client, silo, "c").status_code == 201  # the released budget is spendable again
 
 
 def test_settling_twice_or_commit_after_release_is_a_conflict(client, make_silo) -> None:
-    silo = make_silo()
+    silo = make_silo(epsilon=5.0)
     a = charge(client, silo, "a").json()["charge_id"]
     b = charge(client, silo, "b").json()["charge_id"]
     assert client.post(f"/v1/charges/{a}/commit", headers=silo.headers).status_code == 200
@@ -96,7 +116,7 @@ def test_a_retry_returns_the_first_answer_and_charges_once(client, make_silo) ->
     assert first.json()["status"] == "reserved" and first.json()["replayed"] is False
     assert retry.headers["Idempotent-Replayed"] == "true"
     detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
-    assert detail["epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
+    assert detail["epsilon_spent"] == pytest.approx(proven(client, silo, 1), rel=1e-9)
 
 
 def test_the_same_key_with_another_body_is_refused_and_writes_nothing(client, make_silo) -> None:
@@ -150,14 +170,16 @@ def test_epsilon_spent_equals_dp_accounting_over_a_mixed_history(client, make_si
     client.post(f"/v1/charges/{ids[1]}/release", headers=silo.headers)
     client.post(f"/v1/charges/{ids[0]}/commit", headers=silo.headers)
 
-    oracle = rdp_lib.RdpAccountant()
-    oracle.compose(de.ComposedDpEvent([e for i, e in enumerate(events) if i != 1]))
-    committed = rdp_lib.RdpAccountant()
-    committed.compose(events[0])
+    # dp-accounting's curves; the Poisson-sampled Gaussians' (0, 4, 6) through the oracle's certified
+    # fractional orders, as the ledger charges them.
+    others = rdp_lib.RdpAccountant()
+    others.compose(de.ComposedDpEvent([events[2], events[3], events[5]]))
+    spent_curve = others.rdp + dpsgd_curve([(Q, SIGMA, 31), (0.05, 2.0, 1)])
     detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
-    assert detail["epsilon_spent"] == pytest.approx(oracle.get_epsilon(1e-6), rel=1e-9)
-    assert detail["epsilon_committed"] == pytest.approx(committed.get_epsilon(1e-6), rel=1e-9)
-    assert detail["rho"] == pytest.approx(float(max(oracle.rdp / oracle.orders)), rel=1e-9)
+    assert detail["epsilon_spent"] == pytest.approx(proven_epsilon(filter_of(detail), spent_curve, delta=1e-6), rel=1e-9)
+    committed = proven_epsilon(filter_of(detail), dpsgd_curve([(Q, SIGMA, 1)]), delta=1e-6)
+    assert detail["epsilon_committed"] == pytest.approx(committed, rel=1e-9)
+    assert detail["rho"] == pytest.approx(float(max(spent_curve / others.orders)), rel=1e-9)
 
 
 def test_quote_matches_dp_accounting_and_previews_the_silo(client, make_silo) -> None:
@@ -165,9 +187,12 @@ def test_quote_matches_dp_accounting_and_previews_the_silo(client, make_silo) ->
     charge(client, silo, "a")
 
     alone = client.post("/v1/quote", json={"mechanism": {**STEP, "steps": 50}, "silo_id": silo.id}, headers=silo.headers).json()
-    assert alone["epsilon"] == pytest.approx(dp_accounting_epsilon(1, steps=50), rel=1e-9)
-    assert alone["silo_epsilon_spent"] == pytest.approx(dp_accounting_epsilon(1), rel=1e-9)
-    assert alone["epsilon_if_approved"] == pytest.approx(dp_accounting_epsilon(51), rel=1e-9)
+    # The mechanism alone: dp-accounting's ε, on the ledger's curve (certified at fractional orders,
+    # which moves it by less than 1e-8 here).
+    assert alone["epsilon"] == pytest.approx(dp_accounting_epsilon(1, steps=50), rel=1e-8)
+    assert alone["epsilon"] <= dp_accounting_epsilon(1, steps=50)
+    assert alone["silo_epsilon_spent"] == pytest.approx(proven(client, silo, 1), rel=1e-9)
+    assert alone["epsilon_if_approved"] == pytest.approx(proven(client, silo, 51), rel=1e-9)
     assert alone["epsilon_pld"] < alone["epsilon"]  # PLD is the tighter accountant
 
     zcdp = client.post("/v1/quote", json={"mechanism": {"type": "zcdp", "rho": 0.1}, "delta": 1e-5}, headers=ADMIN).json()

