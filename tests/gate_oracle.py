@@ -10,7 +10,7 @@ values are checked against a 40-digit integration in tests/service/accounting/te
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -52,3 +52,40 @@ def proven_epsilon(filter_pairs: list[tuple[float, float]], curve: np.ndarray, *
         float(rdp_lib.compute_epsilon([alpha], [float(curve[ORDERS.index(alpha)])], delta * weight)[0])
         for alpha, weight in filter_pairs
     )
+
+
+def filter_pairs(silo: Any) -> list[tuple[float, float]]:
+    """The (order, δ share) pairs of a silo's published filter: a GET /v1/silos/{id} body, or the
+    typed client's SiloDetail."""
+    if isinstance(silo, Mapping):
+        return filter_of(silo)
+    assert silo.filter is not None, "the silo publishes no filter"
+    return list(zip(silo.filter.orders, silo.filter.weights, strict=True))
+
+
+def dpsgd_epsilon(silo: Any, runs: Iterable[tuple[float, float, int]], *, delta: float) -> float:
+    """The ε the gate reads for DP-SGD runs (q, σ, steps) on this silo, by dp-accounting's curves."""
+    return proven_epsilon(filter_pairs(silo), dpsgd_curve(runs), delta=delta)
+
+
+def budget_admitting(
+    create: Callable[[float], Any], fits: Iterable[tuple[float, float, int]], overflows: Iterable[tuple[float, float, int]],
+    *, delta: float, tries: int = 6,
+) -> Any:
+    """A silo (made by `create(budget)`) whose gate admits the runs `fits` but not `overflows`.
+
+    A silo's filter is fixed from its budget, so the budget that admits exactly a workload is a fixed
+    point: start midway by the old rule, read the filter the silo got, and move the budget midway
+    between the two proven ε under it until the silo it makes admits the one and not the other."""
+    fits, overflows = list(fits), list(overflows)
+    low = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(fits), delta)[0])
+    high = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(overflows), delta)[0])
+    budget = (low + high) / 2
+    for _ in range(tries):
+        silo = create(budget)
+        low, high = dpsgd_epsilon(silo, fits, delta=delta), dpsgd_epsilon(silo, overflows, delta=delta)
+        assert low < high, "the overflowing runs must cost more than the fitting ones"
+        if low <= budget < high:
+            return silo
+        budget = (low + high) / 2
+    raise AssertionError(f"no budget found in {tries} tries that admits {fits} and not {overflows}")
