@@ -29,6 +29,9 @@ MAX_NODES = 10_000  # nodes of the mechanism tree walked; far beyond any plan a 
 # PLD: a leaf's "work" ~ compositions × privacy-loss range (1/σ², 1/b, scaled by q for sampling).
 # Measured: work 2.5·10^4 took 1–2.4 s and ~900 MB; the bound keeps the report well under that.
 MAX_PLD_WORK = 2_000.0
+# The discretization of the PLD report those measurements were taken at: a finer one (a plan's
+# price) does proportionally more work for the same mechanism.
+MEASURED_DISCRETIZATION = 1e-3
 MIN_PLD_NOISE_MULTIPLIER = 0.5  # a lone Gaussian at σ = 0.05 needed ~160 MB already
 MIN_PLD_LAPLACE_SCALE = 0.1  # a lone Laplace at b = 0.001 took 3.6 s
 MAX_PLD_LEAVES = 8
@@ -42,11 +45,14 @@ class _Walk:
     pld_skip: str | None = None
 
 
-def check(mechanism: m.AnyMechanism, *, path: str = "mechanism") -> str | None:
+def check(
+    mechanism: m.AnyMechanism, *, path: str = "mechanism", pld_discretization: float = MEASURED_DISCRETIZATION
+) -> str | None:
     """Refuses (MechanismError) a mechanism whose RDP work exceeds the bound; returns why its PLD
-    report must be skipped, or None where the PLD accountant's work is within bounds too."""
+    report (at `pld_discretization`) must be skipped, or None where that work is within bounds too."""
     walk = _Walk()
     _visit(mechanism, walk, count=1.0, path=path)
+    walk.pld_work *= MEASURED_DISCRETIZATION / pld_discretization
     seconds = sum(walk.leaves.values())
     if seconds > MAX_RDP_SECONDS:
         raise MechanismError(

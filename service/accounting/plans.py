@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from dp_accounting.pld import pld_privacy_accountant
 
+from dpledger.service.accounting import cost
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
@@ -114,13 +115,20 @@ class PlanPrice:
 
 
 def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> PlanPrice:
-    """The plan's ε at δ by dp-accounting's PLD accountant; MechanismError if it cannot price it."""
+    """The plan's ε at δ by dp-accounting's PLD accountant; MechanismError if it cannot price it, or
+    not within one request's bounded work (cost.check, at this finer discretization)."""
+    too_costly = cost.check(mechanism, pld_discretization=PLAN_DISCRETIZATION)
+    if too_costly is not None:
+        raise MechanismError("mechanism", f"cannot be priced as a plan within one request's bounded work: {too_costly}")
     event = to_dp_event(mechanism)
     accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLAN_DISCRETIZATION)
     if not accountant.supports(event):
         raise MechanismError("mechanism", f"dp-accounting's PLD accountant does not support {type(event).__name__} in this plan")
-    accountant.compose(event)
-    return PlanPrice(float(accountant.get_epsilon(delta)))
+    try:
+        accountant.compose(event)
+        return PlanPrice(float(accountant.get_epsilon(delta)))
+    except (ValueError, ArithmeticError, MemoryError) as error:
+        raise MechanismError("mechanism", f"dp-accounting's PLD accountant failed on this plan: {type(error).__name__}") from error
 
 
 @dataclass(frozen=True)
