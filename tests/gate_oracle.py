@@ -89,3 +89,11 @@ def budget_admitting(
             return silo
         budget = (low + high) / 2
     raise AssertionError(f"no budget found in {tries} tries that admits {fits} and not {overflows}")
+
+
+def event_curve(event: Any) -> np.ndarray:
+    """dp-accounting's RDP curve of a dp_event on the ledger's grid. For events without a
+    Poisson-sampled Gaussian, which is the one kind the ledger prices tighter (dpsgd_curve)."""
+    accountant = rdp_lib.RdpAccountant(ORDERS)
+    accountant.compose(event)
+    return np.array(accountant._rdp, dtype=float)

@@ -11,7 +11,6 @@ from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from dp_accounting import dp_event as de  # noqa: E402
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib  # noqa: E402
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 
 from dpledger.flower import records  # noqa: E402
@@ -20,17 +19,31 @@ from dpledger.flower.gate import ledger_gate  # noqa: E402
 from dpledger.flower.local import template  # noqa: E402
 from dpledger.harness import running_server  # noqa: E402
 from dpledger.trainer.client import LedgerClient  # noqa: E402
+from dpledger.wire.schemas import SiloDetail  # noqa: E402
+from tests import gate_oracle  # noqa: E402
 from tests.flower.federation import DELTA, write_silo_files  # noqa: E402
 
 ADMIN = "gate-test-admin-key"
 TRAIN, SIGMA, STEPS, BATCH = 60, 1.0, 2, 12
 
 
-def epsilon_after(rounds: int) -> float:
-    accountant = rdp_lib.RdpAccountant()
-    event = de.PoissonSampledDpEvent(BATCH / TRAIN, de.GaussianDpEvent(SIGMA))
-    accountant.compose(de.SelfComposedDpEvent(event, STEPS * rounds))
-    return float(accountant.get_epsilon(DELTA))
+def run(rounds: int) -> list[tuple[float, float, int]]:
+    """`rounds` rounds of this silo's DP-SGD, as (q, σ, steps) for the gate oracle."""
+    return [(BATCH / TRAIN, SIGMA, STEPS * rounds)]
+
+
+def budget_for_rounds(ledger: str, rounds: int) -> float:
+    """A budget whose silo admits exactly `rounds` rounds (its filter follows from the budget, so
+    probe silos find the fixed point; the filter of a silo is a function of budget, δ and size)."""
+    probes = iter(range(100))
+    with LedgerClient(ledger, ADMIN) as admin:
+        def create(budget: float) -> SiloDetail:
+            made = admin.create_silo(name=f"probe-{rounds}-{budget!r}-{next(probes)}", epsilon=budget, delta=DELTA,
+                                     dataset_size=TRAIN)
+            return admin.silo(made.id)
+
+        probe = gate_oracle.budget_admitting(create, run(rounds), run(rounds + 1), delta=DELTA)
+    return float(probe.epsilon)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +105,7 @@ def test_a_train_message_delivered_twice_trains_once(ledger: str, tmp_path: Path
     with LedgerClient(ledger, ADMIN) as admin:
         detail = admin.silo(silo_id)
         history = admin.history(silo_id)
-    assert detail.epsilon_committed == pytest.approx(epsilon_after(1), rel=1e-9)
+    assert detail.epsilon_committed == pytest.approx(gate_oracle.dpsgd_epsilon(detail, run(1), delta=DELTA), rel=1e-9)
     assert [e.event for e in history].count("reserve") == 1
     # The silo's norm reached the ledger under its own key, and never the reply.
     assert "update-norm" not in str(first.content.config_records) and "update-norm" not in str(first.content.metric_records)
@@ -100,7 +113,7 @@ def test_a_train_message_delivered_twice_trains_once(ledger: str, tmp_path: Path
 
 
 def test_a_denial_never_reaches_the_trainer_and_says_only_declined(ledger: str, tmp_path: Path) -> None:
-    job_id, context = silo_context(ledger, tmp_path, budget=epsilon_after(1))
+    job_id, context = silo_context(ledger, tmp_path, budget=budget_for_rounds(ledger, 1))
     trainer = Counting()
     assert records.reply_status(ledger_gate(train_message(job_id, 0), context, trainer)) == records.TRAINED
     refusal = ledger_gate(train_message(job_id, 1), context, trainer)
@@ -134,8 +147,8 @@ def test_a_pmtl_round_charges_the_servers_gaussian_at_record_level(ledger: str, 
         reply = ledger_gate(train_message(job_id, round_index, algorithm="pmtl", server_noise=3.0), context, trainer)
         assert records.reply_status(reply) == records.TRAINED
     assert records.PERSONAL in context.state.array_records  # the personal model stays at the silo
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(1.5), 2))
+    charged = gate_oracle.event_curve(de.SelfComposedDpEvent(de.GaussianDpEvent(1.5), 2))
     with LedgerClient(ledger, ADMIN) as admin:
         detail = admin.silo(int(context.node_config["silo-id"]))
-    assert detail.epsilon_committed == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-9)
+    expected = gate_oracle.proven_epsilon(gate_oracle.filter_pairs(detail), charged, delta=DELTA)
+    assert detail.epsilon_committed == pytest.approx(expected, rel=1e-9)
