@@ -17,10 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-
-from tests.flower.federation import DELTA, Federation, federation, kill
+from tests.flower.federation import Federation, expected_epsilon, federation, kill
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
@@ -28,14 +25,10 @@ RUN_TIMEOUT = 560.0
 
 
 def epsilon_after(rounds: int, pmtl_rounds: int = 0) -> float:
-    """dp-accounting's ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n,
-    then `pmtl_rounds` Gaussians at SERVER_NOISE / 2."""
-    accountant = rdp_lib.RdpAccountant()
-    event = de.PoissonSampledDpEvent(BATCH / TRAIN, de.GaussianDpEvent(SIGMA))
-    accountant.compose(de.SelfComposedDpEvent(event, STEPS * rounds))
-    if pmtl_rounds:
-        accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(SERVER_NOISE / 2), pmtl_rounds))
-    return float(accountant.get_epsilon(DELTA))
+    """The ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n, then
+    `pmtl_rounds` Gaussians at SERVER_NOISE / 2 (`expected_epsilon`, the one oracle)."""
+    return expected_epsilon(rounds=rounds, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA,
+                            pmtl_rounds=pmtl_rounds, server_noise=SERVER_NOISE)
 
 
 # Silo 0 can afford exactly two rounds; the others all of them.
