@@ -22,6 +22,7 @@ from tests.flower.federation import Federation, expected_epsilon, federation, ki
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
 RUN_TIMEOUT = 560.0
+SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
 
 
 def epsilon_after(rounds: int, pmtl_rounds: int = 0) -> float:
@@ -39,9 +40,6 @@ BUDGETS = [epsilon_after(2), 50.0, 50.0]
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
     with federation(tmp_path_factory.mktemp("flower"), budgets=BUDGETS, noise_multiplier=SIGMA, train=TRAIN, test=TEST) as f:
         yield f
-
-
-SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
 
 
 def run_config(fed: Federation, algorithm: str, out: Path, rounds: int = ROUNDS) -> dict[str, Any]:
