@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -255,3 +257,19 @@ def access_log(fed: Federation) -> list[dict[str, object]]:
         if isinstance(entry, dict) and entry.get("logger") == "dpledger.access":
             entries.append(entry)
     return entries
+
+
+def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> None:
+    """Nothing the ServerApp received or logged holds an ε, a budget, or a silo's spent ε."""
+    keys = {key for values in result["reply_records"] for key in values}
+    assert keys <= {"status.status", "metrics.train-seconds", "metrics.ledger-seconds", "error-code"}, keys
+    statuses = {values.get("status.status") for values in result["reply_records"]} - {None}
+    assert statuses <= {"trained", "declined", "replayed", "failed"}
+    lowered = text.lower()
+    assert "epsilon" not in lowered and "budget" not in lowered and "ε" not in text
+    with fed.ledger() as admin:
+        secrets = [admin.silo(s.silo_id) for s in fed.silos]
+    numbers = set(re.findall(r"\d+\.\d+", text))
+    for detail in secrets:
+        for value in (detail.epsilon, detail.epsilon_spent, detail.epsilon_committed, detail.epsilon_remaining):
+            assert not any(n.startswith(f"{value:.3f}") for n in numbers if value > 0), value

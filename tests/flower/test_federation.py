@@ -11,13 +11,12 @@ import pytest
 pytest.importorskip("flwr", reason="flwr is not installed (the `flower` extra)")
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.flower.federation import Federation, expected_epsilon, federation, kill
+from tests.flower.federation import Federation, assert_budget_blind, expected_epsilon, federation, kill
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
@@ -55,22 +54,6 @@ def trained_rounds(result: dict[str, Any]) -> dict[int, int]:
         for silo, status in entry["status"].items():
             counts[int(silo)] = counts.get(int(silo), 0) + (status == "trained")
     return counts
-
-
-def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> None:
-    """Nothing the ServerApp received or logged holds an ε, a budget, or a silo's spent ε."""
-    keys = {key for values in result["reply_records"] for key in values}
-    assert keys <= {"status.status", "metrics.train-seconds", "metrics.ledger-seconds", "error-code"}, keys
-    statuses = {values.get("status.status") for values in result["reply_records"]} - {None}
-    assert statuses <= {"trained", "declined", "replayed", "failed"}
-    lowered = text.lower()
-    assert "epsilon" not in lowered and "budget" not in lowered and "ε" not in text
-    with fed.ledger() as admin:
-        secrets = [admin.silo(s.silo_id) for s in fed.silos]
-    numbers = set(re.findall(r"\d+\.\d+", text))
-    for detail in secrets:
-        for value in (detail.epsilon, detail.epsilon_spent, detail.epsilon_committed, detail.epsilon_remaining):
-            assert not any(n.startswith(f"{value:.3f}") for n in numbers if value > 0), value
 
 
 def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.budgets import MIXGAUSS_TABLE, draw_budgets
-from tests.flower.federation import Federation, access_log, expected_epsilon, federation
+from tests.flower.federation import Federation, access_log, assert_budget_blind, expected_epsilon, federation
 
 SILOS, TRAIN, TEST, STEPS, BATCH, ROUNDS = 4, 120, 40, 2, 16, 3  # ROUNDS: the warm start and two grouped rounds
 RUNS = ("pfa", "fedhdp")
@@ -85,6 +85,7 @@ def test_pfa_and_fedhdp_use_the_ledgers_groups_and_never_a_budget(fed: Federatio
         agree = sum(used[s] == truth[s] for s in ids)
         assert agree >= 0.9 * SILOS, (algorithm, used, truth, sigmas)
         assert set(result["accuracy"]) == {str(s) for s in ids}
+        assert_budget_blind(fed, finished.stdout + finished.stderr + (fed.folder / "superlink.log").read_text(), result)
 
     # Each silo's ε is exactly its rounds (both runs, warm starts included) at its own σ.
     with fed.ledger() as admin:
