@@ -1,7 +1,7 @@
 """The silo's ClientApp: DP-SGD on the silo's own data, run only under the approval that
 `gate.ledger_gate` wrote into the silo's state for this very round.
 
-FedAvg: start from the global model, send the trained model back. MR-MTL: the personal model stays
+FedAvg, PFA, FedHDP: start from the global model, send the trained model back. MR-MTL: the personal model stays
 in the silo's state; it trains towards the server's mean and sends its personal model, which the
 server averages into the next mean (already-private outputs: post-processing)."""
 
@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 from dpledger.flower import records
 from dpledger.flower.gate import ledger_gate
 from dpledger.flower.local import accuracy, dp_sgd, load_silo_file, template
-from dpledger.flower.settings import SiloSettings
+from dpledger.flower.settings import ALGORITHMS, SiloSettings
 
 app = ClientApp(mods=[ledger_gate])
 
@@ -40,7 +40,7 @@ def train(message: Message, context: Context) -> Message:
     if approval is None or approval.get("round") != config.get("round") or approval.get("job-id") != config.get("job-id"):
         # Only the gate may let a round through; a ClientApp built without it must not train.
         raise RuntimeError("no ledger approval for this round")
-    silo = SiloSettings.from_node_config(context.node_config)
+    silo = SiloSettings.of_node(context.node_config)
     data = load_silo_file(silo.data_path)
     algorithm = config.get("algorithm")
     model = template(seed=int(_number(config, "seed")))
@@ -52,10 +52,10 @@ def train(message: Message, context: Context) -> Message:
         personal = context.state.array_records.get(records.PERSONAL)
         start = records.from_record(personal) if personal is not None else received
         anchor = received  # the server's mean of the personal models
-    elif algorithm == "fedavg":
-        start = received
+    elif algorithm in ("fedavg", "pfa", "fedhdp"):
+        start = received  # the global model; PFA and FedHDP differ from FedAvg only at the server
     else:
-        raise ValueError(f"train config 'algorithm' must be 'fedavg', 'mrmtl' or 'pmtl'. Found {algorithm!r}.")
+        raise ValueError(f"train config 'algorithm' must be one of {list(ALGORITHMS)}. Found {algorithm!r}.")
 
     # A tiny model: one thread trains it as fast as many, and leaves the site's other cores alone.
     torch.set_num_threads(1)
@@ -78,7 +78,7 @@ def train(message: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
     """Test accuracy of the model this silo deploys (the global one, or its personal one)."""
-    silo = SiloSettings.from_node_config(context.node_config)
+    silo = SiloSettings.of_node(context.node_config)
     data = load_silo_file(silo.data_path)
     config = _config(message)
     model = template(seed=int(_number(config, "seed")))
@@ -94,5 +94,5 @@ def evaluate(message: Message, context: Context) -> Message:
 @app.query()
 def query(message: Message, context: Context) -> Message:
     """The silo's ledger id (public: the coordinator names silos by it when it creates the job)."""
-    silo = SiloSettings.from_node_config(context.node_config)
+    silo = SiloSettings.of_node(context.node_config)
     return Message(RecordDict({records.CONFIG: ConfigRecord({"silo-id": silo.silo_id})}), reply_to=message)

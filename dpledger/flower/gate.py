@@ -58,7 +58,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
     if message.metadata.message_type != MessageType.TRAIN:
         return call_next(message, context)
     try:
-        silo = SiloSettings.from_node_config(context.node_config)
+        silo = SiloSettings.of_node(context.node_config)
         job_id, round_index, steps, batch_size = _order(message)
         server_noise = _pmtl_noise(message)
         dataset_size = load_silo_file(silo.data_path).size

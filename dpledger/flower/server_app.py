@@ -1,4 +1,7 @@
-"""The ServerApp: one ledger job per run, FedAvg, MR-MTL or PMTL over the silos still training.
+"""The ServerApp: one ledger job per run, FedAvg, MR-MTL, PMTL, PFA or FedHDP over the silos still training.
+
+PFA and FedHDP (`grouped`): a charged warm-start round, then the groups the ledger clusters from
+that round's norms, read once with the coordinator key and kept for the rest of the run.
 
 It holds a coordinator key only (create the job; read groups), so nothing it could log or forward
 holds a budget, an ε or a norm: silos answer "declined" when they stop, and report their norms to
@@ -18,7 +21,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from dpledger.flower import records
+from dpledger.flower import grouped, records
 from dpledger.flower.local import template
 from dpledger.flower.pmtl import server_step
 from dpledger.flower.settings import RunSettings
@@ -47,6 +50,8 @@ class RunLog:
     rounds: list[RoundLog] = field(default_factory=list)
     accuracy: dict[int, float] = field(default_factory=dict)
     reply_records: list[dict[str, object]] = field(default_factory=list)  # every non-array value the silos sent
+    # PFA / FedHDP: silo id → privacy group (0 = least noisy), as read from the ledger after the warm start.
+    groups: dict[int, int] = field(default_factory=dict)
 
 
 def _wait_for_nodes(grid: Grid, count: int) -> list[int]:
@@ -114,6 +119,7 @@ def main(grid: Grid, context: Context) -> None:
         replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
         trained: list[torch.Tensor] = []
+        trained_silos: list[int] = []
         asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl.server_step)
         for node in asked:
             reply = replies.get(node)
@@ -124,6 +130,7 @@ def main(grid: Grid, context: Context) -> None:
             if reply is not None and status == records.TRAINED:
                 params = records.from_record(reply.content.array_records[records.ARRAYS])
                 trained.append(params)
+                trained_silos.append(silos[node])
                 latest[node] = params
                 metrics = reply.content.metric_records[records.METRICS]
                 entry.train_seconds[silos[node]] = float(metrics["train-seconds"])  # type: ignore[arg-type]  # a float the silo wrote
@@ -132,6 +139,16 @@ def main(grid: Grid, context: Context) -> None:
                 active.discard(node)  # declined, failed or gone: no more rounds for this silo
         if settings.algorithm == "fedavg" and trained:
             shared = torch.stack(trained).mean(0)
+        elif settings.algorithm in grouped.GROUPED and round_index == grouped.WARM_START_ROUND:
+            # Liu et al. 2023 §4.1: the warm-start round only collects; every silo reported its norm to
+            # the ledger before replying, so the groups are complete now. Read once, never again.
+            with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
+                service_groups = ledger.groups(job_id, round_index)
+            run.groups = grouped.fixed_groups(service_groups, sorted(silos.values()))
+            log.info("job %d: privacy groups %s", job_id, run.groups)
+        elif settings.algorithm in grouped.GROUPED and trained:
+            updates = torch.stack(trained) - shared
+            shared = shared + grouped.aggregate(settings.algorithm, updates, [run.groups[s] for s in trained_silos])
         elif settings.algorithm == "mrmtl":
             # The mean of all personal models, a stopped silo's frozen one included (post-processing).
             shared = torch.stack([latest[node] for node in sorted(silos)]).mean(0)

@@ -3,19 +3,28 @@
 A silo's own settings (its ledger, its id, the file holding its key, its data, its σ) come from its
 SuperNode's `--node-config` and nowhere else: the run config is written by whoever submits the run
 and reaches every node, so a value read from it could be set by the server side.
+
+In Flower's simulation engine a virtual node's node config holds only `partition-id` and
+`num-partitions` (Flower sets them); `SiloSettings.of_node` then reads partition k's silo settings
+from entry k of the JSON list in the file that the environment variable `DPLEDGER_SIMULATION_NODES`
+names, set on the machine that runs the simulation: still not from the run config.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 ConfigValue = bool | float | int | str
-Algorithm = Literal["fedavg", "mrmtl", "pmtl"]
-ALGORITHMS: tuple[Algorithm, ...] = ("fedavg", "mrmtl", "pmtl")
+Algorithm = Literal["fedavg", "mrmtl", "pmtl", "pfa", "fedhdp"]
+ALGORITHMS: tuple[Algorithm, ...] = ("fedavg", "mrmtl", "pmtl", "pfa", "fedhdp")
+SIMULATION_NODES_ENV = "DPLEDGER_SIMULATION_NODES"
+PARTITION_ID = "partition-id"  # what Flower's simulation engine puts in a virtual node's node config
 
 
 class SettingsError(ValueError):
@@ -71,6 +80,28 @@ class SiloSettings:
             data_path=Path(_text(config, "data-path", where)),
             noise_multiplier=_float(config, "noise-multiplier", where, positive=True),
         )
+
+    @classmethod
+    def of_node(cls, config: Mapping[str, ConfigValue]) -> SiloSettings:
+        """A SuperNode's settings from its node config; a virtual node's (simulation: `partition-id`
+        only) from its entry in the file named by `DPLEDGER_SIMULATION_NODES`."""
+        if "silo-id" in config or PARTITION_ID not in config:
+            return cls.from_node_config(config)
+        partition = _int(config, PARTITION_ID, "node config", minimum=0)
+        path = os.environ.get(SIMULATION_NODES_ENV, "")
+        where = f"{SIMULATION_NODES_ENV} {path!r}"
+        if not path:
+            raise SettingsError(f"node config: a virtual node (partition-id={partition}) needs {SIMULATION_NODES_ENV}, "
+                                "the file of the simulated silos' settings.")
+        try:
+            entries = json.loads(Path(path).read_text())
+        except OSError as error:
+            raise SettingsError(f"{where} cannot be read ({error.strerror}).") from None
+        except json.JSONDecodeError as error:
+            raise SettingsError(f"{where} is not JSON ({error.msg}).") from None
+        if not isinstance(entries, list) or partition >= len(entries) or not isinstance(entries[partition], dict):
+            raise SettingsError(f"{where} must be a JSON list with an object for partition {partition}.")
+        return cls.from_node_config(entries[partition])
 
     def api_key(self) -> str:
         """The key is read from its file when needed and never copied into any record or log."""

@@ -4,20 +4,26 @@ in its own session on a free port, all killed at the end."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
+from dp_accounting import dp_event as de
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from sklearn.datasets import load_digits
 
+from dpledger.flower.settings import SIMULATION_NODES_ENV
 from dpledger.harness import free_port
 from dpledger.trainer.client import LedgerClient
 from dpledger.wire.enums import Role
@@ -25,6 +31,22 @@ from dpledger.wire.enums import Role
 BIN = Path(sys.executable).parent
 APP_DIR = Path(__file__).resolve().parents[2] / "dpledger" / "flower" / "app"
 DELTA = 1e-5
+# Chooses a silo's σ with the silo's own ledger client and id (e.g. `calibrate_silo`), as a site would.
+NoiseChoice = Callable[[LedgerClient, int], float]
+
+
+def expected_epsilon(*, rounds: int, steps: int, sampling_rate: float, noise_multiplier: float,
+                     pmtl_rounds: int = 0, server_noise: float = 1.0, delta: float = DELTA) -> float:
+    """The oracle of every ε assertion over Flower (one place, so the ledger's reading can change in
+    one place): dp-accounting's RDP ε at `delta` of `rounds` rounds of `steps` Poisson-sampled
+    Gaussian steps (q = `sampling_rate`, σ = `noise_multiplier`), then `pmtl_rounds` PMTL rounds, each
+    the Gaussian at `server_noise` / 2."""
+    accountant = rdp_lib.RdpAccountant()
+    event = de.PoissonSampledDpEvent(sampling_rate, de.GaussianDpEvent(noise_multiplier))
+    accountant.compose(de.SelfComposedDpEvent(event, steps * rounds))
+    if pmtl_rounds:
+        accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(server_noise / 2), pmtl_rounds))
+    return float(accountant.get_epsilon(delta))
 
 
 def write_silo_files(folder: Path, *, silos: int, train: int, test: int, seed: int = 0) -> list[Path]:
@@ -62,11 +84,20 @@ class Federation:
     coordinator_key_file: Path
     silos: list[Silo] = field(default_factory=list)
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    # Simulation: the SuperLink's `--federation-config` for `flwr run` (virtual nodes, Ray's CPUs).
+    simulation: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         # Flower starts its own helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
         path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
-        return {**os.environ, "PATH": path, "FLWR_HOME": str(self.folder / "flwr-home"), "PYTHONUNBUFFERED": "1"}
+        return {**os.environ, "PATH": path, "FLWR_HOME": str(self.folder / "flwr-home"), "PYTHONUNBUFFERED": "1",
+                **self.extra_env}
+
+    def node_config(self, silo: Silo) -> dict[str, object]:
+        """A silo's own settings: a SuperNode's `--node-config`, or its entry of the simulation's file."""
+        return {"ledger-url": self.ledger_url, "silo-id": silo.silo_id, "key-file": str(silo.key_file),
+                "data-path": str(silo.data_file), "noise-multiplier": silo.noise_multiplier}
 
     def start(self, command: list[str], log: Path) -> subprocess.Popen[bytes]:
         with log.open("wb") as out:
@@ -75,10 +106,7 @@ class Federation:
         return process
 
     def start_supernode(self, silo: Silo) -> None:
-        node_config = (
-            f"ledger-url='{self.ledger_url}' silo-id={silo.silo_id} key-file='{silo.key_file}' "
-            f"data-path='{silo.data_file}' noise-multiplier={silo.noise_multiplier}"
-        )
+        node_config = " ".join(f"{k}={_toml(v)}" for k, v in self.node_config(silo).items())
         silo.log = self.folder / f"supernode-{silo.silo_id}.log"
         silo.process = self.start(
             [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.superlink_port}",
@@ -86,11 +114,11 @@ class Federation:
             silo.log,
         )
 
-    @staticmethod
-    def run_command(config: dict[str, object]) -> list[str]:
+    def run_command(self, config: dict[str, object]) -> list[str]:
         """`flwr run` of the app with run-config overrides, its logs streamed."""
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in config.items())
-        return [str(BIN / "flwr"), "run", str(APP_DIR), "local", "--stream", "--run-config", overrides]
+        command = [str(BIN / "flwr"), "run", str(APP_DIR), "local", "--stream", "--run-config", overrides]
+        return command + (["--federation-config", self.simulation] if self.simulation is not None else [])
 
     def run(self, *, timeout: float, **config: object) -> subprocess.CompletedProcess[str]:
         """Runs the app and waits for the run to finish."""
@@ -161,7 +189,11 @@ def kill(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def federation(folder: Path, *, budgets: list[float], noise_multiplier: float, train: int, test: int) -> Iterator[Federation]:
+def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | NoiseChoice, train: int,
+               test: int, simulation: bool = False) -> Iterator[Federation]:
+    """`noise_multiplier`: every silo's σ, or a function each silo calls with its own key.
+    `simulation`: no SuperNodes; the SuperLink runs Flower's simulation engine (Ray) with one virtual
+    node per silo, whose settings come from the file named by DPLEDGER_SIMULATION_NODES."""
     admin_key = "admin-" + os.urandom(16).hex()
     ledger_port, superlink_port = free_port(), free_port()
     fed = Federation(folder=folder, ledger_url=f"http://127.0.0.1:{ledger_port}", admin_key=admin_key,
@@ -185,16 +217,59 @@ def federation(folder: Path, *, budgets: list[float], noise_multiplier: float, t
                 key_file = folder / f"silo-{created.id}.key"
                 key_file.write_text(created.api_key)
                 key_file.chmod(0o600)
-                fed.silos.append(Silo(created.id, epsilon, key_file, path, noise_multiplier))
+                if callable(noise_multiplier):
+                    with LedgerClient(fed.ledger_url, created.api_key) as own:
+                        sigma = noise_multiplier(own, created.id)
+                else:
+                    sigma = noise_multiplier
+                fed.silos.append(Silo(created.id, epsilon, key_file, path, sigma))
+        if simulation:
+            nodes = folder / "simulation-nodes.json"
+            nodes.write_text(json.dumps([fed.node_config(silo) for silo in fed.silos]))
+            fed.extra_env[SIMULATION_NODES_ENV] = str(nodes)
+            # Ray on the cores there are: one virtual node's ClientApp per CPU at a time.
+            cpus = os.cpu_count() or 1
+            fed.simulation = f"num_supernodes={len(fed.silos)} init_args_num_cpus={cpus} client_resources_num_cpus=1"
         link = fed.start(
             [str(BIN / "flower-superlink"), "--insecure", "--port", str(superlink_port),
-             "--disable-runtime-dependency-installation"],
+             "--disable-runtime-dependency-installation", *(["--simulation"] if simulation else [])],
             folder / "superlink.log",
         )
         _wait_http(f"http://127.0.0.1:{superlink_port}/", link, 60)
-        for silo in fed.silos:
-            fed.start_supernode(silo)
+        if not simulation:
+            for silo in fed.silos:
+                fed.start_supernode(silo)
         yield fed
     finally:
         for process in fed.processes:
             kill(process)
+
+
+def access_log(fed: Federation) -> list[dict[str, object]]:
+    """The ledger's access-log entries so far (`dpledger serve` logs one JSON object a line; the
+    `dpledger.access` ones name the route template, the status and the caller's role and key id)."""
+    entries = []
+    for line in (fed.folder / "ledger.log").read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and entry.get("logger") == "dpledger.access":
+            entries.append(entry)
+    return entries
+
+
+def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> None:
+    """Nothing the ServerApp received or logged holds an ε, a budget, or a silo's spent ε."""
+    keys = {key for values in result["reply_records"] for key in values}
+    assert keys <= {"status.status", "metrics.train-seconds", "metrics.ledger-seconds", "error-code"}, keys
+    statuses = {values.get("status.status") for values in result["reply_records"]} - {None}
+    assert statuses <= {"trained", "declined", "replayed", "failed"}
+    lowered = text.lower()
+    assert "epsilon" not in lowered and "budget" not in lowered and "ε" not in text
+    with fed.ledger() as admin:
+        secrets = [admin.silo(s.silo_id) for s in fed.silos]
+    numbers = set(re.findall(r"\d+\.\d+", text))
+    for detail in secrets:
+        for value in (detail.epsilon, detail.epsilon_spent, detail.epsilon_committed, detail.epsilon_remaining):
+            assert not any(n.startswith(f"{value:.3f}") for n in numbers if value > 0), value

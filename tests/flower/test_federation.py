@@ -11,31 +11,24 @@ import pytest
 pytest.importorskip("flwr", reason="flwr is not installed (the `flower` extra)")
 
 import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-
-from tests.flower.federation import DELTA, Federation, federation, kill
+from tests.flower.federation import Federation, assert_budget_blind, expected_epsilon, federation, kill
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
 RUN_TIMEOUT = 560.0
+SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
 
 
 def epsilon_after(rounds: int, pmtl_rounds: int = 0) -> float:
-    """dp-accounting's ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n,
-    then `pmtl_rounds` Gaussians at SERVER_NOISE / 2."""
-    accountant = rdp_lib.RdpAccountant()
-    event = de.PoissonSampledDpEvent(BATCH / TRAIN, de.GaussianDpEvent(SIGMA))
-    accountant.compose(de.SelfComposedDpEvent(event, STEPS * rounds))
-    if pmtl_rounds:
-        accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(SERVER_NOISE / 2), pmtl_rounds))
-    return float(accountant.get_epsilon(DELTA))
+    """The ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n, then
+    `pmtl_rounds` Gaussians at SERVER_NOISE / 2 (`expected_epsilon`, the one oracle)."""
+    return expected_epsilon(rounds=rounds, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA,
+                            pmtl_rounds=pmtl_rounds, server_noise=SERVER_NOISE)
 
 
 # Silo 0 can afford exactly two rounds; the others all of them.
@@ -46,9 +39,6 @@ BUDGETS = [epsilon_after(2), 50.0, 50.0]
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
     with federation(tmp_path_factory.mktemp("flower"), budgets=BUDGETS, noise_multiplier=SIGMA, train=TRAIN, test=TEST) as f:
         yield f
-
-
-SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
 
 
 def run_config(fed: Federation, algorithm: str, out: Path, rounds: int = ROUNDS) -> dict[str, Any]:
@@ -64,22 +54,6 @@ def trained_rounds(result: dict[str, Any]) -> dict[int, int]:
         for silo, status in entry["status"].items():
             counts[int(silo)] = counts.get(int(silo), 0) + (status == "trained")
     return counts
-
-
-def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> None:
-    """Nothing the ServerApp received or logged holds an ε, a budget, or a silo's spent ε."""
-    keys = {key for values in result["reply_records"] for key in values}
-    assert keys <= {"status.status", "metrics.train-seconds", "metrics.ledger-seconds", "error-code"}, keys
-    statuses = {values.get("status.status") for values in result["reply_records"]} - {None}
-    assert statuses <= {"trained", "declined", "replayed", "failed"}
-    lowered = text.lower()
-    assert "epsilon" not in lowered and "budget" not in lowered and "ε" not in text
-    with fed.ledger() as admin:
-        secrets = [admin.silo(s.silo_id) for s in fed.silos]
-    numbers = set(re.findall(r"\d+\.\d+", text))
-    for detail in secrets:
-        for value in (detail.epsilon, detail.epsilon_spent, detail.epsilon_committed, detail.epsilon_remaining):
-            assert not any(n.startswith(f"{value:.3f}") for n in numbers if value > 0), value
 
 
 def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from dpledger.flower.settings import RunSettings, SettingsError, SiloSettings
+from dpledger.flower.settings import SIMULATION_NODES_ENV, RunSettings, SettingsError, SiloSettings
 
 NODE = {"ledger-url": "http://127.0.0.1:8000", "silo-id": 3, "key-file": "/k", "data-path": "/d.npz", "noise-multiplier": 1.1}
 RUN = {"algorithm": "fedavg", "rounds": 4, "local-steps": 5, "batch-size": 16, "lr": 0.5, "clip-norm": 1.0, "lam": 0.0,
@@ -53,4 +54,30 @@ def test_a_run_config_parses_and_refuses_an_unknown_algorithm() -> None:
     assert (run.algorithm, run.rounds, run.out) == ("fedavg", 4, None)
     with pytest.raises(SettingsError) as raised:
         RunSettings.from_run_config({**RUN, "algorithm": "fedprox"})
-    assert str(raised.value) == "run config: 'algorithm' must be one of ['fedavg', 'mrmtl', 'pmtl']. Found 'fedprox'."
+    assert str(raised.value) == (
+        "run config: 'algorithm' must be one of ['fedavg', 'mrmtl', 'pmtl', 'pfa', 'fedhdp']. Found 'fedprox'."
+    )
+
+
+def test_a_virtual_node_reads_its_partitions_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower's simulation engine gives a virtual node only its partition id: its silo settings are
+    the partition's entry of the file DPLEDGER_SIMULATION_NODES names, never the run config."""
+    nodes = tmp_path / "nodes.json"
+    nodes.write_text(json.dumps([NODE, {**NODE, "silo-id": 7, "noise-multiplier": 2.5}]))
+    monkeypatch.setenv(SIMULATION_NODES_ENV, str(nodes))
+    silo = SiloSettings.of_node({"partition-id": 1, "num-partitions": 2})
+    assert (silo.silo_id, silo.noise_multiplier) == (7, 2.5)
+    # A real SuperNode's own node config wins, whatever the environment says.
+    assert SiloSettings.of_node({**NODE, "partition-id": 1}).silo_id == 3
+    with pytest.raises(SettingsError) as raised:
+        SiloSettings.of_node({"partition-id": 2, "num-partitions": 3})
+    assert str(raised.value) == f"{SIMULATION_NODES_ENV} {str(nodes)!r} must be a JSON list with an object for partition 2."
+    nodes.write_text("[{")
+    with pytest.raises(SettingsError, match="is not JSON"):
+        SiloSettings.of_node({"partition-id": 0})
+    nodes.write_text(json.dumps([{**NODE, "silo-id": 0}]))
+    with pytest.raises(SettingsError, match="'silo-id' must be an integer >= 1"):
+        SiloSettings.of_node({"partition-id": 0})
+    monkeypatch.delenv(SIMULATION_NODES_ENV)
+    with pytest.raises(SettingsError, match=f"partition-id=0\\) needs {SIMULATION_NODES_ENV}"):
+        SiloSettings.of_node({"partition-id": 0})

@@ -68,6 +68,18 @@ class AdaptiveClip:
         return GaussianMechanism(type="gaussian", noise_multiplier=float(self.noise_multiplier))
 
 
+def blind_group_ratios(updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """[G]: r_g of each compacted group (0..G−1) estimated from the updates alone, clamped to [0, 1]
+    (FedHDP §4 asks r ≤ 1: a noisier group never outweighs the reference one)."""
+    n_groups = int(groups.max()) + 1
+    counts = torch.bincount(groups, minlength=n_groups)
+    if int(counts.max()) < 2:
+        # No group has two silos, so no within-group variance can be estimated (see
+        # `budget_blind_ratio`): fall back to r = 1, HDP-FedAvg (FedHDP §5).
+        return torch.ones(n_groups, dtype=torch.float64)
+    return budget_blind_ratio(updates, groups, n_groups=n_groups).clamp(0.0, 1.0)
+
+
 class FedHDP(GroupAggregated):
     """Global model from local DP-SGD, aggregated as Σ_g w_g ū_g with w_g ∝ r_g N_g (FedHDP Alg. 2).
 
@@ -116,12 +128,7 @@ class FedHDP(GroupAggregated):
         n_groups = int(groups.max()) + 1
         if self.ratio != "budget_blind":
             return torch.tensor([1.0] + [float(self.ratio)] * (n_groups - 1), dtype=torch.float64)
-        counts = torch.bincount(groups, minlength=n_groups)
-        if int(counts.max()) < 2:
-            # No group has two silos, so no within-group variance can be estimated (see
-            # `budget_blind_ratio`): fall back to r = 1, HDP-FedAvg (FedHDP §5).
-            return torch.ones(n_groups, dtype=torch.float64)
-        return budget_blind_ratio(updates, groups, n_groups=n_groups).clamp(0.0, 1.0)
+        return blind_group_ratios(updates, groups)
 
     def _aggregate_updates(
         self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
