@@ -10,6 +10,7 @@ values are checked against a 40-digit integration in tests/service/accounting/te
 from __future__ import annotations
 
 import functools
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -97,3 +98,37 @@ def event_curve(event: Any) -> np.ndarray:
     accountant = rdp_lib.RdpAccountant(ORDERS)
     accountant.compose(event)
     return np.array(accountant._rdp, dtype=float)
+
+
+def probe_budget(
+    fits: Iterable[tuple[float, float, int]], overflows: Iterable[tuple[float, float, int]],
+    *, dataset_size: int, delta: float,
+) -> float:
+    """The budget at which a fresh silo of `dataset_size` records admits the DP-SGD runs `fits` but
+    not `overflows`, found on a throwaway in-process ledger (a real SQLite file): for tests that must
+    fix a silo's budget before the ledger they run against exists. A silo's filter is a function of
+    its budget, δ and size, so the silo the test then registers with it gets the same filter."""
+    from fastapi.testclient import TestClient
+
+    from dpledger.service.api.app import create_app
+    from dpledger.service.ledger.db import migrate
+    from dpledger.service.settings import Settings
+    from dpledger.trainer.client import LedgerClient
+
+    key = "gate-oracle-probe-admin-key-0123456789"
+    with tempfile.TemporaryDirectory() as folder:
+        url = f"sqlite:///{folder}/probe.db"
+        migrate(url)
+        app = create_app(Settings(database_url=url, admin_key=key))
+        names = iter(range(1_000))
+        try:
+            with TestClient(app) as http:
+                admin = LedgerClient("", key, http=http)
+
+                def create(budget: float) -> Any:
+                    made = admin.create_silo(name=f"probe-{next(names)}", epsilon=budget, delta=delta, dataset_size=dataset_size)
+                    return admin.silo(made.id)
+
+                return float(budget_admitting(create, fits, overflows, delta=delta).epsilon)
+        finally:
+            app.state.engine.dispose()

@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import numpy as np
 from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from sklearn.datasets import load_digits
 
 from dpledger.flower.settings import SIMULATION_NODES_ENV
 from dpledger.harness import free_port
 from dpledger.trainer.client import LedgerClient
 from dpledger.wire.enums import Role
+from tests import gate_oracle
 
 BIN = Path(sys.executable).parent
 APP_DIR = Path(__file__).resolve().parents[2] / "dpledger" / "flower" / "app"
@@ -35,18 +35,24 @@ DELTA = 1e-5
 NoiseChoice = Callable[[LedgerClient, int], float]
 
 
-def expected_epsilon(*, rounds: int, steps: int, sampling_rate: float, noise_multiplier: float,
+def expected_epsilon(silo: Any, *, rounds: int, steps: int, sampling_rate: float, noise_multiplier: float,
                      pmtl_rounds: int = 0, server_noise: float = 1.0, delta: float = DELTA) -> float:
-    """The oracle of every ε assertion over Flower (one place, so the ledger's reading can change in
-    one place): dp-accounting's RDP ε at `delta` of `rounds` rounds of `steps` Poisson-sampled
-    Gaussian steps (q = `sampling_rate`, σ = `noise_multiplier`), then `pmtl_rounds` PMTL rounds, each
-    the Gaussian at `server_noise` / 2."""
-    accountant = rdp_lib.RdpAccountant()
-    event = de.PoissonSampledDpEvent(sampling_rate, de.GaussianDpEvent(noise_multiplier))
-    accountant.compose(de.SelfComposedDpEvent(event, steps * rounds))
+    """The oracle of every ε assertion over Flower (one place): the ε the silo's published filter reads
+    (tests/gate_oracle.py, dp-accounting's curves and conversion) of `rounds` rounds of `steps`
+    Poisson-sampled Gaussian steps (q = `sampling_rate`, σ = `noise_multiplier`), then `pmtl_rounds`
+    PMTL rounds, each the Gaussian at `server_noise` / 2."""
+    curve = gate_oracle.dpsgd_curve([(sampling_rate, noise_multiplier, steps * rounds)])
     if pmtl_rounds:
-        accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(server_noise / 2), pmtl_rounds))
-    return float(accountant.get_epsilon(delta))
+        curve = curve + gate_oracle.event_curve(de.SelfComposedDpEvent(de.GaussianDpEvent(server_noise / 2), pmtl_rounds))
+    return gate_oracle.proven_epsilon(gate_oracle.filter_pairs(silo), curve, delta=delta)
+
+
+def budget_for_rounds(rounds: int, *, steps: int, sampling_rate: float, noise_multiplier: float, dataset_size: int) -> float:
+    """A budget that admits exactly `rounds` rounds of DP-SGD (and not one more) on a fresh silo."""
+    def run(n: int) -> list[tuple[float, float, int]]:
+        return [(sampling_rate, noise_multiplier, steps * n)]
+
+    return gate_oracle.probe_budget(run(rounds), run(rounds + 1), dataset_size=dataset_size, delta=DELTA)
 
 
 def write_silo_files(folder: Path, *, silos: int, train: int, test: int, seed: int = 0) -> list[Path]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.flower.federation import Federation, assert_budget_blind, expected_epsilon, federation, kill
+from tests.flower.federation import Federation, assert_budget_blind, budget_for_rounds, expected_epsilon, federation, kill
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
@@ -24,15 +24,16 @@ RUN_TIMEOUT = 560.0
 SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
 
 
-def epsilon_after(rounds: int, pmtl_rounds: int = 0) -> float:
-    """The ε of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at q = B/n, then
-    `pmtl_rounds` Gaussians at SERVER_NOISE / 2 (`expected_epsilon`, the one oracle)."""
-    return expected_epsilon(rounds=rounds, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA,
+def epsilon_after(silo: Any, rounds: int, pmtl_rounds: int = 0) -> float:
+    """The ε the silo's filter reads of `rounds` rounds, each STEPS Poisson-sampled Gaussian steps at
+    q = B/n, then `pmtl_rounds` Gaussians at SERVER_NOISE / 2 (`expected_epsilon`, the one oracle)."""
+    return expected_epsilon(silo, rounds=rounds, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA,
                             pmtl_rounds=pmtl_rounds, server_noise=SERVER_NOISE)
 
 
 # Silo 0 can afford exactly two rounds; the others all of them.
-BUDGETS = [epsilon_after(2), 50.0, 50.0]
+BUDGETS = [budget_for_rounds(2, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA, dataset_size=TRAIN),
+           50.0, 50.0]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     with fed.ledger() as admin:
         for silo, rounds in zip(ids, (2, ROUNDS, ROUNDS), strict=True):
             detail = admin.silo(silo)
-            assert detail.epsilon_spent == pytest.approx(epsilon_after(rounds), rel=1e-9, abs=1e-9)
+            assert detail.epsilon_spent == pytest.approx(epsilon_after(detail, rounds), rel=1e-9, abs=1e-9)
             assert detail.epsilon_committed == pytest.approx(detail.epsilon_spent, rel=1e-12)
     server_log = finished.stdout + finished.stderr + (fed.folder / "superlink.log").read_text()
     assert_budget_blind(fed, server_log, fedavg)
@@ -84,10 +85,10 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     runner = fed.start_run(log_path, **run_config(fed, "mrmtl", out))
     victim = fed.silos[1]
     # Silo 1 committed ROUNDS rounds of FedAvg and round 0 of this run before round 1 opens.
-    committed_before_round_1 = epsilon_after(ROUNDS + 1) * (1 - 1e-9)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT / 2
         with fed.ledger() as admin:
+            committed_before_round_1 = epsilon_after(admin.silo(victim.silo_id), ROUNDS + 1) * (1 - 1e-9)
             while time.monotonic() < deadline:
                 detail = admin.silo(victim.silo_id)
                 if detail.epsilon_spent > detail.epsilon_committed >= committed_before_round_1:
@@ -109,12 +110,12 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     with fed.ledger() as admin:
         zero, one, two = (admin.silo(s) for s in ids)
         history = admin.history(ids[1])
-    assert zero.epsilon_spent == pytest.approx(epsilon_after(2), rel=1e-9)
+    assert zero.epsilon_spent == pytest.approx(epsilon_after(zero, 2), rel=1e-9)
     # The killed round stays reserved, i.e. spent: ROUNDS + 1 committed, 1 reserved.
-    assert one.epsilon_committed == pytest.approx(epsilon_after(ROUNDS + 1), rel=1e-9)
-    assert one.epsilon_spent == pytest.approx(epsilon_after(ROUNDS + 2), rel=1e-9)
+    assert one.epsilon_committed == pytest.approx(epsilon_after(one, ROUNDS + 1), rel=1e-9)
+    assert one.epsilon_spent == pytest.approx(epsilon_after(one, ROUNDS + 2), rel=1e-9)
     assert [e.event for e in history].count("release") == 0
-    assert two.epsilon_spent == pytest.approx(epsilon_after(2 * ROUNDS), rel=1e-9)
+    assert two.epsilon_spent == pytest.approx(epsilon_after(two, 2 * ROUNDS), rel=1e-9)
     assert_budget_blind(fed, text + (fed.folder / "superlink.log").read_text(), mrmtl)
 
     # --- PMTL: the killed site comes back (a new SuperNode, the same key and data); the server
@@ -130,6 +131,6 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     ]
     with fed.ledger() as admin:
         one, two = admin.silo(ids[1]), admin.silo(ids[2])
-    assert one.epsilon_spent == pytest.approx(epsilon_after(ROUNDS + 2, pmtl_rounds=2), rel=1e-9)
-    assert two.epsilon_spent == pytest.approx(epsilon_after(2 * ROUNDS, pmtl_rounds=2), rel=1e-9)
+    assert one.epsilon_spent == pytest.approx(epsilon_after(one, ROUNDS + 2, pmtl_rounds=2), rel=1e-9)
+    assert two.epsilon_spent == pytest.approx(epsilon_after(two, 2 * ROUNDS, pmtl_rounds=2), rel=1e-9)
     assert_budget_blind(fed, finished.stdout + finished.stderr, pmtl)

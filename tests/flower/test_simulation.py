@@ -14,19 +14,21 @@ pytest.importorskip("ray", reason="Ray is not installed (flwr's `simulation` ext
 import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
-from tests.flower.federation import Federation, expected_epsilon, federation
+from tests.flower.federation import Federation, budget_for_rounds, expected_epsilon, federation
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 3
 RUN_TIMEOUT = 500.0
 
 
-def epsilon_after(rounds: int) -> float:
-    return expected_epsilon(rounds=rounds, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA)
+def epsilon_after(silo: Any, rounds: int) -> float:
+    return expected_epsilon(silo, rounds=rounds, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA)
 
 
 # Silo 0 can afford exactly two rounds; the others every round.
-BUDGETS = [epsilon_after(2), 50.0, 50.0]
+BUDGETS = [budget_for_rounds(2, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_multiplier=SIGMA, dataset_size=TRAIN),
+           50.0, 50.0]
 
 
 @pytest.fixture(scope="module")
@@ -56,5 +58,5 @@ def test_fedavg_in_the_simulation_engine_charges_each_silo_its_rounds(fed: Feder
     with fed.ledger() as admin:
         for silo, rounds in zip(ids, (2, ROUNDS, ROUNDS), strict=True):
             detail = admin.silo(silo)
-            assert detail.epsilon_spent == pytest.approx(epsilon_after(rounds), rel=1e-9, abs=1e-9)
+            assert detail.epsilon_spent == pytest.approx(epsilon_after(detail, rounds), rel=1e-9, abs=1e-9)
             assert detail.epsilon_committed == pytest.approx(detail.epsilon_spent, rel=1e-12)
