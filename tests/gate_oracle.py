@@ -71,25 +71,38 @@ def dpsgd_epsilon(silo: Any, runs: Iterable[tuple[float, float, int]], *, delta:
 
 def budget_admitting(
     create: Callable[[float], Any], fits: Iterable[tuple[float, float, int]], overflows: Iterable[tuple[float, float, int]],
-    *, delta: float, tries: int = 6,
+    *, delta: float, halvings: int = 40,
 ) -> Any:
     """A silo (made by `create(budget)`) whose gate admits the runs `fits` but not `overflows`.
 
     A silo's filter is fixed from its budget, so the budget that admits exactly a workload is a fixed
-    point: start midway by the old rule, read the filter the silo got, and move the budget midway
-    between the two proven ε under it until the silo it makes admits the one and not the other."""
+    point, and iterating it can oscillate (the committed order moves with the budget). Instead:
+    bisect for the smallest budget b whose silo reads ε(fits) ≤ b, starting from the old rule's ε
+    (a filter never reads less), then check that silo refuses `overflows`."""
     fits, overflows = list(fits), list(overflows)
-    low = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(fits), delta)[0])
-    high = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(overflows), delta)[0])
-    budget = (low + high) / 2
-    for _ in range(tries):
+
+    def admits(budget: float) -> tuple[bool, Any]:
         silo = create(budget)
-        low, high = dpsgd_epsilon(silo, fits, delta=delta), dpsgd_epsilon(silo, overflows, delta=delta)
-        assert low < high, "the overflowing runs must cost more than the fitting ones"
-        if low <= budget < high:
-            return silo
-        budget = (low + high) / 2
-    raise AssertionError(f"no budget found in {tries} tries that admits {fits} and not {overflows}")
+        return dpsgd_epsilon(silo, fits, delta=delta) <= budget, silo
+
+    low = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(fits), delta)[0])
+    high = 2 * low
+    ok, silo = admits(high)
+    while not ok:
+        low, high = high, 2 * high
+        ok, silo = admits(high)
+    for _ in range(halvings):
+        middle = (low + high) / 2
+        ok, candidate = admits(middle)
+        if ok:
+            high, silo = middle, candidate
+        else:
+            low = middle
+    budget = high
+    assert dpsgd_epsilon(silo, overflows, delta=delta) > budget, (
+        f"the smallest budget that admits {fits}, {budget!r}, admits {overflows} too"
+    )
+    return silo
 
 
 def event_curve(event: Any) -> np.ndarray:
