@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.demo import DemoConfig, run_demo
 from dpledger.harness import running_server
@@ -145,15 +143,26 @@ def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
     assert records[0] == records[1]
 
 
-def demo_rounds_epsilon(rounds: int, *, q: float, sigma: float, steps: int = 10, delta: float = 1e-5) -> float:
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), rounds * steps)
-    return float(accountant.get_epsilon(delta))
+def demo_filters(url: str, budgets: list[float], sizes: list[int], *, sigma: float, steps: int = 10) -> list[Any]:
+    """The filters the demo's silos commit to: silos registered here as the demo registers its own
+    (budget, δ, size, and one round of DP-SGD at batch 16 as the horizon), read back from the ledger."""
+    with LedgerClient(url, ADMIN_KEY) as admin:
+        made = [
+            admin.create_silo(name=f"demo-probe-{sigma}-{k}", epsilon=b, delta=1e-5, dataset_size=n,
+                              horizon={"type": "dpsgd", "noise_multiplier": sigma, "steps": steps, "batch_size": min(16, n)})
+            for k, (b, n) in enumerate(zip(budgets, sizes, strict=True))
+        ]
+        return [admin.silo(m.id) for m in made]
 
 
-def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(tmp_path) -> None:
+def demo_rounds_epsilon(silo: Any, rounds: int, *, q: float, sigma: float, steps: int = 10, delta: float = 1e-5) -> float:
+    return dpsgd_epsilon(silo, [(q, sigma, rounds * steps)], delta=delta)
+
+
+def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(ledger: str, tmp_path) -> None:
     """The default story: one σ for all, a ladder of budgets; each silo trains exactly as many rounds
-    as dp-accounting says its budget buys, and the report says so with σ, q, δ and the seed."""
+    as dp-accounting, read through its filter, says its budget buys, and the report says so with σ,
+    q, δ and the seed."""
     sigma, rounds = 0.7, 3
     table = run_demo(DemoConfig(silos=4, rounds=rounds, seed=1, out=tmp_path, noise_multiplier=sigma, progress=False))
     assert {p.name for p in tmp_path.iterdir()} == {"settings.json", "metrics.jsonl", "accuracy.png", "epsilon.png", "table.txt"}
@@ -166,16 +175,18 @@ def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(tmp
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * rounds * 4  # algorithms × rounds × silos
     bought = []
+    filters = demo_filters(ledger, settings["epsilons"], sizes, sigma=sigma)
     for k, budget in enumerate(settings["epsilons"]):
         q = 16 / sizes[k]
-        expected = max([0, *(r for r in range(1, rounds + 1) if demo_rounds_epsilon(r, q=q, sigma=sigma) <= budget)])
+        cost = [demo_rounds_epsilon(filters[k], r, q=q, sigma=sigma) for r in range(rounds + 1)]
+        expected = max(r for r in range(rounds + 1) if cost[r] <= budget)
         bought.append(expected)
         for algorithm in ("local", "fedavg", "mrmtl"):
             mine = [m for m in lines if m["algorithm"] == algorithm and m["silo"] == k]
             assert [m["approved"] for m in mine] == [r < expected for r in range(rounds)], (algorithm, k)
             assert [m["refused"] for m in mine] == [r == expected for r in range(rounds)], (algorithm, k)
             if expected:
-                assert mine[-1]["epsilon_spent"] == pytest.approx(demo_rounds_epsilon(expected, q=q, sigma=sigma), rel=1e-9)
+                assert mine[-1]["epsilon_spent"] == pytest.approx(cost[expected], rel=1e-9)
             assert mine[-1]["epsilon_spent"] <= budget
     assert bought == [0, 1, 3, 3]  # refused at once, refused after one round, never refused (twice)
 
@@ -197,6 +208,7 @@ def test_the_calibrated_demo_spends_each_budget_exactly(tmp_path) -> None:
     run_demo(DemoConfig(silos=2, rounds=2, seed=1, out=tmp_path, calibrate=True, progress=False))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in lines if m["algorithm"] == "mrmtl" and m["round"] == 1]
+    assert len(last) == 2  # both silos reached their last round: none was refused before it
     for m in last:
         assert m["approved"] and m["epsilon_spent"] <= m["budget"] * (1 + 1e-9)
         assert m["epsilon_spent"] == pytest.approx(m["budget"], rel=1e-6)  # noise calibrated to spend it exactly
