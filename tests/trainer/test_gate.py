@@ -1,7 +1,8 @@
 """The round gate around the DP-SGD engine, against the real app over a migrated database: a user's
 own CNN trains for several rounds and the ledger charges exactly the steps that ran (dp-accounting's
-curves read through the silo's published filter as the oracle, tests/gate_oracle.py); denials, replays and steps beyond a reservation run nothing; an exception after a
-step leaves the charge committed."""
+curves read through the silo's published filter as the oracle, tests/gate_oracle.py); denials,
+replays and steps beyond a reservation run nothing; an exception after a step leaves the charge
+committed."""
 
 from __future__ import annotations
 

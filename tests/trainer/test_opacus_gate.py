@@ -79,7 +79,7 @@ def test_a_gated_opacus_loop_is_charged_what_opacus_counts_up_to_the_two_qs(silo
     q_ledger, q_opacus = 31 / N, 1 / len(loader)
     assert ledger == pytest.approx(dpsgd_epsilon(silo, [(q_ledger, SIGMA, steps)], delta=DELTA), rel=1e-9)
     # What the q's explain, both read through the silo's filter.
-    q_gap = dpsgd_epsilon(silo, [(q_ledger, SIGMA, steps)], delta=DELTA) - dpsgd_epsilon(silo, [(q_opacus, SIGMA, steps)], delta=DELTA)
+    q_gap = ledger - dpsgd_epsilon(silo, [(q_opacus, SIGMA, steps)], delta=DELTA)
     # What the filter explains: orders and δ shares fixed before the first charge, against the best
     # order chosen after it. At that order α* the filter holds a share w of δ, so its ε is at most
     # ln(1/w)/(α* − 1) above (dp-accounting's conversion: ε(α, δ) = ρ + ln(1 − 1/α) − ln(δα)/(α − 1)).

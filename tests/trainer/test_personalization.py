@@ -187,7 +187,9 @@ def dpsgd_round(algorithm: FederatedAlgorithm, k: int) -> dict[str, Any]:
             "steps": CONFIG.local_steps}
 
 
-def gated_silos(url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: float, *, horizons: bool = False) -> list[GatedSilo]:
+def gated_silos(
+    url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: float, *, horizons: bool = False
+) -> list[GatedSilo]:
     with LedgerClient(url, ADMIN_KEY) as admin:
         created = [
             admin.create_silo(name=f"{prefix}-{k}", epsilon=epsilon, delta=DELTA, dataset_size=n,

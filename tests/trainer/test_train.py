@@ -245,7 +245,8 @@ def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
     after = [httpx.get(f"{ledger}/v1/silos/{s.id}", headers=ADMIN).json() for s in silos]
     assert after[0]["epsilon_spent"] == pytest.approx(rounds_epsilon(body, 2), rel=1e-9)
     assert after[1]["epsilon_spent"] == pytest.approx(rounds_epsilon(after[1], 4), rel=1e-9)
-    refused = f"dpledger train: silo {silos[0].id} (run-0): refused at round 2: it would have reached ε = {rounds_epsilon(body, 3):.4g}"
+    would = f"{rounds_epsilon(body, 3):.4g}"
+    refused = f"dpledger train: silo {silos[0].id} (run-0): refused at round 2: it would have reached ε = {would}"
     assert refused in captured.err
 
     saved = torch.load(out / "models.pt")
