@@ -61,8 +61,8 @@ def rounds_run(rounds: int, *, q: float) -> list[tuple[float, float, int]]:
 def budget_for_rounds(url: str, algorithm: MRMTL, k: int, rounds: int, prefix: str) -> float:
     """The budget at which silo k, declaring its round as horizon, is admitted exactly `rounds` rounds:
     a fixed point of budget and filter (tests/gate_oracle.py), found on probe silos. Under the default
-    horizon this job's ε is nearly flat over its first rounds (its cheapest orders hold a 1/1550
-    share of δ), so there is no such budget for a silo that does not declare its workload."""
+    horizon a job of a few steps per round reads nearly the same ε for its first rounds (its cheapest
+    orders hold a 1/1550 share of δ), so budgets admitting exactly k of them are narrow or absent."""
     q, probes = algorithm.batch_sizes[k] / algorithm.train.sizes[k], count()
     with LedgerClient(url, ADMIN_KEY) as admin:
 

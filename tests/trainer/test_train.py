@@ -82,9 +82,10 @@ def admitting(url: str, name: str, rounds: int) -> tuple[Silo, dict[str, Any]]:
     (tests/gate_oracle.py), found on probe silos (names are unique); the silo itself then gets the
     same filter from the same budget, δ, size and horizon.
 
-    Under the default horizon (DP-SGD at q = 0.01, σ = 1) this job's ε after 1 to 5 rounds stays
-    within 0.96–0.99 (its cheapest orders are ones with a 1/1550 share of δ), so no budget there
-    admits exactly 2 or 4 of them: a silo that expects this job declares it."""
+    Under the default horizon (DP-SGD at q = 0.01, σ = 1) a budget of 1 reads this job's rounds 1–5
+    at 0.958–0.995 (its cheapest orders hold a 1/1550 share of δ): on a 0.001 grid of budgets in
+    [0.3, 1.5] none admits exactly 2 rounds, and those admitting exactly 4 are narrow bands near
+    0.93 that the fixed-point search misses. A silo that expects this job declares it."""
     probes = iter(range(1000))
 
     def probe(budget: float) -> dict[str, Any]:
