@@ -10,6 +10,11 @@ MixGauss1|2|3` draws the budgets from the Gaussian mixtures of "Differentially P
 Learning with Heterogeneous Privacy Budgets" (Table 1) instead, and `--calibrate` asks the service
 for each silo's σ so that all R rounds spend exactly its budget (nobody is refused; small budgets
 then mean so much noise that nothing is learnt, which the report shows against the chance level).
+
+Each silo declares its round (DP-SGD at its q and σ, `local_steps` steps) as its horizon when it is
+registered, so the ledger fixes its filter's order where this workload spends the budget (the gate
+is a Rényi filter at orders fixed before the first charge, Feldman & Zrnic 2021); under the default
+horizon a digits silo here reads 7.6 after one round where the round costs 4.75 by dp-accounting.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from dpledger.trainer.federated import (
 from dpledger.trainer.job import algorithm_args
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 from dpledger.trainer.report import DemoSettings, write_report
+from dpledger.wire.mechanisms import DpSgd
+from dpledger.wire.schemas import SiloCreated
 
 # The three points of the personalization spectrum the demo compares (names of the registry).
 ALGORITHMS = ("local", "fedavg", "mrmtl")
@@ -92,19 +99,32 @@ def run_demo(config: DemoConfig) -> str:
         database_url=f"sqlite:///{tmp}/ledger.db", admin_key=admin_key
     ) as url, LedgerClient(url, admin_key, receipts=False) as admin:
         if config.calibrate:
+            # The shape of each silo's workload, by dp-accounting alone; its σ is then calibrated
+            # against the filter the silo commits to (below), which is what its gate reads.
             noise = _calibrated_noise(admin, dataset, budgets, dpsgd=dpsgd, rounds=config.rounds, delta=config.delta)
         else:
             noise = [config.noise_multiplier] * config.silos
+        registered: dict[str, list[SiloCreated]] = {
+            name: [
+                admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train,
+                                  horizon=_round_of(dpsgd, n=s.n_train, noise_multiplier=noise[k]))
+                for k, s in enumerate(dataset.silos)
+            ]
+            for name in ALGORITHMS
+        }
+        if config.calibrate:
+            # Every algorithm's silo k has the same budget, size and horizon, hence the same filter.
+            noise = [
+                admin.calibrate_silo(s.id, batch_size=min(dpsgd.batch_size, d.n_train), steps_per_round=dpsgd.local_steps,
+                                     rounds=config.rounds).noise_multiplier
+                for s, d in zip(registered[ALGORITHMS[0]], dataset.silos, strict=True)
+            ]
         runs: dict[str, JobRun] = {}
         for name in ALGORITHMS:
             algorithm = build_algorithm(
                 name, dataset=dataset, config=dpsgd, noise_multipliers=noise, lam=config.lam, device=config.device
             )
-            silos = [
-                admin.create_silo(name=f"{name}-silo-{k}", epsilon=budgets[k], delta=config.delta, dataset_size=s.n_train)
-                for k, s in enumerate(dataset.silos)
-            ]
-            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key, receipts=False)) for s in silos]
+            gated = [GatedSilo(s.id, LedgerClient(url, s.api_key, receipts=False)) for s in registered[name]]
             bar = tqdm(total=config.rounds, desc=f"{name:>7}", unit="round", disable=not config.progress)
             try:
                 runs[name] = run_gated(algorithm, gated, rounds=config.rounds, job_id=f"demo-{name}", on_round=_advance(bar))
@@ -124,6 +144,11 @@ def run_demo(config: DemoConfig) -> str:
     return write_report(config.out, runs, settings)
 
 
+def _round_of(dpsgd: DPSGDConfig, *, n: int, noise_multiplier: float) -> DpSgd:
+    """One round of a silo of n records: its horizon (a silo smaller than the batch samples at q = 1)."""
+    return DpSgd(noise_multiplier=noise_multiplier, steps=dpsgd.local_steps, batch_size=min(dpsgd.batch_size, n))
+
+
 def _advance(bar: tqdm[NoReturn]) -> Callable[[RoundRecord], None]:
     """A round loop's callback that advances `bar` once per finished round, showing who still trains."""
 
@@ -137,8 +162,9 @@ def _advance(bar: tqdm[NoReturn]) -> Callable[[RoundRecord], None]:
 def _calibrated_noise(
     admin: LedgerClient, dataset: FederatedDataset, budgets: list[float], *, dpsgd: DPSGDConfig, rounds: int, delta: float
 ) -> list[float]:
-    """σ_k so that silo k's whole run costs exactly its budget (the service's calibration never
-    overshoots); silos with equal (ε, q) share one calibration."""
+    """σ_k so that silo k's whole run costs its budget by dp-accounting over every order (the
+    service's calibration never overshoots): the shape of the horizon a silo declares, before its
+    filter is fixed. Silos with equal (ε, q) share one calibration."""
     cache: dict[tuple[float, float], float] = {}
     noise = []
     for budget, silo in zip(budgets, dataset.silos, strict=True):

@@ -213,8 +213,14 @@ class LedgerClient:
         return Rejected(response.status_code, body)
 
     # --- admin -----------------------------------------------------------------------------------
-    def create_silo(self, *, name: str, epsilon: float, delta: float, dataset_size: int) -> SiloCreated:
-        body = {"name": name, "epsilon": epsilon, "delta": delta, "dataset_size": dataset_size}
+    def create_silo(self, *, name: str, epsilon: float, delta: float, dataset_size: int,
+                    horizon: AnyMechanism | Mapping[str, Any] | None = None) -> SiloCreated:
+        """`horizon`: the workload the silo expects to spend its budget on (e.g. one round of its
+        DP-SGD); the ledger fixes the silo's filter order where that workload is cheapest, so a job
+        that declares its own reads a tighter ε than under the default horizon."""
+        body: dict[str, Any] = {"name": name, "epsilon": epsilon, "delta": delta, "dataset_size": dataset_size}
+        if horizon is not None:
+            body["horizon"] = as_mechanism(horizon).model_dump(mode="json", exclude_none=True)
         return self._expect(self._send("POST", "/v1/silos", body), SiloCreated, 201)
 
     def create_key(self, *, role: Role, silo_id: int | None = None) -> KeyCreated:

@@ -128,7 +128,9 @@ def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> PlanPrice:
         accountant.compose(event)
         return PlanPrice(float(accountant.get_epsilon(delta)))
     except (ValueError, ArithmeticError, MemoryError) as error:
-        raise MechanismError("mechanism", f"dp-accounting's PLD accountant failed on this plan: {type(error).__name__}") from error
+        raise MechanismError(
+            "mechanism", f"dp-accounting's PLD accountant failed on this plan: {type(error).__name__}"
+        ) from error
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The README's two examples, run as they are (separate processes) against a real server."""
+"""The README's two examples, run as they are (separate processes) against a real server; what each
+is charged is checked against dp-accounting's curves read through the silo's published filter
+(tests/gate_oracle.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import dpsgd_epsilon
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DIGITS, DELTA = 1797, 1e-5
@@ -36,29 +37,25 @@ def run_example(name: str, server: str, *, epsilon: float) -> tuple[dict[str, fl
     return {k: float(v) for k, v in numbers.items()}, LedgerClient(server, silo.api_key), silo.id
 
 
-def dp_accounting_epsilon(*, q: float, sigma: float, steps: int) -> float:
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), steps))
-    return float(accountant.get_epsilon(DELTA))
-
-
 def test_the_plain_pytorch_example_spends_what_it_planned(server: str) -> None:
     printed, client, silo_id = run_example("plain_pytorch.py", server, epsilon=3.0)
     with client:
-        spent = client.silo(silo_id).epsilon_spent
+        silo = client.silo(silo_id)
         sigmas = {e.mechanism["noise_multiplier"] for e in client.history(silo_id) if e.event == "reserve" and e.mechanism}
+    spent = silo.epsilon_spent
     assert len(sigmas) == 1 and printed["epsilon"] == pytest.approx(spent, abs=1e-6)
-    assert spent == pytest.approx(dp_accounting_epsilon(q=64 / DIGITS, sigma=sigmas.pop(), steps=50), rel=1e-9)
+    assert spent == pytest.approx(dpsgd_epsilon(silo, [(64 / DIGITS, sigmas.pop(), 50)], delta=DELTA), rel=1e-9)
     assert spent <= 3.0 and printed["accuracy"] > 0.5  # ten classes: chance is 0.1
 
 
 def test_the_opacus_example_is_charged_its_poisson_steps(server: str) -> None:
     printed, client, silo_id = run_example("opacus_loop.py", server, epsilon=10.0)
     with client:
-        spent = client.silo(silo_id).epsilon_spent
+        silo = client.silo(silo_id)
+    spent = silo.epsilon_spent
     # len(loader) = ceil(1797/64) = 29 steps per round, q = 1/29; the ledger's B = ceil(1797/29) = 62.
     assert printed["batch_size"] == 62 and printed["steps"] == 58
-    assert spent == pytest.approx(dp_accounting_epsilon(q=62 / DIGITS, sigma=1.0, steps=58), rel=1e-9)
+    assert spent == pytest.approx(dpsgd_epsilon(silo, [(62 / DIGITS, 1.0, 58)], delta=DELTA), rel=1e-9)
     assert printed["opacus_epsilon"] <= spent
 
 

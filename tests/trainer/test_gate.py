@@ -1,7 +1,8 @@
 """The round gate around the DP-SGD engine, against the real app over a migrated database: a user's
-own CNN trains for several rounds and the ledger charges exactly the steps that ran (dp-accounting
-as the oracle); denials, replays and steps beyond a reservation run nothing; an exception after a
-step leaves the charge committed."""
+own CNN trains for several rounds and the ledger charges exactly the steps that ran (dp-accounting's
+curves read through the silo's published filter as the oracle, tests/gate_oracle.py); denials,
+replays and steps beyond a reservation run nothing; an exception after a step leaves the charge
+committed."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from fastapi.testclient import TestClient
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
@@ -21,6 +20,7 @@ from dpledger.trainer.dpsgd.engine import DPSGDEngine
 from dpledger.trainer.gate import ReplayedCharge, RoundGate, StepNotCovered
 from dpledger.wire.enums import ChargeStatus
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import dpsgd_epsilon
 
 N, BATCH, DELTA = 300, 30, 1e-5
 
@@ -68,11 +68,10 @@ def silo(client: TestClient) -> Iterator[tuple[LedgerClient, int]]:
     yield make  # type: ignore[misc]
 
 
-def dp_accounting_epsilon(blocks: list[tuple[float, int]], *, q: float = BATCH / N) -> float:
-    accountant = rdp_lib.RdpAccountant()
-    for sigma, steps in blocks:
-        accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), steps))
-    return float(accountant.get_epsilon(DELTA))
+def gate_epsilon(client: LedgerClient, silo_id: int, blocks: list[tuple[float, int]], *, q: float = BATCH / N) -> float:
+    """The proven ε of (σ, steps) blocks of DP-SGD on this silo: dp-accounting's curves, composed and
+    converted through the filter the silo publishes."""
+    return dpsgd_epsilon(client.silo(silo_id), [(q, sigma, steps) for sigma, steps in blocks], delta=DELTA)
 
 
 def parameters(model: nn.Module) -> list[Tensor]:
@@ -101,7 +100,7 @@ def test_a_user_cnn_trains_through_the_gate_and_the_ledger_charges_exactly_the_s
     assert [(r.round, r.steps_taken, r.status, r.sampler) for r in gate.results] == expected
     ran = [(r.noise_multiplier, r.steps_taken) for r in gate.results]
     spent = client.silo(silo_id).epsilon_spent
-    assert spent == pytest.approx(dp_accounting_epsilon(ran), rel=1e-9)
+    assert spent == pytest.approx(gate_epsilon(client, silo_id, ran), rel=1e-9)
     assert spent <= 4.0  # the calibration planned exactly these rounds into what was left
     assert spent == pytest.approx(4.0, rel=1e-4)
     assert per_example_loss(engine.model(x), y).mean().item() < before  # it learns something
@@ -192,13 +191,13 @@ def test_an_exception_mid_round_leaves_the_charge_committed(silo) -> None:  # ty
     events = [e.event for e in client.history(silo_id) if e.charge_id == result.charge_id]
     assert events == ["reserve", "commit"]
     # The whole reserved round stays spent (one step ran, three were reserved): the safe side.
-    assert client.silo(silo_id).epsilon_spent == pytest.approx(dp_accounting_epsilon([(1.5, 3)]), rel=1e-9)
+    assert client.silo(silo_id).epsilon_spent == pytest.approx(gate_epsilon(client, silo_id, [(1.5, 3)]), rel=1e-9)
 
     with pytest.raises(KeyError):  # raised before any step: nothing was touched, the charge is returned
         with gate.round(steps=3, noise_multiplier=1.5):
             raise KeyError("config")
     assert gate.results[1].status is ChargeStatus.released and gate.results[1].steps_taken == 0
-    assert client.silo(silo_id).epsilon_spent == pytest.approx(dp_accounting_epsilon([(1.5, 3)]), rel=1e-9)
+    assert client.silo(silo_id).epsilon_spent == pytest.approx(gate_epsilon(client, silo_id, [(1.5, 3)]), rel=1e-9)
 
 
 def test_a_step_the_reservation_does_not_cover_reads_nothing_and_moves_nothing(silo) -> None:  # type: ignore[no-untyped-def]
@@ -214,7 +213,7 @@ def test_a_step_the_reservation_does_not_cover_reads_nothing_and_moves_nothing(s
     with pytest.raises(StepNotCovered, match="closed"):
         engine.step(permit)
     assert same(start, parameters(engine.model)) and torch.equal(state, engine.generator.get_state())
-    assert client.silo(silo_id).epsilon_spent == pytest.approx(dp_accounting_epsilon([(1.5, 1)]), rel=1e-9)
+    assert client.silo(silo_id).epsilon_spent == pytest.approx(gate_epsilon(client, silo_id, [(1.5, 1)]), rel=1e-9)
 
 
 def test_models_that_mix_examples_and_samplers_over_other_data_are_refused(silo) -> None:  # type: ignore[no-untyped-def]
@@ -239,4 +238,4 @@ def test_the_gated_engine_runs_on_cuda(silo) -> None:  # type: ignore[no-untyped
         engine.step(permit)
         engine.step(permit)
     assert not same(start, parameters(model)) and all(p.is_cuda for p in model.parameters())
-    assert client.silo(silo_id).epsilon_spent == pytest.approx(dp_accounting_epsilon([(1.5, 2)]), rel=1e-9)
+    assert client.silo(silo_id).epsilon_spent == pytest.approx(gate_epsilon(client, silo_id, [(1.5, 2)]), rel=1e-9)

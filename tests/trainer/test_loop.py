@@ -1,15 +1,16 @@
 """The round loop against a real ledger over HTTP: refusals stop a silo's spending for good, the
-run is reproducible from a seed, and the demo leaves its report."""
+run is reproducible from a seed, and the demo leaves its report. Expected ε are dp-accounting's
+curves read through each silo's published filter (tests/gate_oracle.py)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import count
+from typing import Any
 
 import pytest
 import torch
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.demo import DemoConfig, run_demo
 from dpledger.harness import running_server
@@ -18,6 +19,7 @@ from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import budget_admitting, dpsgd_epsilon
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, noise_multiplier=1.5, seed=3)
 
@@ -36,29 +38,48 @@ def digits_mrmtl(silos: int, *, seed: int = 3) -> MRMTL:
     )
 
 
-def register(url: str, algorithm: MRMTL, budgets: list[float], prefix: str) -> list[GatedSilo]:
+def round_of(algorithm: MRMTL, k: int) -> dict[str, Any]:
+    """Silo k's round of the job, as the workload its silo declares at registration (its horizon)."""
+    return {"type": "dpsgd", "noise_multiplier": CONFIG.noise_multiplier, "batch_size": algorithm.batch_sizes[k],
+            "steps": CONFIG.local_steps}
+
+
+def register(url: str, algorithm: MRMTL, budgets: list[float], prefix: str, *, horizons: bool = False) -> list[GatedSilo]:
     with LedgerClient(url, ADMIN_KEY) as admin:
         created = [
-            admin.create_silo(name=f"{prefix}-{k}", epsilon=b, delta=1e-5, dataset_size=algorithm.train.sizes[k])
+            admin.create_silo(name=f"{prefix}-{k}", epsilon=b, delta=1e-5, dataset_size=algorithm.train.sizes[k],
+                              horizon=round_of(algorithm, k) if horizons else None)
             for k, b in enumerate(budgets)
         ]
     return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
-def epsilon_after(rounds: int, *, q: float) -> float:
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(
-        de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), 2 * rounds)
-    )
-    return accountant.get_epsilon(1e-5)
+def rounds_run(rounds: int, *, q: float) -> list[tuple[float, float, int]]:
+    return [(q, CONFIG.noise_multiplier, CONFIG.local_steps * rounds)]
+
+
+def budget_for_rounds(url: str, algorithm: MRMTL, k: int, rounds: int, prefix: str) -> float:
+    """The budget at which silo k, declaring its round as horizon, is admitted exactly `rounds` rounds:
+    a fixed point of budget and filter (tests/gate_oracle.py), found on probe silos. Under the default
+    horizon a job of a few steps per round reads nearly the same ε for its first rounds (its cheapest
+    orders hold a 1/1550 share of δ), so budgets admitting exactly k of them are narrow or absent."""
+    q, probes = algorithm.batch_sizes[k] / algorithm.train.sizes[k], count()
+    with LedgerClient(url, ADMIN_KEY) as admin:
+
+        def probe(budget: float) -> Any:
+            made = admin.create_silo(name=f"{prefix}-probe-{next(probes)}", epsilon=budget, delta=1e-5,
+                                     dataset_size=algorithm.train.sizes[k], horizon=round_of(algorithm, k))
+            return admin.silo(made.id)
+
+        return float(budget_admitting(probe, rounds_run(rounds, q=q), rounds_run(rounds + 1, q=q), delta=1e-5).epsilon)
 
 
 def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> None:
     algorithm = digits_mrmtl(3)
     q = [b / n for b, n in zip(algorithm.batch_sizes, algorithm.train.sizes, strict=True)]
     k_rounds = 2
-    budgets = [epsilon_after(k_rounds, q=q[0]), 1000.0, 1000.0]  # silo 0 admits exactly 2 rounds
-    silos = register(ledger, algorithm, budgets, "freeze")
+    budgets = [budget_for_rounds(ledger, algorithm, 0, k_rounds, "freeze"), 1000.0, 1000.0]  # silo 0 admits exactly 2 rounds
+    silos = register(ledger, algorithm, budgets, "freeze", horizons=True)
     frozen_at: list[torch.Tensor] = []
 
     def watch(record: RoundRecord) -> None:
@@ -75,8 +96,8 @@ def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> Non
     assert [e.event for e in history].count("reserve") == k_rounds
     assert all(e.event != "release" for e in history)
     spent = silos[0].client.silo(silos[0].silo_id)
-    assert spent.epsilon_committed == pytest.approx(budgets[0], rel=1e-9)
-    assert spent.epsilon_spent <= budgets[0] * (1 + 1e-9)
+    assert spent.epsilon_committed == pytest.approx(dpsgd_epsilon(spent, rounds_run(k_rounds, q=q[0]), delta=1e-5), rel=1e-9)
+    assert spent.epsilon_spent <= budgets[0]
 
 
 def test_a_second_run_under_the_same_job_id_trains_nothing_on_the_replayed_reservations(ledger: str) -> None:
@@ -92,7 +113,7 @@ def test_a_second_run_under_the_same_job_id_trains_nothing_on_the_replayed_reser
     spent = silos[0].client.silo(silos[0].silo_id)
     assert [e.event for e in silos[0].client.history(silos[0].silo_id)].count("reserve") == 2  # charged once
     q = algorithm.batch_sizes[0] / algorithm.train.sizes[0]
-    assert spent.epsilon_spent == pytest.approx(epsilon_after(2, q=q), rel=1e-9)
+    assert spent.epsilon_spent == pytest.approx(dpsgd_epsilon(spent, rounds_run(2, q=q), delta=1e-5), rel=1e-9)
 
 
 def test_a_key_revoked_mid_run_releases_the_rounds_other_reservations_and_fails(ledger: str) -> None:
@@ -122,15 +143,26 @@ def test_the_same_seed_gives_the_same_run(ledger: str) -> None:
     assert records[0] == records[1]
 
 
-def demo_rounds_epsilon(rounds: int, *, q: float, sigma: float, steps: int = 10, delta: float = 1e-5) -> float:
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), rounds * steps)
-    return float(accountant.get_epsilon(delta))
+def demo_filters(url: str, budgets: list[float], sizes: list[int], *, sigma: float, steps: int = 10) -> list[Any]:
+    """The filters the demo's silos commit to: silos registered here as the demo registers its own
+    (budget, δ, size, and one round of DP-SGD at batch 16 as the horizon), read back from the ledger."""
+    with LedgerClient(url, ADMIN_KEY) as admin:
+        made = [
+            admin.create_silo(name=f"demo-probe-{sigma}-{k}", epsilon=b, delta=1e-5, dataset_size=n,
+                              horizon={"type": "dpsgd", "noise_multiplier": sigma, "steps": steps, "batch_size": min(16, n)})
+            for k, (b, n) in enumerate(zip(budgets, sizes, strict=True))
+        ]
+        return [admin.silo(m.id) for m in made]
 
 
-def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(tmp_path) -> None:
+def demo_rounds_epsilon(silo: Any, rounds: int, *, q: float, sigma: float, steps: int = 10, delta: float = 1e-5) -> float:
+    return dpsgd_epsilon(silo, [(q, sigma, rounds * steps)], delta=delta)
+
+
+def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(ledger: str, tmp_path) -> None:
     """The default story: one σ for all, a ladder of budgets; each silo trains exactly as many rounds
-    as dp-accounting says its budget buys, and the report says so with σ, q, δ and the seed."""
+    as dp-accounting, read through its filter, says its budget buys, and the report says so with σ,
+    q, δ and the seed."""
     sigma, rounds = 0.7, 3
     table = run_demo(DemoConfig(silos=4, rounds=rounds, seed=1, out=tmp_path, noise_multiplier=sigma, progress=False))
     assert {p.name for p in tmp_path.iterdir()} == {"settings.json", "metrics.jsonl", "accuracy.png", "epsilon.png", "table.txt"}
@@ -143,16 +175,18 @@ def test_the_demo_stops_each_silo_at_its_own_budget_and_records_its_settings(tmp
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 3 * rounds * 4  # algorithms × rounds × silos
     bought = []
+    filters = demo_filters(ledger, settings["epsilons"], sizes, sigma=sigma)
     for k, budget in enumerate(settings["epsilons"]):
         q = 16 / sizes[k]
-        expected = max([0, *(r for r in range(1, rounds + 1) if demo_rounds_epsilon(r, q=q, sigma=sigma) <= budget)])
+        cost = [demo_rounds_epsilon(filters[k], r, q=q, sigma=sigma) for r in range(rounds + 1)]
+        expected = max(r for r in range(rounds + 1) if cost[r] <= budget)
         bought.append(expected)
         for algorithm in ("local", "fedavg", "mrmtl"):
             mine = [m for m in lines if m["algorithm"] == algorithm and m["silo"] == k]
             assert [m["approved"] for m in mine] == [r < expected for r in range(rounds)], (algorithm, k)
             assert [m["refused"] for m in mine] == [r == expected for r in range(rounds)], (algorithm, k)
             if expected:
-                assert mine[-1]["epsilon_spent"] == pytest.approx(demo_rounds_epsilon(expected, q=q, sigma=sigma), rel=1e-9)
+                assert mine[-1]["epsilon_spent"] == pytest.approx(cost[expected], rel=1e-9)
             assert mine[-1]["epsilon_spent"] <= budget
     assert bought == [0, 1, 3, 3]  # refused at once, refused after one round, never refused (twice)
 
@@ -174,6 +208,7 @@ def test_the_calibrated_demo_spends_each_budget_exactly(tmp_path) -> None:
     run_demo(DemoConfig(silos=2, rounds=2, seed=1, out=tmp_path, calibrate=True, progress=False))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last = [m for m in lines if m["algorithm"] == "mrmtl" and m["round"] == 1]
+    assert len(last) == 2  # both silos reached their last round: none was refused before it
     for m in last:
         assert m["approved"] and m["epsilon_spent"] <= m["budget"] * (1 + 1e-9)
         assert m["epsilon_spent"] == pytest.approx(m["budget"], rel=1e-6)  # noise calibrated to spend it exactly

@@ -1,8 +1,10 @@
 """An unmodified Opacus PrivacyEngine loop gated by the registered accountant, against the real app.
 
 The ledger charges q = B/n with B the smallest batch size whose B/n covers Opacus' q = 1/len(loader);
-Opacus' own RDP accountant uses q itself and its own order grid. The test bounds their difference by
-what those two explain, measured with dp-accounting."""
+Opacus' own RDP accountant uses q itself and its own order grid, and minimises over every order after
+the fact, where the ledger reads ε through the silo's filter (orders and δ shares fixed at
+registration, tests/gate_oracle.py). The test bounds their difference by what those three explain,
+measured with dp-accounting."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.gate import StepNotCovered
 from dpledger.trainer.opacus_gate import ACCOUNTANT, NotPoisson, OpacusGate
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import ORDERS, dpsgd_epsilon, filter_pairs
 from tests.trainer.test_gate import SmallCNN, digits
 
 N, LOADER_BATCH, SIGMA, DELTA = 303, 32, 1.1, 1e-5  # len(loader) = 10, so Opacus' q = 0.1 and the ledger's 31/303
@@ -46,10 +49,12 @@ def private_loop(*, poisson_sampling: bool = True):  # type: ignore[no-untyped-d
     return engine, model, optimizer, loader
 
 
-def dp_accounting_epsilon(q: float, steps: int) -> float:
-    accountant = rdp_lib.RdpAccountant()
+def dp_accounting_epsilon(q: float, steps: int) -> tuple[float, float]:
+    """dp-accounting's ε minimised over every order after the fact (no filter), and that order."""
+    accountant = rdp_lib.RdpAccountant(ORDERS)
     accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(SIGMA)), steps))
-    return float(accountant.get_epsilon(DELTA))
+    epsilon, order = accountant.get_epsilon_and_optimal_order(DELTA)
+    return float(epsilon), float(order)
 
 
 def test_a_gated_opacus_loop_is_charged_what_opacus_counts_up_to_the_two_qs(silo) -> None:  # type: ignore[no-untyped-def]
@@ -68,16 +73,25 @@ def test_a_gated_opacus_loop_is_charged_what_opacus_counts_up_to_the_two_qs(silo
     assert [(r.steps_taken, r.sampler) for r in gate.results] == [(len(loader), "poisson")] * rounds
     assert len(engine.accountant) == 1  # one (σ, q) entry in Opacus' own history, of 20 steps
 
-    ledger = client.silo(silo_id).epsilon_spent
+    silo = client.silo(silo_id)
+    ledger = silo.epsilon_spent
     opacus = engine.get_epsilon(DELTA)  # Opacus' own RDP accountant over the same steps, at its q = 0.1
     q_ledger, q_opacus = 31 / N, 1 / len(loader)
-    assert ledger == pytest.approx(dp_accounting_epsilon(q_ledger, steps), rel=1e-9)
-    q_gap = dp_accounting_epsilon(q_ledger, steps) - dp_accounting_epsilon(q_opacus, steps)  # what the q's explain
-    grid_gap = abs(dp_accounting_epsilon(q_opacus, steps) - opacus)  # orders and ε conversion: dp-accounting's vs Opacus'
+    assert ledger == pytest.approx(dpsgd_epsilon(silo, [(q_ledger, SIGMA, steps)], delta=DELTA), rel=1e-9)
+    # What the q's explain, both read through the silo's filter.
+    q_gap = ledger - dpsgd_epsilon(silo, [(q_opacus, SIGMA, steps)], delta=DELTA)
+    # What the filter explains: orders and δ shares fixed before the first charge, against the best
+    # order chosen after it. At that order α* the filter holds a share w of δ, so its ε is at most
+    # ln(1/w)/(α* − 1) above (dp-accounting's conversion: ε(α, δ) = ρ + ln(1 − 1/α) − ln(δα)/(α − 1)).
+    unconstrained, best = dp_accounting_epsilon(q_opacus, steps)
+    filter_gap = dpsgd_epsilon(silo, [(q_opacus, SIGMA, steps)], delta=DELTA) - unconstrained
+    share = dict(filter_pairs(silo))[best]
+    grid_gap = abs(unconstrained - opacus)  # orders and ε conversion: dp-accounting's vs Opacus'
     assert 0 < q_gap < 0.05 * ledger  # q_ledger − q_opacus = 0.3/303 < 1/n
+    assert 0 <= filter_gap <= math.log(1 / share) / (best - 1) + 1e-9
     assert grid_gap < 0.02 * opacus
     assert ledger >= opacus  # the ledger's q covers what the loader sampled
-    assert abs(ledger - opacus) <= q_gap + grid_gap
+    assert abs(ledger - opacus) <= q_gap + filter_gap + grid_gap
 
 
 def test_a_step_with_no_reservation_leaves_the_parameters_unchanged(silo) -> None:  # type: ignore[no-untyped-def]
@@ -103,7 +117,8 @@ def test_a_step_with_no_reservation_leaves_the_parameters_unchanged(silo) -> Non
         optimizer.step()  # outside any round
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert len(engine.accountant) == 1 and engine.accountant.history == [(SIGMA, 0.1, 1)]
-    assert client.silo(silo_id).epsilon_spent == pytest.approx(dp_accounting_epsilon(31 / N, 1), rel=1e-9)
+    silo = client.silo(silo_id)
+    assert silo.epsilon_spent == pytest.approx(dpsgd_epsilon(silo, [(31 / N, SIGMA, 1)], delta=DELTA), rel=1e-9)
 
 
 def test_a_loader_that_is_not_poisson_is_refused_and_so_is_another_accountant(silo) -> None:  # type: ignore[no-untyped-def]

@@ -8,8 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from dp_accounting import dp_event as de
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.harness import running_server
 from dpledger.trainer.client import LedgerClient
@@ -27,6 +25,7 @@ from dpledger.trainer.federated import (
 )
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 from tests.conftest import ADMIN_KEY
+from tests.gate_oracle import budget_admitting, dpsgd_epsilon
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=3, noise_multiplier=1.2, seed=2)
 DELTA = 1e-5
@@ -182,18 +181,29 @@ def ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield base
 
 
-def gated_silos(url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: float) -> list[GatedSilo]:
+def dpsgd_round(algorithm: FederatedAlgorithm, k: int) -> dict[str, Any]:
+    """Silo k's plain round (CONFIG's DP-SGD steps), as a silo declares its expected workload."""
+    return {"type": "dpsgd", "noise_multiplier": CONFIG.noise_multiplier, "batch_size": algorithm.batch_sizes[k],
+            "steps": CONFIG.local_steps}
+
+
+def gated_silos(
+    url: str, algorithm: FederatedAlgorithm, prefix: str, epsilon: float, *, horizons: bool = False
+) -> list[GatedSilo]:
     with LedgerClient(url, ADMIN_KEY) as admin:
         created = [
-            admin.create_silo(name=f"{prefix}-{k}", epsilon=epsilon, delta=DELTA, dataset_size=n)
+            admin.create_silo(name=f"{prefix}-{k}", epsilon=epsilon, delta=DELTA, dataset_size=n,
+                              horizon=dpsgd_round(algorithm, k) if horizons else None)
             for k, n in enumerate(algorithm.train.sizes)
         ]
     return [GatedSilo(c.id, LedgerClient(url, c.api_key)) for c in created]
 
 
-def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, rounds: int, epsilon: float = 1e3):
-    """Runs the algorithm gated by the ledger; returns the run and, per round, per silo, the DP-SGD
-    steps and selection queries the algorithm actually made (read off its own counters)."""
+def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, rounds: int, epsilon: float = 1e3,
+                      *, horizons: bool = False):
+    """Runs the algorithm gated by the ledger; returns the run, per round and silo the DP-SGD steps
+    and selection queries the algorithm actually made (read off its own counters), and each silo as
+    the ledger describes it after the run (its filter: tests/gate_oracle.py)."""
     made: list[tuple[list[int], list[int]]] = []
     last = [
         algorithm._queries.clone(),
@@ -205,29 +215,35 @@ def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, roun
         made.append(((now[0] - last[0]).tolist(), (now[1] - last[1]).tolist()))
         last[:] = now
 
-    silos = gated_silos(url, algorithm, prefix, epsilon)
+    silos = gated_silos(url, algorithm, prefix, epsilon, horizons=horizons)
     try:
         run = run_gated(algorithm, silos, rounds=rounds, job_id=prefix, on_round=snapshot)
+        details = [silo.client.silo(silo.silo_id) for silo in silos]
     finally:
         for silo in silos:
             silo.client.close()
-    return run, made
+    return run, made, details
 
 
-def independent_epsilons(algorithm: FederatedAlgorithm, made, selection: ClusterSelection | None) -> list[list[float]]:
-    """ε of each silo after each round, from dp-accounting alone, given the queries made."""
+def selection_rate(selection: ClusterSelection, n: int) -> float:
+    return (n if selection.batch_size is None else min(selection.batch_size, n)) / n
+
+
+def independent_epsilons(algorithm: FederatedAlgorithm, made, selection: ClusterSelection | None, silos) -> list[list[float]]:  # type: ignore[no-untyped-def]
+    """ε of each silo after each round, given the queries made: dp-accounting's curves of the DP-SGD
+    steps and the selections (each one Poisson-sampled Gaussian), composed by adding them and read
+    through the silo's published filter."""
     out = []
-    accountants = [rdp_lib.RdpAccountant() for _ in range(algorithm.num_silos)]
+    runs: list[list[tuple[float, float, int]]] = [[] for _ in range(algorithm.num_silos)]
     for steps, selections in made:
-        for k, accountant in enumerate(accountants):
+        for k in range(algorithm.num_silos):
             q = algorithm.batch_sizes[k] / algorithm.train.sizes[k]
-            accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), steps[k])
+            runs[k].append((q, CONFIG.noise_multiplier, steps[k]))
             if selections[k]:
                 assert selection is not None
-                n = algorithm.train.sizes[k]
-                q_s = (n if selection.batch_size is None else min(selection.batch_size, n)) / n
-                accountant.compose(de.PoissonSampledDpEvent(q_s, de.GaussianDpEvent(selection.noise_multiplier)), selections[k])
-        out.append([a.get_epsilon(DELTA) for a in accountants])
+                q_s = selection_rate(selection, algorithm.train.sizes[k])
+                runs[k].append((q_s, selection.noise_multiplier, selections[k]))
+        out.append([dpsgd_epsilon(silos[k], runs[k], delta=DELTA) for k in range(algorithm.num_silos)])
     return out
 
 
@@ -249,9 +265,9 @@ def test_charged_epsilon_equals_the_composition_of_the_queries_made(ledger: str,
         "ditto": lambda: Ditto(lam=0.5, personal_steps=2, **args),
         "fedavg": lambda: FedAvg(**args),
     }[method]()
-    run, made = queries_per_round(algorithm, ledger, f"eps-{method}", rounds)
+    run, made, silos = queries_per_round(algorithm, ledger, f"eps-{method}", rounds)
     assert run.stop_reason is None and len(run.rounds) == rounds
-    expected = independent_epsilons(algorithm, made, SELECTION)
+    expected = independent_epsilons(algorithm, made, SELECTION, silos)
     for r, record in enumerate(run.rounds):
         for k in range(algorithm.num_silos):
             assert record.epsilon_spent[k] == pytest.approx(expected[r][k], rel=1e-9), (method, r, k)
@@ -265,21 +281,18 @@ def test_charged_epsilon_equals_the_composition_of_the_queries_made(ledger: str,
 def test_a_selecting_round_costs_more_than_a_plain_one_by_the_selection(ledger: str) -> None:
     args, _ = digits_args(2, seed=1)
     ifca = IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args)
-    run, _ = queries_per_round(ifca, ledger, "eps-step", 2)
+    run, _, silos = queries_per_round(ifca, ledger, "eps-step", 2)
     first, second = run.rounds[0].epsilon_spent[0], run.rounds[1].epsilon_spent[0]
     plain_round = second - first
     assert first > plain_round > 0  # round 0 paid dpsgd + selection, round 1 dpsgd alone
 
     # In RDP, where composition is additive, the difference is exactly the selection's curve.
     q = ifca.batch_sizes[0] / ifca.train.sizes[0]
-    q_s = min(SELECTION.batch_size or 0, ifca.train.sizes[0]) / ifca.train.sizes[0]
-    step = de.SelfComposedDpEvent(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), CONFIG.local_steps)
-    selection = de.PoissonSampledDpEvent(q_s, de.GaussianDpEvent(SELECTION.noise_multiplier))
-    with_selection, without = rdp_lib.RdpAccountant(), rdp_lib.RdpAccountant()
-    with_selection.compose(de.ComposedDpEvent([step, selection]))
-    without.compose(step)
-    assert first == pytest.approx(with_selection.get_epsilon(DELTA), rel=1e-9)
-    assert first > without.get_epsilon(DELTA)
+    q_s = selection_rate(SELECTION, ifca.train.sizes[0])
+    step = (q, CONFIG.noise_multiplier, CONFIG.local_steps)
+    selection = (q_s, SELECTION.noise_multiplier, 1)
+    assert first == pytest.approx(dpsgd_epsilon(silos[0], [step, selection], delta=DELTA), rel=1e-9)
+    assert first > dpsgd_epsilon(silos[0], [step], delta=DELTA)
 
 
 def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> None:
@@ -288,21 +301,38 @@ def test_ifca_every_round_runs_out_of_budget_before_ifca_10pct(ledger: str) -> N
     args, _ = digits_args(2, seed=1)
     rounds = 8
     probe = IFCA(clusters=2, selection=SELECTION, **args)
-    accountant = rdp_lib.RdpAccountant()
     q = probe.batch_sizes[0] / probe.train.sizes[0]
-    q_s = min(SELECTION.batch_size or 0, probe.train.sizes[0]) / probe.train.sizes[0]
-    accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(CONFIG.noise_multiplier)), 6 * CONFIG.local_steps)
-    accountant.compose(de.PoissonSampledDpEvent(q_s, de.GaussianDpEvent(SELECTION.noise_multiplier)))
-    budget = accountant.get_epsilon(DELTA) * 1.0001
-    assert probe.train.sizes[0] == probe.train.sizes[1]
+    q_s = selection_rate(SELECTION, probe.train.sizes[0])
+    assert probe.train.sizes[0] == probe.train.sizes[1] and probe.batch_sizes[0] == probe.batch_sizes[1]
 
-    every, _ = queries_per_round(IFCA(clusters=2, selection=SELECTION, **args), ledger, "budget-every", rounds, budget)
-    once, _ = queries_per_round(
-        IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args), ledger, "budget-once", rounds, budget
+    def once(plain_rounds: int) -> list[tuple[float, float, int]]:
+        return [(q, CONFIG.noise_multiplier, plain_rounds * CONFIG.local_steps), (q_s, SELECTION.noise_multiplier, 1)]
+
+    # The budget that admits 6 rounds with one selection and not 7: a fixed point of budget and
+    # filter (tests/gate_oracle.py), found on probe silos that declare a plain round as horizon.
+    tries = iter(range(100))
+    with LedgerClient(ledger, ADMIN_KEY) as admin:
+
+        def make(budget: float) -> Any:
+            made = admin.create_silo(name=f"budget-probe-{next(tries)}", epsilon=budget, delta=DELTA,
+                                     dataset_size=probe.train.sizes[0], horizon=dpsgd_round(probe, 0))
+            return admin.silo(made.id)
+
+        budget = budget_admitting(make, once(6), once(7), delta=DELTA).epsilon
+
+    every, _, every_silos = queries_per_round(
+        IFCA(clusters=2, selection=SELECTION, **args), ledger, "budget-every", rounds, budget, horizons=True
     )
-    assert once.approved_rounds() == [6, 6]
+    once_run, _, once_silos = queries_per_round(
+        IFCA(clusters=2, selection=SELECTION, selection_rounds=1, **args), ledger, "budget-once", rounds, budget, horizons=True
+    )
+    assert once_run.approved_rounds() == [6, 6]
     assert all(n < 6 for n in every.approved_rounds())
-    assert all(once.stopped) and all(every.stopped)
+    assert all(once_run.stopped) and all(every.stopped)
+    # Selecting every round, the sixth round's selections alone overflow it (by the same filter).
+    every_six = [(q, CONFIG.noise_multiplier, 6 * CONFIG.local_steps), (q_s, SELECTION.noise_multiplier, 6)]
+    assert all(dpsgd_epsilon(s, every_six, delta=DELTA) > budget for s in every_silos)
+    assert all(s.filter == once_silos[0].filter for s in [*every_silos, *once_silos])
 
 
 def test_train_runs_warm_started_mrmtl_and_charges_selection_only_while_clustering(ledger: str, tmp_path, monkeypatch) -> None:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from dpledger.harness import free_port, running_server
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.worker_cli import main
 from tests.conftest import ADMIN, ADMIN_KEY
+from tests.gate_oracle import budget_admitting, dpsgd_epsilon
 
 SIZES = [s.n_train for s in make_rotated_masked_digits(n_silos=2, seed=0, mask_probability=0.1).silos]  # [674, 674]
 SIGMA, BATCH, STEPS, DELTA = 1.5, 16, 2, 1e-5
@@ -38,8 +40,14 @@ def ledger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def create(url: str, name: str, epsilon: float, size: int = SIZES[0]) -> Silo:
-    body = {"name": name, "epsilon": epsilon, "delta": DELTA, "dataset_size": size}
+# One round of the job files below, as a silo declares the workload it expects (its filter's order).
+ROUND = {"type": "dpsgd", "noise_multiplier": SIGMA, "batch_size": BATCH, "steps": STEPS}
+
+
+def create(url: str, name: str, epsilon: float, size: int = SIZES[0], *, horizon: dict[str, Any] | None = None) -> Silo:
+    body: dict[str, Any] = {"name": name, "epsilon": epsilon, "delta": DELTA, "dataset_size": size}
+    if horizon is not None:
+        body["horizon"] = horizon
     created = httpx.post(f"{url}/v1/silos", json=body, headers=ADMIN).json()
     return Silo(created["id"], created["api_key"])
 
@@ -53,11 +61,41 @@ def job_file(path: Path, url: str, silo_ids: list[int], *, job_id: str, rounds: 
     return path
 
 
-def rounds_epsilon(rounds: int, n: int = SIZES[0]) -> float:
-    """ε of `rounds` rounds of this job, by dp-accounting directly (the service is not asked)."""
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.PoissonSampledDpEvent(BATCH / n, de.GaussianDpEvent(SIGMA)), rounds * STEPS)
-    return float(accountant.get_epsilon(DELTA))
+def rounds_run(rounds: int, *, n: int = SIZES[0], sigma: float = SIGMA) -> list[tuple[float, float, int]]:
+    return [(BATCH / n, sigma, rounds * STEPS)]
+
+
+def rounds_epsilon(silo: dict[str, Any], rounds: int, *, sigma: float = SIGMA) -> float:
+    """ε of `rounds` rounds of this job on `silo` (its GET body): dp-accounting's curves read through
+    the silo's published filter (tests/gate_oracle.py); the service is not asked."""
+    return dpsgd_epsilon(silo, rounds_run(rounds, sigma=sigma), delta=DELTA)
+
+
+def detail(url: str, silo: Silo) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{url}/v1/silos/{silo.id}", headers=ADMIN).json()
+    return body
+
+
+def admitting(url: str, name: str, rounds: int) -> tuple[Silo, dict[str, Any]]:
+    """A silo that declares this job's round as its horizon and whose gate admits exactly `rounds`
+    rounds of it. Its filter follows from its budget, so the budget is a fixed point
+    (tests/gate_oracle.py), found on probe silos (names are unique); the silo itself then gets the
+    same filter from the same budget, δ, size and horizon.
+
+    Under the default horizon (DP-SGD at q = 0.01, σ = 1) a budget of 1 reads this job's rounds 1–5
+    at 0.958–0.995 (its cheapest orders hold a 1/1550 share of δ): on a 0.001 grid of budgets in
+    [0.3, 1.5] none admits exactly 2 rounds, and those admitting exactly 4 are narrow bands near
+    0.93 that the fixed-point search misses. A silo that expects this job declares it."""
+    probes = iter(range(1000))
+
+    def probe(budget: float) -> dict[str, Any]:
+        return detail(url, create(url, f"{name}-probe-{next(probes)}", budget, horizon=ROUND))
+
+    found = budget_admitting(probe, rounds_run(rounds), rounds_run(rounds + 1), delta=DELTA)
+    silo = create(url, name, found["epsilon"], horizon=ROUND)
+    body = detail(url, silo)
+    assert body["filter"] == found["filter"]
+    return silo, body
 
 
 def run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -148,15 +186,20 @@ def test_a_data_set_smaller_than_the_registered_size_is_refused(ledger: str, tmp
 def test_plan_prints_the_ledgers_cost_per_round_and_the_rounds_each_budget_buys(
     ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    budgets = [rounds_epsilon(4) * 1.0001, rounds_epsilon(1) * 0.999]  # buys 4 rounds; buys none
-    silos = [create(ledger, f"plan-{k}", e) for k, e in enumerate(budgets)]
+    made = [admitting(ledger, "plan-0", 4), admitting(ledger, "plan-1", 0)]  # buys 4 rounds; buys none
+    silos, bodies = [s for s, _ in made], [b for _, b in made]
+    budgets = [b["epsilon"] for b in bodies]
     for k, s in enumerate(silos):
         monkeypatch.setenv(f"KEY_{k}", s.key)
     job = job_file(tmp_path / "plan.toml", ledger, [s.id for s in silos], job_id="plan", rounds=10)
     assert main(["train", str(job), "--plan"]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {int(line.split()[0]): line.split() for line in lines[2:4]}
-    one = f"{rounds_epsilon(1):.4g}"
+    # The per-round column is the quote's ε of one round alone: dp-accounting's over every order (what
+    # a round costs by itself, whatever filter a silo holds); the rounds bought are the gate's.
+    accountant = rdp_lib.RdpAccountant()
+    accountant.compose(de.PoissonSampledDpEvent(BATCH / SIZES[0], de.GaussianDpEvent(SIGMA)), STEPS)
+    one = f"{accountant.get_epsilon(DELTA):.4g}"
     assert rows[silos[0].id] == [str(silos[0].id), "plan-0", f"{budgets[0]:.4g}", "0", one, "4"]
     assert rows[silos[1].id] == [str(silos[1].id), "plan-1", f"{budgets[1]:.4g}", "0", one, "0"]
     advice = "raise dpsgd.noise_multiplier or lower rounds to train them all"
@@ -180,13 +223,10 @@ def test_plan_calibrate_gives_the_sigma_at_which_each_remaining_budget_buys_ever
     lines = capsys.readouterr().out.splitlines()
     sigmas = [float(lines[2 + k].split()[-1]) for k in range(2)]
 
-    def epsilon(sigma: float) -> float:
-        accountant = rdp_lib.RdpAccountant()
-        accountant.compose(de.PoissonSampledDpEvent(BATCH / SIZES[0], de.GaussianDpEvent(sigma)), 6 * STEPS)
-        return float(accountant.get_epsilon(DELTA))
-
-    for sigma, budget in zip(sigmas, budgets, strict=True):
-        assert epsilon(sigma) <= budget < epsilon(sigma * 0.99)  # enough, and not much more than enough
+    for silo, sigma, budget in zip(silos, sigmas, budgets, strict=True):
+        body = detail(ledger, silo)
+        # Enough, and not much more than enough, as the silo's gate reads it.
+        assert rounds_epsilon(body, 6, sigma=sigma) <= budget < rounds_epsilon(body, 6, sigma=sigma * 0.99)
     assert sigmas[0] > sigmas[1]
     assert lines[-1].startswith(f"every silo trains all 6 rounds at dpsgd.noise_multiplier = {lines[2].split()[-1]} ")
 
@@ -194,8 +234,8 @@ def test_plan_calibrate_gives_the_sigma_at_which_each_remaining_budget_buys_ever
 def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
     ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    budgets = [rounds_epsilon(2) * 1.0001, 100.0]  # the first is refused its third round
-    silos = [create(ledger, f"run-{k}", e) for k, e in enumerate(budgets)]
+    first, body = admitting(ledger, "run-0", 2)  # refused its third round
+    silos = [first, create(ledger, "run-1", 100.0)]
     for k, s in enumerate(silos):
         monkeypatch.setenv(f"KEY_{k}", s.key)
     job = job_file(tmp_path / "run.toml", ledger, [s.id for s in silos], job_id="run", rounds=4)
@@ -204,9 +244,10 @@ def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
     captured = capsys.readouterr()
     assert "budget is spent" not in captured.err
     after = [httpx.get(f"{ledger}/v1/silos/{s.id}", headers=ADMIN).json() for s in silos]
-    assert after[0]["epsilon_spent"] == pytest.approx(rounds_epsilon(2), rel=1e-9)
-    assert after[1]["epsilon_spent"] == pytest.approx(rounds_epsilon(4), rel=1e-9)
-    refused = f"dpledger train: silo {silos[0].id} (run-0): refused at round 2: it would have reached ε = {rounds_epsilon(3):.4g}"
+    assert after[0]["epsilon_spent"] == pytest.approx(rounds_epsilon(body, 2), rel=1e-9)
+    assert after[1]["epsilon_spent"] == pytest.approx(rounds_epsilon(after[1], 4), rel=1e-9)
+    would = f"{rounds_epsilon(body, 3):.4g}"
+    refused = f"dpledger train: silo {silos[0].id} (run-0): refused at round 2: it would have reached ε = {would}"
     assert refused in captured.err
 
     saved = torch.load(out / "models.pt")
@@ -231,7 +272,7 @@ def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
 def test_train_that_trains_nothing_says_so_and_exits_1(
     ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    silos = [create(ledger, f"none-{k}", rounds_epsilon(1) * 0.99) for k in range(2)]
+    silos = [admitting(ledger, f"none-{k}", 0)[0] for k in range(2)]
     for k, s in enumerate(silos):
         monkeypatch.setenv(f"KEY_{k}", s.key)
     job = job_file(tmp_path / "none.toml", ledger, [s.id for s in silos], job_id="none", rounds=2)
