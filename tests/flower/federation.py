@@ -251,18 +251,24 @@ def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | 
             kill(process)
 
 
-def access_log(fed: Federation) -> list[dict[str, object]]:
+def access_log(fed: Federation, *, role: str | None = None, at_least: int = 0, timeout: float = 10.0) -> list[dict[str, object]]:
     """The ledger's access-log entries so far (`dpledger serve` logs one JSON object a line; the
-    `dpledger.access` ones name the route template, the status and the caller's role and key id)."""
-    entries = []
-    for line in (fed.folder / "ledger.log").read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and entry.get("logger") == "dpledger.access":
-            entries.append(entry)
-    return entries
+    `dpledger.access` ones name the route template, the status and the caller's role and key id),
+    of `role` only if given. The server writes a request's line after answering it, so a caller that
+    expects `at_least` entries waits up to `timeout` seconds for them to reach the file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        entries = []
+        for line in (fed.folder / "ledger.log").read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and entry.get("logger") == "dpledger.access" and role in (None, entry.get("role")):
+                entries.append(entry)
+        if len(entries) >= at_least or time.monotonic() > deadline:
+            return entries
+        time.sleep(0.05)
 
 
 def assert_budget_blind(fed: Federation, text: str, result: dict[str, Any]) -> None:
