@@ -8,8 +8,8 @@ q from {0.004, 0.01, 0.05}, σ from {0.8, 1.0, 1.2}, 1..20 steps) is built once,
 more charge costs is timed, in-process and interleaved, on the same running sum:
 
 - before: the old rule, dp-accounting's compute_epsilon over all 156 orders at the whole δ.
-- after (default filter): ledger/gate.py `admit` with the silo's default filter (156 orders, 0.9 on the committed one), the function
-  reserve() calls under the silo lock (spec parsed from the stored JSON, as in the ledger).
+- after (default filter): ledger/gate.py `admit` with the silo's default filter (156 orders, 0.9 on
+  the committed one), the function reserve() calls under the silo lock (spec parsed from the stored JSON, as in the ledger).
 - after (legacy filter): the same with the 156-order union bound migrated silos get.
 - replay: what O(history) would cost, composing the N charges' curves again (shown for scale).
 

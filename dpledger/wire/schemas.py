@@ -75,7 +75,8 @@ class SiloCreateRequest(_Request):
     horizon: Mechanism | None = Field(
         None,
         description="the workload the silo expects to spend its budget on; its filter's committed order is "
-        "where that workload, scaled to the budget, has its lowest ε (default: DP-SGD at batch 256 or 1% of the set, whichever is smaller, noise 1)",
+        "where that workload, scaled to the budget, has its lowest ε (default: DP-SGD at batch 256 or 1% of the set, "
+        "whichever is smaller, noise 1)",
     )
 
     @field_validator("horizon", mode="before")
