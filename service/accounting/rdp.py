@@ -60,40 +60,36 @@ class Guarantee:
     rho: float | None
 
 
-def rdp_curve(mechanism: AnyMechanism) -> np.ndarray:
-    """The mechanism's RDP at every order of ORDERS (a fresh array the caller may keep)."""
+def rdp_curve(mechanism: AnyMechanism, *, certified: bool = False) -> np.ndarray:
+    """The mechanism's RDP at every order of ORDERS (a fresh array the caller may keep).
+
+    `certified`: every Poisson-sampled Gaussian (a DP-SGD step) is charged at each fractional order
+    the lower of dp-accounting's value and fractional.rdp_upper; both are upper bounds, and the second
+    is within 1e-6 of the exact divergence. Integer orders are dp-accounting's own (exact) values."""
     match mechanism:
         case SelfComposed(count=count, event=inner):
-            return count * rdp_curve(inner)
+            return count * rdp_curve(inner, certified=certified)
         case Composed(events=events):
-            total: np.ndarray = np.sum([rdp_curve(e) for e in events], axis=0)
+            total: np.ndarray = np.sum([rdp_curve(e, certified=certified) for e in events], axis=0)
             return total
         case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
             if q is None:
                 raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
-            step = PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))
-            return steps * _leaf_curve(step.model_dump_json())
+            return steps * _sampled_gaussian(q, sigma, certified=certified)
+        case PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)) if certified:
+            return _sampled_gaussian(q, sigma, certified=True)
     return _leaf_curve(mechanism.model_dump_json())
 
 
 def certified_curve(mechanism: AnyMechanism) -> np.ndarray:
-    """rdp_curve, except that every Poisson-sampled Gaussian (a DP-SGD step) is charged at each
-    fractional order the lower of dp-accounting's value and fractional.rdp_upper: both are upper
-    bounds, and the second is within 1e-6 of the exact divergence. Integer orders are
-    dp-accounting's own (exact) values."""
-    match mechanism:
-        case SelfComposed(count=count, event=inner):
-            return count * certified_curve(inner)
-        case Composed(events=events):
-            total: np.ndarray = np.sum([certified_curve(e) for e in events], axis=0)
-            return total
-        case DpSgd(sampling_rate=q, noise_multiplier=sigma, steps=steps):
-            if q is None:
-                raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
-            return steps * np.array(_sampled_gaussian_cached(q, sigma))
-        case PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)):
-            return np.array(_sampled_gaussian_cached(q, sigma))
-    return rdp_curve(mechanism)
+    """The curve the ledger charges: rdp_curve with certified fractional orders."""
+    return rdp_curve(mechanism, certified=True)
+
+
+def _sampled_gaussian(q: float, sigma: float, *, certified: bool) -> np.ndarray:
+    if certified:
+        return np.array(_sampled_gaussian_cached(q, sigma))
+    return _leaf_curve(PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)).model_dump_json())
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
