@@ -76,7 +76,7 @@ def rdp_curve(mechanism: AnyMechanism, *, certified: bool = False) -> np.ndarray
             if q is None:
                 raise MechanismError("mechanism.batch_size", "needs a silo's dataset_size; give sampling_rate or silo_id")
             return steps * _sampled_gaussian(q, sigma, certified=certified)
-        case PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma)) if certified:
+        case PoissonSampled(sampling_rate=float() as q, event=Gaussian(noise_multiplier=sigma)) if certified:
             return _sampled_gaussian(q, sigma, certified=True)
     return _leaf_curve(mechanism.model_dump_json())
 
