@@ -126,7 +126,15 @@ DETAIL_FIELDS = (
 
 @_reports_errors
 def silos_create(args: argparse.Namespace) -> int:
-    body = {"name": args.name, "epsilon": args.epsilon, "delta": args.delta, "dataset_size": args.dataset_size}
+    body: dict[str, Any] = {"name": args.name, "epsilon": args.epsilon, "delta": args.delta, "dataset_size": args.dataset_size}
+    if (args.horizon_batch is None) != (args.horizon_noise is None):
+        print("dpledger: --horizon-batch and --horizon-noise go together (the DP-SGD the silo expects to run)",
+              file=sys.stderr)
+        return 2
+    if args.horizon_batch is not None:
+        # Its step count does not matter: the ledger scales the horizon until it spends the budget.
+        body["horizon"] = {"type": "dpsgd", "batch_size": args.horizon_batch, "noise_multiplier": args.horizon_noise,
+                           "steps": 1}
     silo: dict[str, Any] = _request("POST", "/v1/silos", body=body).json()
     if args.json:
         print(json.dumps(silo, indent=2))
@@ -251,6 +259,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     create.add_argument("--epsilon", type=float, required=True, help="the silo's ε budget")
     create.add_argument("--delta", type=float, required=True, help="the silo's δ")
     create.add_argument("--dataset-size", type=int, required=True, help="records the silo trains on (q = B / this)")
+    create.add_argument("--horizon-batch", type=int, metavar="B",
+                        help="with --horizon-noise: the DP-SGD batch the silo expects to train with; its filter is "
+                        "tightest for that workload (default: 256 or 1%% of the set)")
+    create.add_argument("--horizon-noise", type=float, metavar="SIGMA", help="the noise multiplier of that DP-SGD")
     create.add_argument("--json", action="store_true", help="the API's JSON (key included) instead")
     create.set_defaults(run=silos_create)
     show = actions.add_parser("show", help="one silo's budget in detail")

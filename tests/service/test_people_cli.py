@@ -15,6 +15,7 @@ from sqlalchemy import create_engine, text
 from dpledger.cli import main
 from dpledger.harness import running_server
 from dpledger.service.people_cli import number
+from tests import gate_oracle
 from tests.conftest import ADMIN, ADMIN_KEY
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
@@ -238,6 +239,24 @@ def test_silos_create_prints_the_new_silos_key_alone_and_that_key_reads_its_silo
     line = capsys.readouterr().err
     assert line.startswith("dpledger: HTTP 422 from /v1/silos: epsilon:") and line.count("\n") == 1
     assert [s["name"] for s in httpx.get(f"{as_admin.url}/v1/silos", headers=ADMIN).json()].count("ward-10") == 0
+
+    # The workload it expects fixes its filter's committed order: where that DP-SGD, run until it spends
+    # ε, reads the least (checked against the same search over the published filter's orders).
+    args = ["--epsilon", "3", "--delta", "1e-5", "--dataset-size", "1000", "--horizon-batch", "100", "--horizon-noise", "1.2"]
+    assert main(["silos", "create", "ward-12", *args]) == 0
+    capsys.readouterr()
+    twelve = httpx.get(f"{as_admin.url}/v1/silos", headers=ADMIN).json()[-1]
+    published = httpx.get(f"{as_admin.url}/v1/silos/{twelve['id']}", headers=ADMIN).json()["filter"]
+    assert published["source"] == "horizon" and published["weights"][0] == 0.9
+    step = gate_oracle.dpsgd_curve([(0.1, 1.2, 1)])
+    steps = 1
+    while gate_oracle.proven_epsilon([(published["orders"][0], 1.0)], step * (steps + 1), delta=1e-5) <= 3:
+        steps += 1
+    spent = step * steps  # about the budget's worth of that DP-SGD: the committed order is its best
+    best = min(gate_oracle.ORDERS, key=lambda a: gate_oracle.proven_epsilon([(a, 1.0)], spent, delta=1e-5))
+    assert abs(gate_oracle.ORDERS.index(best) - gate_oracle.ORDERS.index(published["orders"][0])) <= 1
+    assert main(["silos", "create", "ward-13", "--horizon-batch", "100", *args[:6]]) == 2
+    assert "go together" in capsys.readouterr().err
 
     # Only an admin may register a silo.
     monkeypatch.setenv("DPLEDGER_KEY", as_admin.silo_keys[1])
