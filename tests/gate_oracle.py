@@ -86,6 +86,13 @@ def budget_admitting(
         return dpsgd_epsilon(silo, fits, delta=delta) <= budget, silo
 
     low = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(fits), delta)[0])
+    if low == 0:
+        # Nothing to fit (no steps): any budget below the old rule's ε of `overflows` refuses it,
+        # since a filter never reads less than the old rule.
+        budget = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(overflows), delta)[0]) / 2
+        silo = create(budget)
+        assert dpsgd_epsilon(silo, overflows, delta=delta) > budget
+        return silo
     high = 2 * low
     ok, silo = admits(high)
     while not ok:
