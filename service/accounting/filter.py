@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
@@ -57,7 +58,8 @@ class FilterSpec:
             raise ValueError("a filter needs one weight per order, and at least one order")
         if any(a not in rdp.ORDERS for a in self.orders):
             raise ValueError("filter orders must be orders of the ledger's grid")
-        if any(not w > 0 for w in self.weights) or math.fsum(self.weights) > 1 + 1e-12:
+        # Summed exactly (no tolerance): the shares split δ, so a sum past 1 would spend past δ.
+        if any(not w > 0 for w in self.weights) or sum(map(Fraction, self.weights)) > 1:
             raise ValueError("filter weights must be positive and sum to at most 1")
 
     @property

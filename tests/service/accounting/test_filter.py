@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import mpmath as mp
 import numpy as np
@@ -185,7 +186,9 @@ def test_h1000_drops_by_at_least_9_percent() -> None:
 @pytest.mark.parametrize(
     ("orders", "weights", "message"),
     [((8.0,), (0.5, 0.5), "one weight per order"), ((8.05,), (1.0,), "grid"), ((8.0, 9.0), (0.6, 0.5), "sum to at most 1"),
-     ((8.0,), (0.0,), "positive")],
+     ((8.0,), (0.0,), "positive"),
+     # 0.9 + 0.1 as floats is 1 + 2.8e-17 exactly (the float 0.9 lies above 9/10): no tolerance.
+     ((8.0, 9.0), (0.9, 0.1), "sum to at most 1")],
 )
 def test_a_filter_is_refused_unless_its_shares_are_a_union_bound(
     orders: Sequence[float], weights: Sequence[float], message: str
@@ -196,7 +199,7 @@ def test_a_filter_is_refused_unless_its_shares_are_a_union_bound(
 
 def test_the_legacy_filter_splits_delta_over_every_order_without_exceeding_it() -> None:
     spec = rdp_filter.legacy_spec()
-    assert spec.orders == rdp.ORDERS and math.fsum(spec.weights) <= 1.0
+    assert spec.orders == rdp.ORDERS and sum(map(Fraction, spec.weights)) <= 1
 
 
 def test_the_vectorised_conversion_is_dp_accountings_order_by_order() -> None:
