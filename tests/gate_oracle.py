@@ -2,9 +2,10 @@
 
 A silo publishes its filter (orders and δ shares) in GET /v1/silos/{id}; its proven ε for a history
 is min over those orders of dp-accounting's RDP → (ε, δ) conversion at that order with δ·share
-(compute_epsilon on one order). The curves are dp-accounting's, except that a Poisson-sampled
-Gaussian's fractional orders take the certified value where it is lower, as the ledger's do: those
-values are checked against a 40-digit integration in tests/service/accounting/test_fractional.py.
+(compute_epsilon on one order; the product rounded one ulp down, so that the shares never sum past
+δ). The curves are dp-accounting's, except that a Poisson-sampled Gaussian's fractional orders take
+the certified value where it is lower, as the ledger's do: those values are checked against a
+40-digit integration in tests/service/accounting/test_fractional.py.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def dpsgd_curve(runs: Iterable[tuple[float, float, int]]) -> np.ndarray:
 
 def proven_epsilon(filter_pairs: list[tuple[float, float]], curve: np.ndarray, *, delta: float) -> float:
     return min(
-        float(rdp_lib.compute_epsilon([alpha], [float(curve[ORDERS.index(alpha)])], delta * weight)[0])
+        float(rdp_lib.compute_epsilon([alpha], [float(curve[ORDERS.index(alpha)])], float(np.nextafter(delta * weight, 0.0)))[0])
         for alpha, weight in filter_pairs
     )
 

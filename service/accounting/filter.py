@@ -111,7 +111,8 @@ def order_epsilons(orders: np.ndarray, rdp_values: np.ndarray, deltas: np.ndarra
 def read(spec: FilterSpec, curve: np.ndarray, *, delta: float) -> Reading:
     """The proven ε of a running sum (a curve on rdp.ORDERS) under the silo's filter."""
     orders, weights, indices = _arrays(spec)
-    eps = order_epsilons(orders, curve[indices], delta * weights)
+    # One ulp down from the rounded product: each δ_i ≤ δ·w_i exactly, so Σδ_i ≤ δ.
+    eps = order_epsilons(orders, curve[indices], np.nextafter(delta * weights, 0.0))
     best = int(np.argmin(eps))
     return Reading(float(eps[best]), float(orders[best]))
 
