@@ -7,9 +7,11 @@ For each history length N, a running sum of N DP-SGD charges (drawn with numpy's
 q from {0.004, 0.01, 0.05}, σ from {0.8, 1.0, 1.2}, 1..20 steps) is built once, then the check one
 more charge costs is timed, in-process and interleaved, on the same running sum:
 
-- before: the old rule, dp-accounting's compute_epsilon over all 156 orders at the whole δ.
-- after (default filter): ledger/gate.py `admit` with the silo's default filter (156 orders, 0.9 on
-  the committed one), the function reserve() calls under the silo lock (spec parsed from the stored JSON, as in the ledger).
+- before: the old rule, dp-accounting's compute_epsilon over all 156 orders at the whole δ, on the
+  running sum read from its stored JSON as the ledger reads it.
+- after (default filter): ledger/charges.py `check_budget` with the silo's default filter (156
+  orders, 0.9 on the committed one), the check reserve() makes under the silo lock (running sum and
+  filter read from the silo row, as in the ledger).
 - after (legacy filter): the same with the 156-order union bound migrated silos get.
 - replay: what O(history) would cost, composing the N charges' curves again (shown for scale).
 
@@ -34,7 +36,7 @@ import numpy as np
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import gate
+from dpledger.service.ledger import charges
 from dpledger.service.ledger.models import Silo
 from dpledger.wire.mechanisms import DpSgd
 
@@ -70,17 +72,20 @@ def measure(n: int) -> dict[str, float]:
         running = running.add(c)
     budget = rdp.epsilon(running.curve(), delta=DELTA)[0] * 2  # approvals succeed: the whole check runs
     default_spec = rdp_filter.default_spec(epsilon=budget, delta=DELTA, dataset_size=60_000)
-    default = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=default_spec.to_json())
+    stored = running.to_json()
+    default = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=default_spec.to_json(),
+                   rdp_spent=stored)
     legacy_spec = rdp_filter.legacy_spec()
-    legacy = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=legacy_spec.to_json())
+    legacy = Silo(epsilon=budget, delta=DELTA, plan=None, plan_used=0, filter_seq=1, filter_spec=legacy_spec.to_json(),
+                  rdp_spent=stored)
 
     def before() -> object:
-        candidate = running.add(step_curve)
+        candidate = RunningSum.from_json(stored).add(step_curve)
         eps, _ = rdp.epsilon(candidate.curve(), delta=DELTA)
         return rdp.within_budget(eps, budget=budget)
 
     def after(silo: Silo) -> Callable[[], object]:
-        return lambda: gate.admit(silo, spent=running, candidate=running.add(step_curve), mechanism=step)
+        return lambda: charges.check_budget(silo, step_curve).fits
 
     out: dict[str, float] = {}
     for _ in range(2):  # interleaved twice; the second pass is kept

@@ -109,12 +109,7 @@ def consume(plan: list[Segment], *, used: int, charge: list[Segment]) -> int:
     return taken
 
 
-@dataclass(frozen=True)
-class PlanPrice:
-    epsilon: float
-
-
-def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> PlanPrice:
+def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> float:
     """The plan's ε at δ by dp-accounting's PLD accountant; MechanismError if it cannot price it, or
     not within one request's bounded work (cost.check, at this finer discretization)."""
     too_costly = cost.check(mechanism, pld_discretization=PLAN_DISCRETIZATION)
@@ -126,7 +121,7 @@ def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> PlanPrice:
         raise MechanismError("mechanism", f"dp-accounting's PLD accountant does not support {type(event).__name__} in this plan")
     try:
         accountant.compose(event)
-        return PlanPrice(float(accountant.get_epsilon(delta)))
+        return float(accountant.get_epsilon(delta))
     except (ValueError, ArithmeticError, MemoryError) as error:
         raise MechanismError(
             "mechanism", f"dp-accounting's PLD accountant failed on this plan: {type(error).__name__}"

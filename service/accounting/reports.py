@@ -113,8 +113,7 @@ class RemainingCalibration:
 
 
 def calibrate_remaining(
-    spent: np.ndarray, *, budget: float, delta: float, sampling_rate: float, steps: int,
-    epsilon_of: Callable[[np.ndarray], float] | None = None,
+    spent: np.ndarray, *, budget: float, sampling_rate: float, steps: int, epsilon_of: Callable[[np.ndarray], float],
 ) -> RemainingCalibration:
     """The smallest σ (within 1e-9 relative, rounded up) such that `steps` more DP-SGD steps at
     `sampling_rate`, added to the RDP curve already spent, keep ε at δ within `budget`.
@@ -124,21 +123,18 @@ def calibrate_remaining(
     this searches σ over the running sum plus the planned steps (a bracket, then Brent's method),
     and returns a σ whose ε it has checked to fit: rounding costs noise, never privacy.
 
-    `epsilon_of` converts a running sum to ε the way the silo's gate does (ledger/gate.py); without
-    it, dp-accounting's compute_epsilon. The planned steps are charged as the ledger charges them
-    (rdp.certified_curve) when it is given.
+    `epsilon_of` converts a running sum to ε the way the silo's gate does (ledger/gate.py), and the
+    planned steps are charged as the ledger charges them (rdp.certified_curve).
     """
-    convert = (lambda curve: rdp.epsilon(curve, delta=delta)[0]) if epsilon_of is None else epsilon_of
-    curve_of = rdp.rdp_curve if epsilon_of is None else rdp.certified_curve
     if not math.isfinite(budget) or budget <= 0:
         raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
     budget = budget * (1 - CALIBRATION_MARGIN)  # the ledger's gate has no tolerance
 
     def epsilon_after(sigma: float) -> float:
         planned = DpSgd(sampling_rate=sampling_rate, noise_multiplier=sigma, steps=steps)
-        return convert(spent + curve_of(planned))
+        return epsilon_of(spent + rdp.certified_curve(planned))
 
-    already = convert(spent)
+    already = epsilon_of(spent)
     if not already < budget:
         raise MechanismError("rounds", f"nothing is left to plan with: the silo has spent ε={already:.6g} of {budget:.6g}")
     high = 1.0

@@ -23,14 +23,14 @@ class Step:
     epsilon_spent: float
 
 
-def points(steps: Iterable[Step], *, delta: float, convert: Callable[[RunningSum], float] | None = None) -> list[Point]:
+def points(steps: Iterable[Step], *, convert: Callable[[RunningSum], float]) -> list[Point]:
     committed = RunningSum.empty(len(rdp.ORDERS))
     eps_committed = 0.0
     out = []
     for step in steps:
         if step.event == "commit" and step.charge_rdp is not None:
             committed = committed.add(curve_from_json(step.charge_rdp))
-            eps_committed = rdp.epsilon(committed.curve(), delta=delta)[0] if convert is None else convert(committed)
+            eps_committed = convert(committed)
         out.append(Point(seq=step.seq, committed=eps_committed, spent=step.epsilon_spent))
     return out
 

@@ -102,6 +102,7 @@ class Preview:
     priced: Priced
     silo: Silo
     check: BudgetCheck
+    plan_closed: str | None  # why the silo may no longer declare a plan (None: it may)
 
 
 def request_hash(*, mechanism: AnyMechanism, job_id: str | None, round: int | None) -> str:
@@ -134,8 +135,9 @@ def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False) -> 
 def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: bool) -> Preview:
     with db.read() as session:
         silo = silos.get(session, silo_id)
+        plan_closed = silos.plan_closed(session, silo)
     priced = price(mechanism, silo=silo, charged=charged)
-    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True))
+    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True), plan_closed)
 
 
 def view(

@@ -3,7 +3,8 @@
 A silo is gated one of two ways, fixed before its first charge: by its Rényi filter (the union bound
 of accounting/filter.py over the orders and δ shares in its record), or, once it has declared a plan,
 by the plan alone (accounting/plans.py: exactly the plan's units, priced by its PLD ε). Both read only
-the silo row: O(orders), never O(history).
+the silo row: O(orders), never O(history). The decision itself is charges.check_budget, shared by
+reserve and quote.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger.errors import Conflict, OverBudget
+from dpledger.service.ledger.errors import Conflict
 from dpledger.service.ledger.models import Silo
 from dpledger.wire.mechanisms import AnyMechanism
 
@@ -56,16 +57,3 @@ def follow_plan(silo: Silo, mechanism: AnyMechanism) -> None:
         raise PlanDeviation(f"departs from the silo's declared plan: {error}") from error
     silo.plan_used += taken
 
-
-def admit(silo: Silo, *, spent: RunningSum, candidate: RunningSum, mechanism: AnyMechanism) -> float:
-    """Approves the step (advancing the silo's plan, if any) and returns the silo's proven ε with it,
-    or raises OverBudget / PlanDeviation. The caller holds the silo's lock."""
-    declared = plan(silo)
-    if declared is not None:
-        follow_plan(silo, mechanism)
-        return declared.epsilon
-    approved, after = rdp_filter.approves(spec(silo), candidate.curve(), delta=silo.delta, budget=silo.epsilon)
-    if not approved:
-        now = rdp_filter.read(spec(silo), spent.curve(), delta=silo.delta)
-        raise OverBudget(budget=silo.epsilon, epsilon_spent=now.epsilon, epsilon_if_approved=after.epsilon)
-    return after.epsilon

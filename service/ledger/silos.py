@@ -133,6 +133,15 @@ def epsilon_spent(silo: Silo) -> float:
     return gate.reading(silo, RunningSum.from_json(silo.rdp_spent)).epsilon
 
 
+def plan_closed(session: Session, silo: Silo) -> str | None:
+    """Why the silo may no longer declare a plan, or None: a plan is fixed once, before any charge."""
+    if silo.plan is not None:
+        return f"silo {silo.id} has declared its plan already; a plan is fixed once"
+    if session.scalars(select(Charge.id).where(Charge.silo_id == silo.id)).first() is not None:
+        return f"silo {silo.id} holds charges already; a plan must be declared before the first charge"
+    return None
+
+
 def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plans.Plan:
     """Fixes the silo's plan: only before its first charge, once, and only if its PLD ε fits."""
     with db.read() as session:
@@ -144,15 +153,14 @@ def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plan
         price = plans.pld_epsilon(resolved, delta=delta)
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error
-    if not rdp.within_budget(price.epsilon, budget=budget):
-        raise OverBudget(budget=budget, epsilon_spent=0.0, epsilon_if_approved=price.epsilon)
-    declared = plans.Plan(mechanism=resolved.model_dump_json(), segments=tuple(segments), epsilon=price.epsilon)
+    if not rdp.within_budget(price, budget=budget):
+        raise OverBudget(budget=budget, epsilon_spent=0.0, epsilon_if_approved=price)
+    declared = plans.Plan(mechanism=resolved.model_dump_json(), segments=tuple(segments), epsilon=price)
     with db.write() as session:
         silo = lock(session, silo_id)
-        if silo.plan is not None:
-            raise Conflict(f"silo {silo_id} has declared its plan already; a plan is fixed once")
-        if session.scalars(select(Charge.id).where(Charge.silo_id == silo_id)).first() is not None:
-            raise Conflict(f"silo {silo_id} holds charges already; a plan must be declared before the first charge")
+        closed = plan_closed(session, silo)
+        if closed is not None:
+            raise Conflict(closed)
         silo.plan = declared.to_json()
         silo.plan_used = 0
         append_entry(session, silo, event=EntryEvent.plan, charge=None, epsilon_spent=0.0, now=datetime.now(UTC))
@@ -181,7 +189,7 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     spec = gate.spec(silo)
     try:
         found = reports.calibrate_remaining(
-            RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon, delta=silo.delta,
+            RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon,
             sampling_rate=sampling_rate, steps=steps,
             epsilon_of=lambda curve: rdp_filter.read(spec, curve, delta=silo.delta).epsilon,  # the gate's conversion
         )

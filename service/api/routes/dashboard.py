@@ -178,7 +178,7 @@ def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -
         last_round=refused.last.round, epsilon_spent=refused.last.epsilon_spent,
         epsilon_if_approved=refused.last.epsilon_if_approved,
     )
-    points = series.points(steps, delta=silo.delta, convert=lambda running: gate.reading(silo, running).epsilon)
+    points = series.points(steps, convert=lambda running: gate.reading(silo, running).epsilon)
     return _html(pages.silo(row, points, charge_rows, verification, refusals))
 
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from fastapi import APIRouter
-from sqlalchemy import select
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError
-from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
 from dpledger.service.ledger import charges, gate
 from dpledger.service.ledger.errors import InvalidRequest
-from dpledger.service.ledger.models import Charge
 from dpledger.wire.mechanisms import AnyMechanism
 from dpledger.wire.schemas import (
     CalibrateRequest,
@@ -46,36 +43,31 @@ def quote(body: QuoteRequest, caller: PrincipalDep, db: DbDep) -> QuoteResponse:
         epsilon_pld=pld.epsilon, pld_note=pld.unsupported_reason, delta=delta,
     )
     if preview is None:
-        _plan_price(answer, priced.mechanism, delta=delta, silo_has_plan=False, holds_charges=False)
-        _, best = rdp.epsilon(priced.curve, delta=delta)
-        spec = rdp_filter.spread_spec(best, source="horizon")
+        _plan_price(answer, priced.mechanism, delta=delta, closed=None)
+        spec = rdp_filter.spread_spec(alone.order, source="horizon")
         answer.epsilon_rdp_proven = finite_or_none(rdp_filter.read(spec, priced.curve, delta=delta).epsilon)
         return answer
     silo = preview.silo
-    with db.read() as session:
-        holds_charges = session.scalars(select(Charge.id).where(Charge.silo_id == silo.id)).first() is not None
-    _plan_price(answer, priced.mechanism, delta=delta, silo_has_plan=silo.plan is not None, holds_charges=holds_charges)
+    _plan_price(answer, priced.mechanism, delta=delta, closed=preview.plan_closed)
     answer.silo_epsilon_spent = finite_or_none(preview.check.epsilon_spent)
     answer.epsilon_if_approved = finite_or_none(preview.check.epsilon_if_approved)
-    # The silo's own filter on the same running sum and curve a charge would use.
-    candidate = RunningSum.from_json(silo.rdp_spent).add(priced.curve)
-    answer.epsilon_rdp_proven = finite_or_none(rdp_filter.read(gate.spec(silo), candidate.curve(), delta=silo.delta).epsilon)
+    # The silo's own filter on the running sum a charge would leave (on a plan, the gate reads the plan instead).
+    answer.epsilon_rdp_proven = finite_or_none(
+        rdp_filter.read(gate.spec(silo), preview.check.candidate.curve(), delta=silo.delta).epsilon
+    )
     answer.gated_on = "rdp_filter" if silo.plan is None else "plan"
     return answer
 
 
-def _plan_price(
-    answer: QuoteResponse, mechanism: AnyMechanism, *, delta: float, silo_has_plan: bool, holds_charges: bool
-) -> None:
-    if silo_has_plan:
-        answer.plan_note = "the silo has declared its plan already"
-    elif holds_charges:
-        answer.plan_note = "the silo holds charges: a plan must be declared before the first one"
-    else:
-        try:
-            answer.epsilon_plan = finite_or_none(plans.pld_epsilon(mechanism, delta=delta).epsilon)
-        except MechanismError as error:
-            answer.plan_note = error.message
+def _plan_price(answer: QuoteResponse, mechanism: AnyMechanism, *, delta: float, closed: str | None) -> None:
+    """The mechanism's PLD ε as a plan, or why it cannot be one (`closed`: why the silo may not declare one)."""
+    if closed is not None:
+        answer.plan_note = closed
+        return
+    try:
+        answer.epsilon_plan = finite_or_none(plans.pld_epsilon(mechanism, delta=delta))
+    except MechanismError as error:
+        answer.plan_note = error.message
 
 
 @router.post("/calibrate", response_model=CalibrateResponse, name="calibrate")

@@ -130,8 +130,6 @@ def _subject(event: str, silo: Silo) -> dict[str, object] | None:
     return None
 
 
-
-
 @router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
 def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, db: DbDep) -> SiloCalibration:
     """The noise multiplier that lets `rounds` more rounds of DP-SGD fit what this silo has LEFT.

@@ -100,5 +100,6 @@ def test_a_nearly_spent_silo_gets_large_noise_and_an_overspent_curve_nothing(cli
     # A curve already over the budget (the ledger never stores one; a lowered budget would) plans nothing.
     spent = rdp.rdp_curve(DpSgd(sampling_rate=BATCH / SIZE, noise_multiplier=0.5, steps=500))
     with pytest.raises(MechanismError) as error:
-        reports.calibrate_remaining(spent, budget=0.5, delta=DELTA, sampling_rate=BATCH / SIZE, steps=1)
+        reports.calibrate_remaining(spent, budget=0.5, sampling_rate=BATCH / SIZE, steps=1,
+                                   epsilon_of=lambda curve: rdp.epsilon(curve, delta=DELTA)[0])
     assert error.value.field == "rounds"
