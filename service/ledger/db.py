@@ -13,9 +13,9 @@ from typing import IO
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 import dpledger.migrations
 
@@ -131,4 +131,43 @@ def alembic_config(url: str) -> Config:
 
 
 def migrate(url: str) -> None:
-    command.upgrade(alembic_config(url), "head")
+    """Upgrade to head, one process at a time: two that start at once on a fresh database (`serve`
+    while `keys create` runs) would both find it unversioned and both create its tables."""
+    with _migration_lock(url):
+        command.upgrade(alembic_config(url), "head")
+
+
+# PostgreSQL: the advisory lock every dpledger migration takes (any fixed 64-bit number; "dpledger").
+_MIGRATION_LOCK_KEY = int.from_bytes(b"dpledger", "big") >> 1
+
+
+@contextmanager
+def _migration_lock(url: str) -> Iterator[None]:
+    """SQLite: an exclusive flock on a file beside the database; PostgreSQL: a session advisory lock
+    held on a connection of its own; an in-memory database has a single migrator."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        database = parsed.database
+        if not database or database == ":memory:" or database.startswith("file::memory:") or "mode=memory" in url:
+            yield
+            return
+        with open(f"{database}.migrate-lock", "ab") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    elif backend == "postgresql":
+        engine = create_engine(url, poolclass=NullPool)
+        try:
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+                connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+                try:
+                    yield
+                finally:
+                    connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+        finally:
+            engine.dispose()
+    else:
+        yield
