@@ -105,13 +105,7 @@ class SiloSettings:
 
     def api_key(self) -> str:
         """The key is read from its file when needed and never copied into any record or log."""
-        try:
-            key = self.key_file.read_text().strip()
-        except OSError as error:
-            raise SettingsError(f"node config: 'key-file' {str(self.key_file)!r} cannot be read ({error.strerror}).") from None
-        if not key:
-            raise SettingsError(f"node config: 'key-file' {str(self.key_file)!r} is empty.")
-        return key
+        return read_key_file(self.key_file, f"node config: 'key-file' {str(self.key_file)!r}")
 
 
 @dataclass(frozen=True)
@@ -164,10 +158,31 @@ class RunSettings:
         )
 
     def coordinator_key(self) -> str:
+        return read_key_file(self.coordinator_key_file, "run config: 'coordinator-key-file'")
+
+
+def read_key_file(path: Path, where: str) -> str:
+    """An API key from its file: the bare key (what `dpledger silos create` prints), or the JSON that
+    `dpledger keys create` and `silos create --json` print, whose "api_key" holds it. Anything else is
+    refused in one line that says so, never sent to the ledger to be answered with a 401."""
+    try:
+        text = path.read_text().strip()
+    except OSError as error:
+        raise SettingsError(f"{where} cannot be read ({error.strerror}).") from None
+    except UnicodeDecodeError:
+        raise SettingsError(f"{where} is not text; it must hold an API key.") from None
+    if not text:
+        raise SettingsError(f"{where} is empty.")
+    if text[0] in '{["':  # JSON, not a key (a key never starts with these)
         try:
-            key = self.coordinator_key_file.read_text().strip()
-        except OSError as error:
-            raise SettingsError(f"run config: 'coordinator-key-file' cannot be read ({error.strerror}).") from None
-        if not key:
-            raise SettingsError("run config: 'coordinator-key-file' is empty.")
+            document = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SettingsError(f"{where} starts with {text[0]!r} but is not JSON ({error.msg}).") from None
+        key = document.get("api_key") if isinstance(document, dict) else None
+        if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+            raise SettingsError(f"{where} is JSON without an \"api_key\" string (the field `dpledger keys create` prints).")
         return key
+    if any(c.isspace() for c in text):
+        raise SettingsError(f"{where} must hold the bare key or the JSON `dpledger keys create` prints. "
+                            "Found more than one word.")
+    return text

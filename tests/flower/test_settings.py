@@ -81,3 +81,35 @@ def test_a_virtual_node_reads_its_partitions_entry(tmp_path: Path, monkeypatch: 
     monkeypatch.delenv(SIMULATION_NODES_ENV)
     with pytest.raises(SettingsError, match=f"partition-id=0\\) needs {SIMULATION_NODES_ENV}"):
         SiloSettings.of_node({"partition-id": 0})
+
+
+@pytest.mark.parametrize("content", [
+    "dpl_bare-key\n",
+    '{"key_id": 7, "api_key": "dpl_bare-key"}\n',  # what `dpledger keys create` prints
+    '{\n  "id": 1,\n  "name": "site-a",\n  "api_key": "dpl_bare-key"\n}\n',  # `dpledger silos create --json`
+])
+def test_a_key_file_holds_the_bare_key_or_the_json_the_cli_prints(tmp_path: Path, content: str) -> None:
+    (tmp_path / "key").write_text(content)
+    assert SiloSettings.from_node_config({**NODE, "key-file": str(tmp_path / "key")}).api_key() == "dpl_bare-key"
+    assert RunSettings.from_run_config({**RUN, "coordinator-key-file": str(tmp_path / "key")}).coordinator_key() == "dpl_bare-key"
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    ('{"key_id": 7}', 'is JSON without an "api_key" string (the field `dpledger keys create` prints).'),
+    ('{"api_key": 7}', 'is JSON without an "api_key" string (the field `dpledger keys create` prints).'),
+    ('["dpl_bare-key"]', 'is JSON without an "api_key" string (the field `dpledger keys create` prints).'),
+    ('{"api_key": "dpl_', "starts with '{' but is not JSON (Unterminated string starting at)."),
+    ("dpl_one\ndpl_two\n", "must hold the bare key or the JSON `dpledger keys create` prints. Found more than one word."),
+])
+def test_a_key_file_holding_anything_else_is_refused_in_one_line_that_shows_no_key(
+    tmp_path: Path, content: str, reason: str
+) -> None:
+    path = tmp_path / "key"
+    path.write_text(content)
+    with pytest.raises(SettingsError) as raised:
+        RunSettings.from_run_config({**RUN, "coordinator-key-file": str(path)}).coordinator_key()
+    assert str(raised.value) == f"run config: 'coordinator-key-file' {reason}"
+    assert "\n" not in str(raised.value) and "dpl_" not in str(raised.value)
+    with pytest.raises(SettingsError) as raised:
+        SiloSettings.from_node_config({**NODE, "key-file": str(path)}).api_key()
+    assert str(raised.value) == f"node config: 'key-file' {str(path)!r} {reason}"
