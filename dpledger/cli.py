@@ -62,6 +62,30 @@ def _parser() -> argparse.ArgumentParser:
     openapi.add_argument("--out", type=Path, default=Path("openapi/openapi.json"))
     openapi.set_defaults(run=_openapi)
 
+    data = commands.add_parser("data", help="write example silo data files")
+    data_sources = data.add_subparsers(required=True, metavar="source")
+    digits = data_sources.add_parser(
+        "digits", help="scikit-learn's 8×8 digits, disjoint slices: silo-1.npz … silo-K.npz (x, y, x_test, y_test)",
+        description="Each file holds `x` (n, 64) in [0, 1], `y`, `x_test`, `y_test`: a silo's Flower data file "
+        "(data-path). Register each silo with --dataset-size at most --train.",
+    )
+    digits.add_argument("--silos", type=int, required=True)
+    digits.add_argument("--train", type=int, default=400, help="training records per silo (default 400)")
+    digits.add_argument("--test", type=int, default=100, help="test records per silo (default 100)")
+    digits.add_argument("--seed", type=int, default=0)
+    digits.add_argument("--out", type=Path, default=Path("."), help="the folder (default: here)")
+    digits.add_argument("--force", action="store_true", help="replace existing files")
+    digits.set_defaults(run=_data_digits)
+
+    wait = commands.add_parser(
+        "wait", help="wait until a server answers; exit 1 with one line if none does in time",
+        description="TARGET is a URL (waits for a 2xx answer, e.g. http://127.0.0.1:8000/healthz) or HOST:PORT "
+        "(waits until it accepts a TCP connection).",
+    )
+    wait.add_argument("target", metavar="TARGET")
+    wait.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+    wait.set_defaults(run=_wait)
+
     people_cli.add_commands(commands)
 
     for name in WORKER_COMMANDS:
@@ -186,6 +210,61 @@ def _create_key(args: argparse.Namespace) -> None:
     finally:
         db.dispose()
     print(json.dumps({"key_id": key.id, "api_key": raw}))
+
+
+def _data_digits(args: argparse.Namespace) -> int:
+    from dpledger.trainer.data.digits_files import write_digits_silo_files
+
+    try:
+        paths = write_digits_silo_files(args.out, silos=args.silos, train=args.train, test=args.test, seed=args.seed,
+                                        overwrite=args.force)
+    except (ValueError, OSError) as error:
+        print(f"dpledger data digits: {error}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    print(f"dpledger data digits: {len(paths)} silos, {args.train} training and {args.test} test records each",
+          file=sys.stderr)
+    return 0
+
+
+def _wait(args: argparse.Namespace) -> int:
+    """Polls TARGET until it answers, so that a script's next command finds its server up."""
+    import socket
+    import time
+
+    import httpx
+
+    if "://" in args.target:
+        try:
+            url = httpx.URL(args.target)
+        except httpx.InvalidURL:
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.host:
+            print(f"dpledger wait: {args.target!r} is not an http(s) URL", file=sys.stderr)
+            return 2
+    deadline = time.monotonic() + args.timeout
+    last = "nothing tried"
+    while True:
+        try:
+            if "://" in args.target:
+                status = httpx.get(args.target, timeout=2.0, follow_redirects=True).status_code
+                if 200 <= status < 300:
+                    return 0
+                last = f"HTTP {status}"
+            else:
+                host, _, port = args.target.rpartition(":")
+                if not host or not port.isdigit():
+                    print(f"dpledger wait: {args.target!r} is neither a URL nor HOST:PORT", file=sys.stderr)
+                    return 2
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                    return 0
+        except (httpx.HTTPError, OSError) as error:
+            last = str(error) or type(error).__name__
+        if time.monotonic() >= deadline:
+            print(f"dpledger wait: {args.target} did not answer within {args.timeout:g} s (last: {last})", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
 
 
 def openapi_document() -> str:

@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 from dp_accounting import dp_event as de
-from sklearn.datasets import load_digits
 
 from dpledger.flower.settings import SIMULATION_NODES_ENV
 from dpledger.harness import free_port
 from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.data.digits_files import write_digits_silo_files
 from dpledger.wire.enums import Role
 from tests import gate_oracle
 
@@ -56,18 +55,8 @@ def budget_for_rounds(rounds: int, *, steps: int, sampling_rate: float, noise_mu
 
 
 def write_silo_files(folder: Path, *, silos: int, train: int, test: int, seed: int = 0) -> list[Path]:
-    """Disjoint slices of scikit-learn's digits, one .npz per silo, pixels scaled to [0, 1]."""
-    digits = load_digits()
-    order = np.random.default_rng(seed).permutation(len(digits.target))
-    paths = []
-    for k in range(silos):
-        rows = order[k * (train + test) : (k + 1) * (train + test)]
-        x = (digits.data[rows] / 16.0).astype(np.float32)
-        y = digits.target[rows].astype(np.int64)
-        path = folder / f"silo-{k}.npz"
-        np.savez(path, x=x[:train], y=y[:train], x_test=x[train:], y_test=y[train:])
-        paths.append(path)
-    return paths
+    """Disjoint slices of scikit-learn's digits, one .npz per silo (silo-0.npz …): `dpledger data digits`."""
+    return write_digits_silo_files(folder, silos=silos, train=train, test=test, seed=seed, first=0)
 
 
 @dataclass
