@@ -174,5 +174,16 @@ def main(grid: Grid, context: Context) -> None:
         if not reply.has_error() and records.METRICS in reply.content.metric_records:
             run.accuracy[silos[reply.metadata.src_node_id]] = float(reply.content.metric_records[records.METRICS]["accuracy"])  # type: ignore[arg-type]  # a float the silo wrote
     log.info("accuracy per silo: %s", {k: round(v, 3) for k, v in run.accuracy.items()})
+    # The outcome, said once: "complete" (every silo trained every round), "partial", or "nothing
+    # trained" (every silo declined, failed or was silent from round 0: the run learned nothing and fails).
+    trained_rounds = {s: sum(e.status.get(s) == records.TRAINED for e in run.rounds) for s in silos.values()}
+    outcome = ("nothing trained" if not any(trained_rounds.values())
+               else "complete" if all(n == settings.rounds for n in trained_rounds.values()) else "partial")
+    (log.info if outcome == "complete" else log.warning)(
+        "job %d: outcome %s: rounds trained per silo %s of %d", job_id, outcome, trained_rounds, settings.rounds)
     if settings.out is not None:
-        settings.out.write_text(json.dumps(asdict(run), indent=1, default=str))
+        settings.out.write_text(json.dumps({"outcome": outcome, **asdict(run)}, indent=1, default=str))
+    if outcome == "nothing trained":
+        statuses = sorted({e.status[s] for e in run.rounds[:1] for s in e.status})
+        raise RuntimeError(f"job {job_id}: no silo trained any round (round 0: {', '.join(statuses) or 'no round'}); "
+                           "the run failed")
