@@ -216,7 +216,9 @@ def verify(args: argparse.Namespace) -> int:
     return EXIT_BROKEN
 
 
-CHARGE_HEADER = ("charge", "status", "job", "round", "ε of charge", "silo ε spent")
+# "attempt": the first characters of the id of the attempt that made the reservation; a reserved
+# charge whose worker is gone (a redelivery found it held by another attempt) waits for an operator.
+CHARGE_HEADER = ("charge", "status", "job", "round", "attempt", "ε of charge", "silo ε spent")
 
 
 @_reports_errors
@@ -228,7 +230,7 @@ def charges_list(args: argparse.Namespace) -> int:
         return 0
     rows = [
         (str(c["charge_id"]), c["status"], c["job_id"] or "", "" if c["round"] is None else str(c["round"]),
-         number(c["epsilon"]), number(c["epsilon_spent"]))
+         (c.get("attempt_id") or "")[:8], number(c["epsilon"]), number(c["epsilon_spent"]))
         for c in found
     ]
     print(table(CHARGE_HEADER, rows))

@@ -10,20 +10,24 @@ before it is sent); answers are parsed into the wire's response models. Errors f
   then the caller stops without spending more.
 
 Retrying a reservation is safe because it carries an idempotency key; the answer then says whether
-it replayed an earlier request (`Reservation.replayed`) and whether this call retried
-(`own_retry`). Only a fresh reservation lets a round touch the data (`Reservation.fresh`): a 201, or
-the replay that answers this very call's own retry after its first attempt got no answer.
+it replayed an earlier request (`Reservation.replayed`). Each call to `reserve` also sends a random
+attempt id (the same on that call's own retries); the ledger keeps the first attempt's id with the
+charge and answers it on every replay. Only a reservation whose stored id is this call's own lets a
+round touch the data (`Reservation.owned`): a 201, or the replay that answers this very call's
+retry after its first answer was lost. Another delivery of the same round finds someone else's id.
 Retrying a commit is made safe by the service's machine-readable `charge_status` on a second
-settlement.
+settlement. Retries are bounded in time (`Retry.window`, 60 s unless $DPLEDGER_RETRY_WINDOW says
+otherwise): long enough to ride out a ledger restart, short enough to give up on an outage.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -100,8 +104,7 @@ class Reservation:
 
     `status` is the charge's real state as the service answered it (a replay of a settled charge
     says committed or released); `replayed` is true when the key named an earlier request;
-    `own_retry` is true when this call retried after an attempt that got no answer (a transport
-    error or a 5xx), so a replay may be the answer to this very call's first attempt.
+    `attempt_id` is the id of the attempt that made the charge, `own_attempt_id` this call's.
     """
 
     charge_id: int
@@ -109,25 +112,49 @@ class Reservation:
     epsilon_remaining: float
     status: ChargeStatus = ChargeStatus.reserved
     replayed: bool = False
-    own_retry: bool = False
+    attempt_id: str | None = None
+    own_attempt_id: str | None = None
 
     @property
-    def fresh(self) -> bool:
-        """A new approval this call may spend: never a replay of a charge settled or held elsewhere."""
-        return self.status is ChargeStatus.reserved and (not self.replayed or self.own_retry)
+    def owned(self) -> bool:
+        """This call's own open reservation, the only one it may spend: reserved, and made by this
+        very call (a replay answers its own retry only when the stored attempt id is its own)."""
+        return (
+            self.status is ChargeStatus.reserved and self.attempt_id is not None
+            and self.attempt_id == self.own_attempt_id
+        )
+
+
+RETRY_WINDOW_ENV = "DPLEDGER_RETRY_WINDOW"
+
+
+def _default_window() -> float:
+    raw = os.environ.get(RETRY_WINDOW_ENV)
+    if raw is None:
+        return 60.0
+    try:
+        window = float(raw)
+    except ValueError:
+        raise ValueError(f"{RETRY_WINDOW_ENV} must be a number of seconds. Found {raw!r}.") from None
+    if not (math.isfinite(window) and window >= 0):
+        raise ValueError(f"{RETRY_WINDOW_ENV} must be a finite number of seconds >= 0. Found {raw!r}.")
+    return window
 
 
 @dataclass(frozen=True)
 class Retry:
-    attempts: int = 6
+    """Exponential backoff (first_delay, ×factor, at most max_delay apart) for up to `window` seconds
+    after the first attempt; the default window rides out a ledger restart (5–12 s seen)."""
+
+    window: float = field(default_factory=_default_window)
     first_delay: float = 0.2
     factor: float = 2.0
+    max_delay: float = 5.0
 
 
 @dataclass(frozen=True)
 class _Answer:
     response: httpx.Response
-    retried: bool  # an earlier attempt of this call failed in transport or with a 5xx
 
 
 def as_mechanism(mechanism: AnyMechanism | Mapping[str, Any]) -> AnyMechanism:
@@ -175,20 +202,24 @@ class LedgerClient:
     # --- transport --------------------------------------------------------------------------------
     def _send(self, method: str, path: str, body: BaseModel | Mapping[str, Any] | None = None) -> _Answer:
         payload = body.model_dump(mode="json", exclude_none=True) if isinstance(body, BaseModel) else body
-        delay = self._retry.first_delay
-        for attempt in range(self._retry.attempts):
+        delay, attempts = self._retry.first_delay, 0
+        deadline = time.monotonic() + self._retry.window
+        while True:
+            attempts += 1
             try:
                 response = self._http.request(method, path, json=payload, headers=self._headers)
             except httpx.TransportError as error:
                 failure: str = f"{type(error).__name__}: {error}"
             else:
                 if response.status_code < 500:
-                    return _Answer(response, retried=attempt > 0)
+                    return _Answer(response)
                 failure = f"HTTP {response.status_code}"
-            if attempt + 1 < self._retry.attempts:
-                time.sleep(delay)
-                delay *= self._retry.factor
-        raise Unreachable(f"{method} {path} failed {self._retry.attempts} times; last: {failure}")
+            if time.monotonic() + delay > deadline:
+                raise Unreachable(
+                    f"{method} {path} failed {attempts} times in {self._retry.window:g} s; last: {failure}"
+                )
+            time.sleep(delay)
+            delay = min(delay * self._retry.factor, self._retry.max_delay)
 
     @staticmethod
     def _body(response: httpx.Response) -> Any:
@@ -246,8 +277,9 @@ class LedgerClient:
 
     def reserve(self, silo_id: int, *, mechanism: AnyMechanism | Mapping[str, Any], idempotency_key: str,
                 job_id: str | None = None, round: int | None = None) -> Reservation:
+        attempt_id = secrets.token_urlsafe(16)  # this call's, reused by its own retries in _send
         body = {"mechanism": as_mechanism(mechanism).model_dump(mode="json", exclude_none=True),
-                "idempotency_key": idempotency_key, "job_id": job_id, "round": round}
+                "idempotency_key": idempotency_key, "job_id": job_id, "round": round, "attempt_id": attempt_id}
         answer = self._send("POST", f"/v1/silos/{silo_id}/charges", body)
         response = answer.response
         if response.status_code not in (200, 201):
@@ -259,7 +291,7 @@ class LedgerClient:
         spent = math.inf if data.epsilon_spent is None else data.epsilon_spent
         return Reservation(
             charge_id=data.charge_id, epsilon_spent=spent, epsilon_remaining=data.epsilon_remaining,
-            status=ChargeStatus(data.status), replayed=replayed, own_retry=answer.retried,
+            status=ChargeStatus(data.status), replayed=replayed, attempt_id=data.attempt_id, own_attempt_id=attempt_id,
         )
 
     def commit(self, charge_id: int) -> float | None:

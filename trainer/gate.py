@@ -5,14 +5,15 @@
         for _ in range(permit.steps):
             engine.step(permit)
 
-On entry the gate reserves the round's mechanism (the one its sampler declares: `steps` Poisson
--sampled Gaussian steps at the sampler's batch size; the ledger derives q from the silo's registered
-size). The body runs only on a fresh reservation: a denial (`Denied`, final: the gate refuses every
-later round too) or a replay of an earlier charge (`ReplayedCharge`: the round ran before, here or
-in another process) raises before the body starts. Every step asks the permit first; a step beyond
-the reservation, at less noise or at a higher sampling rate is refused (`StepNotCovered`) before it
-reads a record. On exit the charge is committed; when the body raises it is committed too once the
-body touched data (a step was permitted, or the model ran), and released only when it never did.
+On entry the gate opens the round through the one round protocol (`trainer/rounds.py`): it reserves
+the round's mechanism (the one its sampler declares: `steps` Poisson-sampled Gaussian steps at the
+sampler's batch size; the ledger derives q from the silo's registered size). The body runs only on
+this attempt's own reservation: a denial (`Denied`, final: the gate refuses every later round too)
+or a charge this attempt did not make (`NotOwned`: the round was reserved before, here or in another
+process) raises before the body starts. Every step asks the permit first; a step beyond the
+reservation, at less noise or at a higher sampling rate is refused (`StepNotCovered`) before it reads
+a record. On exit the protocol's settle rule applies: committed once the body may have touched data
+(a step was permitted, the model ran, or the body ran to its end), released only when it never did.
 
 The gate first reads the silo's registered dataset size and refuses a sampler drawing from a
 different number of records: q = batch_size / n is charged with the ledger's n, so a sampler over
@@ -28,7 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from dpledger.trainer.client import Denied, LedgerClient, LedgerError, Rejected, Reservation
+from dpledger.trainer.client import Denied, LedgerClient
+from dpledger.trainer.rounds import Permit, open_round, round_key
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.schemas import SiloCalibration, SiloDetail
@@ -40,18 +42,6 @@ _SLACK = 1e-12
 
 class StepNotCovered(RuntimeError):
     """A step that no open reservation covers: refused before it reads a record or moves a parameter."""
-
-
-class ReplayedCharge(LedgerError):
-    """The round's idempotency key named an earlier charge that this call did not create: that round
-    ran before (here or in another process), so the body never runs."""
-
-    def __init__(self, reservation: Reservation, *, round: int) -> None:
-        super().__init__(
-            f"round {round}: the ledger replayed charge {reservation.charge_id} ({reservation.status.value}); "
-            "it was reserved by an earlier run, so this one does not train on it"
-        )
-        self.reservation = reservation
 
 
 class DeclaresDpSgd(Protocol):
@@ -77,18 +67,28 @@ class DeclaresDpSgd(Protocol):
 class OpenRound:
     """The permit of one reserved round: what it covers, and what the body has taken of it."""
 
-    round: int
-    charge_id: int
+    permit: Permit
     steps: int
     noise_multiplier: float
     sampling_rate: float
     steps_taken: int = 0
-    touched: bool = False
     closed: bool = False
+
+    @property
+    def round(self) -> int:
+        return self.permit.round
+
+    @property
+    def charge_id(self) -> int:
+        return self.permit.charge_id
+
+    @property
+    def touched(self) -> bool:
+        return self.permit.touched
 
     def touch(self) -> None:
         """Mark that the body read the silo's data (the round's charge can no longer be released)."""
-        self.touched = True
+        self.permit.touch()
 
     def take(self, *, noise_multiplier: float | None = None, sampling_rate: float | None = None) -> float:
         """Permit one step, or raise `StepNotCovered`. Returns the reserved noise multiplier."""
@@ -106,7 +106,7 @@ class OpenRound:
                 f"round {self.round} reserved sampling rate {self.sampling_rate!r}; a step at {sampling_rate!r} is not covered"
             )
         self.steps_taken += 1
-        self.touched = True
+        self.permit.touch()
         return self.noise_multiplier
 
 
@@ -153,7 +153,7 @@ class RoundGate:
         return self.sampler.dpsgd(noise_multiplier=noise_multiplier, steps=steps)
 
     def idempotency_key(self, round: int) -> str:
-        return f"{self.job_id}/silo-{self.silo_id}/round-{round}"
+        return round_key(self.job_id, round, self.silo_id)
 
     # Hooks for adapters (the Opacus gate attaches the permit to its accountant).
     def _opened(self, permit: OpenRound) -> None:
@@ -179,48 +179,32 @@ class RoundGate:
             raise ValueError(f"noise_multiplier must be finite and > 0. Found {noise_multiplier!r}.")
         index = self._next_round if round is None else round
         try:
-            reservation = self.client.reserve(
-                self.silo_id, mechanism=self.mechanism(steps=steps, noise_multiplier=noise_multiplier),
-                idempotency_key=self.idempotency_key(index), job_id=self.job_id, round=index,
-            )
+            opened = open_round(self.client, silo_id=self.silo_id, job_id=self.job_id, round=index,
+                                mechanism=self.mechanism(steps=steps, noise_multiplier=noise_multiplier))
         except Denied as denied:
             self._denied = denied
             raise
-        if not reservation.fresh:
-            raise ReplayedCharge(reservation, round=index)
         self._next_round = index + 1
         permit = OpenRound(
-            round=index, charge_id=reservation.charge_id, steps=steps, noise_multiplier=noise_multiplier,
+            permit=opened, steps=steps, noise_multiplier=noise_multiplier,
             sampling_rate=self.sampler.batch_size / self.registered.dataset_size,
         )
         self._opened(permit)
+        error: BaseException | None = None
         try:
-            yield permit
-        except BaseException as error:
-            permit.closed = True
-            self._closed(permit)
-            try:
-                self._settle(permit, error=error)
-            except LedgerError as settle_error:
-                # The charge stays reserved, which the ledger counts as spent: the safe side.
-                error.add_note(f"the round's charge {permit.charge_id} stays reserved: {settle_error}")
-            raise
-        permit.closed = True
-        self._closed(permit)
-        self._settle(permit, error=None)
-
-    def _settle(self, permit: OpenRound, *, error: BaseException | None) -> None:
-        status, spent = ChargeStatus.committed, None
-        if error is not None and not permit.touched:
-            try:
-                spent = self.client.release(permit.charge_id)
-                status = ChargeStatus.released
-            except Rejected:
-                spent = self.client.commit(permit.charge_id)  # the ledger refused the release: keep it spent
-        else:
-            spent = self.client.commit(permit.charge_id)
-        self.results.append(RoundResult(
-            round=permit.round, charge_id=permit.charge_id, steps_reserved=permit.steps, steps_taken=permit.steps_taken,
-            noise_multiplier=permit.noise_multiplier, status=status, sampler=self.sampler.kind, epsilon_spent=spent,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-        ))
+            with opened:
+                try:
+                    yield permit
+                except BaseException as raised:
+                    error = raised
+                    raise
+                finally:
+                    permit.closed = True
+                    self._closed(permit)
+        finally:
+            if opened.status is not None:
+                self.results.append(RoundResult(
+                    round=index, charge_id=opened.charge_id, steps_reserved=steps, steps_taken=permit.steps_taken,
+                    noise_multiplier=noise_multiplier, status=opened.status, sampler=self.sampler.kind,
+                    epsilon_spent=opened.epsilon_spent, error=None if error is None else f"{type(error).__name__}: {error}",
+                ))

@@ -1,10 +1,12 @@
 """The round loop (docs/ARCHITECTURE.md, "The round protocol"): approval before every privacy-consuming step.
 
-Per round and silo: reserve the round's mechanism (idempotency key from job, round, silo) → train →
-commit. A denial is final: that silo stops spending and its model stays frozen while the run goes
-on with the others. If the service becomes unreachable, reservations of the round that never touched
-the data are released and the run stops without spending more. A reservation whose round ran is
-never released (fail closed): a crash after training leaves it spent, as it should be.
+Per round and silo, through the one round protocol (`trainer/rounds.py`): open the round (its key
+from job, round, silo; only this attempt's own reservation) → train → settle (commit when the silo
+took a step, release when it provably took none). A denial is final: that silo stops spending and
+its model stays frozen while the run goes on with the others. If the service becomes unreachable,
+the round's permits that never touched the data are released and the run stops without spending
+more. A reservation whose round ran is never released (fail closed): a crash after training leaves
+it spent, as it should be.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpledger.trainer.client import Denied, LedgerClient, Rejected, Unreachable
+from dpledger.trainer.client import Denied, LedgerClient, LedgerError, Rejected, Unreachable
 from dpledger.trainer.federated import FederatedAlgorithm
+from dpledger.trainer.rounds import NotOwned, Permit, open_round
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,6 @@ class JobRun:
         return [sum(r.refused[k] for r in self.rounds) for k in range(len(self.stopped))]
 
 
-def idempotency_key(job_id: str, round_index: int, silo_id: int) -> str:
-    return f"{job_id}/round-{round_index}/silo-{silo_id}"
-
-
 def run_gated(
     algorithm: FederatedAlgorithm,
     silos: Sequence[GatedSilo],
@@ -84,54 +83,48 @@ def run_gated(
                 run.stop_reason = "the ledger refused every silo's next round: it would exceed the silo's budget"
             break
         mechanisms = algorithm.round_mechanisms(round_index)
-        charges: dict[int, int] = {}
+        permits: dict[int, Permit] = {}
         refused = [False] * len(silos)
         try:
             for k, (silo, mechanism) in enumerate(zip(silos, mechanisms, strict=True)):
                 if mechanism is None or run.stopped[k]:
                     continue
                 try:
-                    reservation = silo.client.reserve(
-                        silo.silo_id, mechanism=mechanism, idempotency_key=idempotency_key(job_id, round_index, silo.silo_id),
-                        job_id=job_id, round=round_index,
-                    )
+                    permit = open_round(silo.client, silo_id=silo.silo_id, job_id=job_id, round=round_index,
+                                        mechanism=mechanism)
                 except Denied as denial:
                     run.stopped[k] = refused[k] = True
                     run.refusals[k] = Refusal(round_index, denial.epsilon, denial.epsilon_spent, denial.epsilon_if_approved)
                     continue
-                if not reservation.fresh:
-                    # A replay of an earlier run's reservation (the same job id again): that round may
-                    # have read the data already and is paid once; training it again would be unpaid.
+                except NotOwned as replay:
+                    # Reserved before (the same job id again): that round may have read the data already
+                    # and is paid once; training it again would be unpaid.
                     run.stopped[k] = True
                     run.failed = True
-                    run.stop_reason = (
-                        f"silo {silo.silo_id}: round {round_index} of job {job_id!r} was reserved before (charge "
-                        f"{reservation.charge_id}, {reservation.status.value}); it is not trained again: use a new job id"
-                    )
+                    run.stop_reason = f"silo {silo.silo_id}: {replay}; use a new job id"
                     continue
-                charges[k] = reservation.charge_id
-                spent[k] = reservation.epsilon_spent
+                permits[k] = permit
+                spent[k] = permit.reservation.epsilon_spent
         except Unreachable as error:
-            _release_untouched(silos, charges)
+            _settle_untouched(permits)
             run.stop_reason = f"ledger unreachable before round {round_index}: {error}"
             run.failed = True
             break
         except Rejected as error:
             # A key revoked mid-run, say: this round's other reservations never touched the data.
-            _release_untouched(silos, charges)
+            _settle_untouched(permits)
             run.stop_reason = f"the ledger rejected silo {silos[k].silo_id}'s reservation for round {round_index}: {error}"
             run.failed = True
             break
 
         approved = torch.zeros(len(silos), dtype=torch.bool)
-        approved[list(charges)] = True
+        approved[list(permits)] = True
         result = algorithm.run_round(round_index, approved)
         try:
-            for k, charge_id in charges.items():
+            for k, permit in permits.items():
                 if int(result.steps[k]) > 0:
-                    silos[k].client.commit(charge_id)
-                else:
-                    silos[k].client.release(charge_id)  # approved but never touched the data
+                    permit.touch()
+                permit.settle()  # released when the silo was approved but took no step
         except (Unreachable, Rejected) as error:
             run.stop_reason = f"the ledger did not settle round {round_index}'s charges; they stay reserved (spent): {error}"
             run.failed = True
@@ -151,9 +144,9 @@ def run_gated(
     return run
 
 
-def _release_untouched(silos: Sequence[GatedSilo], charges: dict[int, int]) -> None:
-    for k, charge_id in charges.items():
+def _settle_untouched(permits: dict[int, Permit]) -> None:
+    for permit in permits.values():
         try:
-            silos[k].client.release(charge_id)
-        except (Unreachable, Rejected):
+            permit.settle()  # none was touched: each is released
+        except LedgerError:
             pass  # stays reserved: fail closed, an operator can release it once the service is back

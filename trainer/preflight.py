@@ -17,7 +17,7 @@ from dpledger.trainer.client import LedgerClient, Rejected, Retry, Unreachable
 from dpledger.trainer.job_config import JobConfig, SiloKey, silo_key
 from dpledger.wire.schemas import SiloDetail
 
-PREFLIGHT_RETRY = Retry(attempts=3, first_delay=0.2)  # a ledger that is down is said in ~1 s, not ~6
+PREFLIGHT_RETRY = Retry(window=1.0, first_delay=0.2)  # a ledger that is down is said in ~1 s, not ~6
 HISTORY_PAGE = 10_000
 
 

@@ -1,11 +1,14 @@
 """The silo's ClientApp mod: every train message is approved by the silo's own ledger before it
 may touch the data (Flower's `Mod = (Message, Context, call_next) -> Message`).
 
-reserve → call_next → commit → report the noisy update's norm, all with the silo's own key from its
-node config. A denial, a replay of an approved round, or any ledger error answers a constant status
-without calling the trainer; nothing that could carry an ε or a budget (an exception's text
-included, which Flower would forward to the server) leaves the silo. A round that may have touched
-the data is committed, never released, even when training fails (fail closed).
+The one round protocol (`trainer/rounds.py`): open the round → call_next → settle → report the
+noisy update's norm, all with the silo's own key from its node config. A denial, a charge this
+delivery did not reserve (a redelivered message whose round an earlier delivery reserved, even when
+an answer was lost on the way), or any ledger error answers a constant status without calling the
+trainer; nothing that could carry an ε or a budget (an exception's text included, which Flower would
+forward to the server) leaves the silo. Once call_next starts, the round may have touched the data:
+it is committed, never released, even when training fails (fail closed). The silo's own log says
+why, with the refusal's numbers.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from dpledger.flower.local import load_silo_file, round_mechanism
 from dpledger.flower.pmtl import record_level_mechanism
 from dpledger.flower.settings import SettingsError, SiloSettings
 from dpledger.trainer.client import Denied, LedgerClient, LedgerError
+from dpledger.trainer.rounds import NotOwned, Permit, open_round, refusal_line
 
 log = logging.getLogger("flwr.dpledger.silo")
 
 
-def idempotency_key(job_id: int, round_index: int, silo_id: int) -> str:
-    return f"flower/job-{job_id}/round-{round_index}/silo-{silo_id}"
+def ledger_job(job_id: int) -> str:
+    """The job name a Flower run's charges carry (the ledger's job id, apart from other runners' names)."""
+    return f"flower-job-{job_id}"
 
 
 def _order(message: Message) -> tuple[int, int, int, int]:
@@ -88,41 +93,27 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
                 # Gaussian with multiplier z/2 (`pmtl.record_level_mechanism`), the safe side of the
                 # client-level z.
                 mechanism = record_level_mechanism(server_noise=server_noise)
-            reservation = ledger.reserve(silo.silo_id, mechanism=mechanism,
-                                         idempotency_key=idempotency_key(job_id, round_index, silo.silo_id),
-                                         job_id=str(job_id), round=round_index)
-        except Denied:
-            log.info("round %d declined: over this silo's budget", round_index)
+            permit = open_round(ledger, silo_id=silo.silo_id, job_id=ledger_job(job_id), round=round_index,
+                                mechanism=mechanism)
+        except Denied as denied:
+            log.warning("silo %d declines: %s", silo.silo_id, refusal_line(denied, round=round_index))
             return records.status_reply(message, records.DECLINED)
+        except NotOwned as replay:
+            log.warning("%s", replay)
+            return records.status_reply(message, records.REPLAYED)
         except LedgerError as error:
             log.error("round %d not run: %s", round_index, error)
             return records.status_reply(message, records.FAILED)
-        if not reservation.fresh:
-            log.warning("round %d was approved before (charge %d, %s): not training it again", round_index,
-                        reservation.charge_id, reservation.status.value)
-            return records.status_reply(message, records.REPLAYED)
         ledger_seconds = time.perf_counter() - started
-
-        context.state.config_records[records.APPROVAL] = ConfigRecord({
-            "job-id": job_id, "round": round_index, "steps": steps, "batch-size": batch_size,
-            "noise-multiplier": silo.noise_multiplier if server_noise is None else 0.0,
-        })
-        context.state.config_records.pop(records.OUTCOME, None)
-        try:
-            reply = call_next(message, context)
-        except Exception:
-            log.exception("round %d failed after approval; its charge is committed (it may have touched the data)",
-                          round_index)
-            reply = records.status_reply(message, records.FAILED)
-        finally:
-            del context.state.config_records[records.APPROVAL]
+        reply = _train(permit, message, context, call_next, job_id=job_id, steps=steps, batch_size=batch_size,
+                       noise_multiplier=silo.noise_multiplier if server_noise is None else 0.0)
 
         started = time.perf_counter()
         try:
-            ledger.commit(reservation.charge_id)
+            permit.settle()
         except LedgerError as error:
             log.error("round %d: commit of charge %d failed (%s); it stays reserved, i.e. spent", round_index,
-                      reservation.charge_id, error)
+                      permit.charge_id, error)
         outcome = context.state.config_records.pop(records.OUTCOME, None)
         norm = outcome.get("update-norm") if outcome is not None else None
         if isinstance(norm, float) and records.reply_status(reply) == records.TRAINED:
@@ -134,3 +125,22 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         if records.reply_status(reply) == records.TRAINED:
             reply.content.metric_records[records.METRICS]["ledger-seconds"] = ledger_seconds
         return reply
+
+
+def _train(permit: Permit, message: Message, context: Context, call_next: ClientAppCallable, *, job_id: int,
+           steps: int, batch_size: int, noise_multiplier: float) -> Message:
+    """call_next under the permit's approval, written into the silo's state for this round only."""
+    context.state.config_records[records.APPROVAL] = ConfigRecord({
+        "job-id": job_id, "round": permit.round, "steps": steps,
+        "batch-size": batch_size, "noise-multiplier": noise_multiplier,
+    })
+    context.state.config_records.pop(records.OUTCOME, None)
+    permit.touch()  # from here the ClientApp may read the data
+    try:
+        return call_next(message, context)
+    except Exception:
+        log.exception("round %d failed after approval; its charge is committed (it may have touched the data)",
+                      permit.round)
+        return records.status_reply(message, records.FAILED)
+    finally:
+        del context.state.config_records[records.APPROVAL]

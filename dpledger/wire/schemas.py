@@ -39,6 +39,8 @@ Text = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_nu
 MAX_ID = 2**31 - 1
 Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
 Round = Annotated[int, Field(ge=0, le=10**9, strict=True)]
+# A reserve request's attempt id: 16–64 characters of [A-Za-z0-9_-], random per attempt (128 bits or more).
+AttemptId = Annotated[str, Field(min_length=16, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -144,6 +146,10 @@ class ChargeRequest(_WithMechanism):
     idempotency_key: Text
     job_id: Text | None = None
     round: Round | None = None
+    attempt_id: AttemptId | None = Field(
+        None, description="a random id of this attempt (the same on its own retries): the ledger keeps the first "
+        "attempt's id with the charge and answers it on every replay, so a worker trains only on its own reservation",
+    )
 
 
 class ChargeReserved(BaseModel):
@@ -159,6 +165,10 @@ class ChargeReserved(BaseModel):
     epsilon_remaining: float
     job_id: str | None
     round: int | None
+    attempt_id: str | None = Field(
+        None, description="the id of the attempt that made the reservation (null: none was sent); a worker whose own "
+        "id this is not must not train on the charge",
+    )
     receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 

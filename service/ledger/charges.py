@@ -165,8 +165,11 @@ def reserve(
     job_id: str | None = None,
     round: int | None = None,
     key_id: int | None = None,
+    attempt_id: str | None = None,
 ) -> ChargeView:
-    """A fresh reservation (replayed=False), or the charge this key already names (replayed=True)."""
+    """A fresh reservation (replayed=False), or the charge this key already names (replayed=True).
+    `attempt_id` is kept with a fresh charge and answered on every replay (never part of the
+    request's identity: another attempt at the same request replays it, and learns it is not its own)."""
     digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
     with db.read() as session:
         silo = silos.get(session, silo_id)
@@ -179,7 +182,7 @@ def reserve(
         keys.require_live(session, key_id)
         return reserve_locked(
             session, silo_id=silo_id, priced=priced, digest=digest, idempotency_key=idempotency_key,
-            job_id=job_id, round=round,
+            job_id=job_id, round=round, attempt_id=attempt_id,
         )
 
 
@@ -192,6 +195,7 @@ def reserve_locked(
     idempotency_key: str,
     job_id: str | None,
     round: int | None,
+    attempt_id: str | None = None,
 ) -> ChargeView:
     """Check, then append, inside the caller's write transaction (the silo is locked here)."""
     silo = silos.lock(session, silo_id)
@@ -211,7 +215,7 @@ def reserve_locked(
         silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
         mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,
         conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
-        epsilon_spent_after=decision.epsilon_if_approved, created_at=now,
+        epsilon_spent_after=decision.epsilon_if_approved, created_at=now, attempt_id=attempt_id,
     )
     session.add(charge)
     session.flush()

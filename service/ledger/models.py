@@ -107,6 +107,9 @@ class Charge(Base):
     # When an output of the charge's round (a norm, a trial's score) first reached the ledger: the
     # round touched the data, so the charge may only be committed, never released.
     touched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The random id of the attempt whose reserve made the charge: answered on every replay, so only
+    # that attempt (retrying its own lost request) trains on it. None: no attempt may claim it.
+    attempt_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class LedgerEntry(Base):

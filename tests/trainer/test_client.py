@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from pydantic import ValidationError
 
 from dpledger.harness import free_port, running_server
-from dpledger.trainer.client import Denied, LedgerClient, Rejected, Retry, Unreachable
+from dpledger.trainer.client import RETRY_WINDOW_ENV, Denied, LedgerClient, Rejected, Retry, Unreachable
 from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.schemas import SiloDetail
 from tests.conftest import ADMIN_KEY
@@ -58,8 +60,8 @@ def test_dropped_requests_are_retried_and_charge_once(server: str, silo) -> None
     with LedgerClient(server, silo.api_key, transport=transport, retry=Retry(first_delay=0.01)) as client:
         reservation = client.reserve(silo.id, mechanism=STEP, idempotency_key="r1")
         again = client.reserve(silo.id, mechanism=STEP, idempotency_key="r1")  # a retry after a lost answer
-        assert again.charge_id == reservation.charge_id and again.replayed and not again.fresh
-        assert reservation.fresh and not reservation.replayed and reservation.own_retry  # the lost attempts never landed
+        assert again.charge_id == reservation.charge_id and again.replayed and not again.owned
+        assert reservation.owned and not reservation.replayed  # the lost attempts never landed
         assert client.commit(reservation.charge_id) == pytest.approx(reservation.epsilon_spent)
         assert client.commit(reservation.charge_id) is None  # the second attempt sees it done
         assert client.silo(silo.id).epsilon_spent == pytest.approx(reservation.epsilon_spent)
@@ -68,9 +70,21 @@ def test_dropped_requests_are_retried_and_charge_once(server: str, silo) -> None
 
 def test_an_unreachable_service_stops_after_the_bound(silo) -> None:  # type: ignore[no-untyped-def]
     dead = f"http://127.0.0.1:{free_port()}"
-    with LedgerClient(dead, silo.api_key, retry=Retry(attempts=3, first_delay=0.01)) as client:
-        with pytest.raises(Unreachable, match="failed 3 times"):
+    with LedgerClient(dead, silo.api_key, retry=Retry(window=0.5, first_delay=0.1, factor=2.0)) as client:
+        started = time.monotonic()
+        with pytest.raises(Unreachable, match=r"failed 3 times in 0.5 s"):  # at 0, 0.1 and 0.3 s; 0.7 is past the window
             client.reserve(silo.id, mechanism=STEP, idempotency_key="x")
+        assert time.monotonic() - started < 0.5
+
+
+def test_the_retry_window_defaults_to_a_minute_and_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(RETRY_WINDOW_ENV, raising=False)
+    assert Retry().window == 60.0
+    monkeypatch.setenv(RETRY_WINDOW_ENV, "90")
+    assert Retry().window == 90.0
+    monkeypatch.setenv(RETRY_WINDOW_ENV, "soon")
+    with pytest.raises(ValueError, match=RETRY_WINDOW_ENV):
+        Retry()
 
 
 def test_a_malformed_mechanism_never_leaves_the_worker(server: str, silo) -> None:  # type: ignore[no-untyped-def]
@@ -89,12 +103,13 @@ def test_a_bad_request_is_rejected_not_retried(server: str, silo) -> None:  # ty
     assert rejected.value.status_code == 422 and "batch_size" in str(rejected.value.body) and transport.calls == 1
 
 
-def test_a_reservation_says_whether_it_is_fresh(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+def test_a_reservation_says_whether_it_is_owned(server: str, silo) -> None:  # type: ignore[no-untyped-def]
     with LedgerClient(server, silo.api_key) as client:
         first = client.reserve(silo.id, mechanism=DpSgd(batch_size=10, noise_multiplier=1.0, steps=1), idempotency_key="f")
-        assert first.fresh and not first.replayed and not first.own_retry
+        assert first.owned and not first.replayed and first.attempt_id == first.own_attempt_id
         again = client.reserve(silo.id, mechanism=STEP, idempotency_key="f")  # a second call, not a retry of the first
-        assert again.charge_id == first.charge_id and again.replayed and not again.own_retry and not again.fresh
+        assert again.charge_id == first.charge_id and again.replayed and not again.owned
+        assert again.attempt_id == first.attempt_id != again.own_attempt_id
         assert isinstance(client.silo(silo.id), SiloDetail)
 
 
@@ -114,9 +129,23 @@ class LosesFirstAnswer(httpx.HTTPTransport):
         return response
 
 
-def test_a_replay_that_answers_the_calls_own_lost_attempt_is_fresh(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+def test_a_replay_that_answers_the_calls_own_lost_attempt_is_owned(server: str, silo) -> None:  # type: ignore[no-untyped-def]
     transport = LosesFirstAnswer()
     with LedgerClient(server, silo.api_key, transport=transport, retry=Retry(first_delay=0.01)) as client:
         reservation = client.reserve(silo.id, mechanism=STEP, idempotency_key="lost")
     assert transport.calls == 2
-    assert reservation.replayed and reservation.own_retry and reservation.fresh
+    assert reservation.replayed and reservation.owned
+
+
+def test_a_redelivery_whose_answer_is_lost_does_not_own_an_earlier_reservation(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    """The issue's sequence: delivery 1 reserves and dies before settling; delivery 2's first answer
+    (a replay) is lost and its retry gets the replay again. Under the old rule ("a replay after my own
+    retry is mine") delivery 2 trained a second time on one charge."""
+    with LedgerClient(server, silo.api_key) as first_delivery:
+        held = first_delivery.reserve(silo.id, mechanism=STEP, idempotency_key="redelivered")
+    assert held.owned
+    transport = LosesFirstAnswer()
+    with LedgerClient(server, silo.api_key, transport=transport, retry=Retry(first_delay=0.01)) as second_delivery:
+        replay = second_delivery.reserve(silo.id, mechanism=STEP, idempotency_key="redelivered")
+    assert transport.calls == 2 and replay.replayed and replay.charge_id == held.charge_id
+    assert replay.attempt_id == held.own_attempt_id and not replay.owned

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from dpledger.trainer.client import Denied, LedgerClient
 from dpledger.trainer.dpsgd.engine import DPSGDEngine
-from dpledger.trainer.gate import ReplayedCharge, RoundGate, StepNotCovered
+from dpledger.trainer.gate import RoundGate, StepNotCovered
+from dpledger.trainer.rounds import NotOwned
 from dpledger.wire.enums import ChargeStatus
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import dpsgd_epsilon
@@ -171,7 +172,7 @@ def test_a_replayed_settled_charge_runs_no_step(silo) -> None:  # type: ignore[n
     spent = client.silo(silo_id).epsilon_spent
     again = RoundGate(client, silo_id=silo_id, sampler=engine.sampler, job_id="nightly")  # the same script, re-run
     start, entered = parameters(engine.model), []
-    with pytest.raises(ReplayedCharge, match=f"charge {first.results[0].charge_id}"):
+    with pytest.raises(NotOwned, match=f"charge {first.results[0].charge_id}"):
         with again.round(steps=2, noise_multiplier=1.5, round=0):
             entered.append(True)
     assert not entered and same(start, parameters(engine.model))

@@ -35,7 +35,7 @@ def _answer(found: charges.ChargeView, signer: SignerDep | None) -> ChargeReserv
         charge_id=found.charge_id, status=found.status, replayed=found.replayed,
         epsilon=finite_or_none(found.epsilon), epsilon_spent=finite_or_none(found.epsilon_spent),
         epsilon_remaining=found.epsilon_remaining, job_id=found.charge.job_id, round=found.charge.round,
-        receipt=None if signer is None else receipt(signer, found.position),
+        attempt_id=found.charge.attempt_id, receipt=None if signer is None else receipt(signer, found.position),
     )
 
 
@@ -53,7 +53,7 @@ def reserve_charge(
     try:
         result = charges.reserve(
             db, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
-            job_id=body.job_id, round=body.round, key_id=caller.key_id,
+            job_id=body.job_id, round=body.round, key_id=caller.key_id, attempt_id=body.attempt_id,
         )
     except OverBudget as refusal:
         request.app.state.refusals.record(silo_id, Refusal(
