@@ -5,8 +5,10 @@ that round's norms, read once with the coordinator key and kept for the rest of 
 
 It holds a coordinator key only (create the job; read groups), so nothing it could log or forward
 holds a budget, an ε or a norm: silos answer "declined" when they stop, and report their norms to
-the ledger themselves. A silo that declines or does not answer within the round's timeout gets no
-more train messages (a SuperNode that died mid-round keeps its reservation spent on its ledger).
+the ledger themselves. A silo that declines gets no more train messages. One that failed, did not
+answer within the round's timeout, or whose SuperNode is gone is asked again in the next round: a
+SuperNode that comes back (under a new node id) is found by asking new nodes for their silo id at
+the start of each round. Its ledger keeps whatever the lost round reserved spent.
 """
 
 from __future__ import annotations
@@ -85,6 +87,23 @@ def _ask_silo_ids(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int
     return silos
 
 
+def _current_nodes(grid: Grid, silos: dict[int, int], job_silos: list[int], timeout: float,
+                   asked: set[int]) -> dict[int, int]:
+    """Silo id → its connected node now. Nodes never asked before (a restarted SuperNode comes back
+    under a new id) are asked their silo id once; `silos` (node → silo) keeps every node that ever
+    answered for one of the job's silos, in the order found, so a silo's newest node wins."""
+    connected = set(grid.get_node_ids())
+    new = sorted(connected - asked)
+    if new:
+        asked.update(new)
+        for node, silo in _ask_silo_ids(grid, new, timeout).items():
+            if silo in job_silos:
+                log.info("silo %d answers on node %d", silo, node)
+                silos.pop(node, None)
+                silos[node] = silo
+    return {silo: node for node, silo in silos.items() if node in connected}
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = RunSettings.from_run_config(context.run_config)
@@ -99,44 +118,49 @@ def main(grid: Grid, context: Context) -> None:
 
     model = template(seed=settings.seed)
     shared = model.initial()  # FedAvg: the global model; MR-MTL: the mean of the personal models
-    latest = {node: shared.clone() for node in silos}  # MR-MTL: each silo's last personal model
-    active = set(silos)
+    job_silos = sorted(silos.values())
+    latest = {silo: shared.clone() for silo in job_silos}  # MR-MTL: each silo's last personal model
+    active = set(job_silos)  # every silo that has not declined
+    asked_nodes = set(nodes)
     for round_index in range(settings.rounds):
         if not active:
             log.info("round %d: no silo left to train", round_index)
             break
+        node_of = _current_nodes(grid, silos, job_silos, settings.round_timeout, asked_nodes)
         config = ConfigRecord({
             "job-id": job_id, "round": round_index, "algorithm": settings.algorithm, "seed": settings.seed,
             "local-steps": settings.local_steps, "batch-size": settings.batch_size, "lr": settings.lr,
             "clip-norm": settings.clip_norm, "lam": settings.lam, "server-noise": settings.server_noise,
         })
+        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl.server_step)
         messages = [
-            Message(RecordDict({records.ARRAYS: records.to_record(shared), records.CONFIG: config}), node,
+            Message(RecordDict({records.ARRAYS: records.to_record(shared), records.CONFIG: config}), node_of[silo],
                     MessageType.TRAIN, group_id=str(round_index))
-            for node in sorted(active)
+            for silo in asked if silo in node_of
         ]
         started = time.perf_counter()
-        replies = {reply.metadata.src_node_id: reply for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
+        replies = {silos.get(reply.metadata.src_node_id): reply
+                   for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
         trained: list[torch.Tensor] = []
         trained_silos: list[int] = []
-        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl.server_step)
-        for node in asked:
-            reply = replies.get(node)
-            status = records.reply_status(reply) if reply is not None else "no reply"
-            entry.status[silos[node]] = status
+        for silo in asked:
+            reply = replies.get(silo)
+            status = (records.reply_status(reply) if reply is not None
+                      else "no reply" if silo in node_of else "no node")
+            entry.status[silo] = status
             if reply is not None:
                 run.reply_records.append(_public_values(reply))
             if reply is not None and status == records.TRAINED:
                 params = records.from_record(reply.content.array_records[records.ARRAYS])
                 trained.append(params)
-                trained_silos.append(silos[node])
-                latest[node] = params
+                trained_silos.append(silo)
+                latest[silo] = params
                 metrics = reply.content.metric_records[records.METRICS]
-                entry.train_seconds[silos[node]] = float(metrics["train-seconds"])  # type: ignore[arg-type]  # a float the silo wrote
-                entry.ledger_seconds[silos[node]] = float(metrics["ledger-seconds"])  # type: ignore[arg-type]  # idem
-            elif status != records.REPLAYED:
-                active.discard(node)  # declined, failed or gone: no more rounds for this silo
+                entry.train_seconds[silo] = float(metrics["train-seconds"])  # type: ignore[arg-type]  # a float the silo wrote
+                entry.ledger_seconds[silo] = float(metrics["ledger-seconds"])  # type: ignore[arg-type]  # idem
+            elif status == records.DECLINED:
+                active.discard(silo)  # over its budget: final, the silo spends no more
         if settings.algorithm == "fedavg" and trained:
             shared = torch.stack(trained).mean(0)
         elif settings.algorithm in grouped.GROUPED and round_index == grouped.WARM_START_ROUND:
@@ -151,13 +175,13 @@ def main(grid: Grid, context: Context) -> None:
             shared = shared + grouped.aggregate(settings.algorithm, updates, [run.groups[s] for s in trained_silos])
         elif settings.algorithm == "mrmtl":
             # The mean of all personal models, a stopped silo's frozen one included (post-processing).
-            shared = torch.stack([latest[node] for node in sorted(silos)]).mean(0)
+            shared = torch.stack([latest[silo] for silo in job_silos]).mean(0)
         elif settings.algorithm == "pmtl":
             # Hu et al., "Private Multi-Task Learning", Alg. 1 line 8: clip each asked silo's update,
             # sum those that trained, add N(0, z²γ²), divide by the number asked. The noise is drawn
             # whatever answered, from OS randomness no silo can predict.
-            took_part = torch.tensor([entry.status[silos[node]] == records.TRAINED for node in asked])
-            shared = server_step(shared, torch.stack([latest[node] for node in asked]), took_part,
+            took_part = torch.tensor([entry.status[silo] == records.TRAINED for silo in asked])
+            shared = server_step(shared, torch.stack([latest[silo] for silo in asked]), took_part,
                                  update_clip=settings.update_clip, server_noise=settings.server_noise,
                                  generator=torch.Generator().manual_seed(secrets.randbits(63)))
         run.rounds.append(entry)
@@ -168,7 +192,7 @@ def main(grid: Grid, context: Context) -> None:
         Message(RecordDict({records.ARRAYS: records.to_record(shared),
                             records.CONFIG: ConfigRecord({"algorithm": settings.algorithm, "seed": settings.seed})}),
                 node, MessageType.EVALUATE, group_id="evaluate")
-        for node in sorted(set(silos) & set(_wait_for_nodes(grid, 0)))
+        for node in sorted(_current_nodes(grid, silos, job_silos, settings.round_timeout, asked_nodes).values())
     ]
     for reply in grid.send_and_receive(evaluations, timeout=settings.round_timeout):
         if not reply.has_error() and records.METRICS in reply.content.metric_records:

@@ -326,3 +326,32 @@ def test_item9_a_key_revoked_while_its_request_is_in_flight_writes_nothing(clien
     )
     assert response.status_code == 401, response.text
     assert events(client, silo) == ["create"]
+
+
+# --- issue 23: only the attempt that made a reservation trains on it ----------------------------
+
+
+def test_a_charge_keeps_its_first_attempts_id_and_answers_it_on_every_replay(client) -> None:  # type: ignore[no-untyped-def]
+    silo = register(client, relation="add_remove", name="attempts")
+    first = charge(client, silo, "job/round-0/silo-1", HONEST, attempt_id="a" * 22)
+    assert first.status_code == 201 and first.json()["attempt_id"] == "a" * 22
+    # Another delivery of the same round (a new attempt id) is a replay, not a refusal: the id is no
+    # part of the request's identity, and the answer names the attempt that holds the charge.
+    other = charge(client, silo, "job/round-0/silo-1", HONEST, attempt_id="b" * 22)
+    assert other.status_code == 200 and other.json()["replayed"] is True
+    assert other.json()["charge_id"] == first.json()["charge_id"] and other.json()["attempt_id"] == "a" * 22
+    listed = client.get(f"/v1/silos/{silo.id}/charges?status=reserved", headers=ADMIN).json()
+    assert [(c["charge_id"], c["attempt_id"]) for c in listed] == [(first.json()["charge_id"], "a" * 22)]
+    # A request that sent no id: its charge names none, so no later attempt can claim it.
+    bare = charge(client, silo, "job/round-1/silo-1", HONEST)
+    assert bare.status_code == 201 and bare.json()["attempt_id"] is None
+    assert charge(client, silo, "job/round-1/silo-1", HONEST, attempt_id="c" * 22).json()["attempt_id"] is None
+
+
+@pytest.mark.parametrize("attempt_id", ["short", "x" * 65, "has space in it!!", 12345678901234567890])
+def test_a_malformed_attempt_id_is_a_422_that_names_it_and_writes_nothing(client, attempt_id) -> None:  # type: ignore[no-untyped-def]
+    silo = register(client, relation="add_remove", name=f"bad-attempt-{attempt_id!s:.8}")
+    response = charge(client, silo, "k", HONEST, attempt_id=attempt_id)
+    assert response.status_code == 422 and loc(response)[-1] == "attempt_id"
+    assert client.get(f"/v1/silos/{silo.id}/charges", headers=ADMIN).json() == []
+    assert events(client, silo) == ["create"]
