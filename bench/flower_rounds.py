@@ -1,12 +1,22 @@
 """Per-round time of a real Flower federation (dpledger serve, a SuperLink, K SuperNodes, `flwr run`
 of FedAvg) split into training, ledger and Flower, beside the in-process simulator on the same setting.
 
-    python bench/flower_rounds.py [--silos 3] [--rounds 4] [--steps 2] [--train 120] [--simulation]
+    python bench/flower_rounds.py [--silos 3] [--rounds 4] [--steps 2] [--train 120] [--isolation process]
+                                  [--simulation] [--no-simulator]
 
 Federation: each silo's ClientApp reports its own training seconds and its gate's ledger seconds
 (reserve + commit + norm report, over HTTP); "Flower" is the rest of the round as the ServerApp sees
-it (messages through the SuperLink, one `flwr-clientapp` process started per message, the model
-(de)serialised), taken against the slowest silo: round − max_k(train_k + ledger_k).
+it, taken against the slowest silo: round − max_k(train_k + ledger_k). The launch is
+tests/flower/federation.py's (`--isolation process`: a `flower-superexec` of ours beside each
+SuperNode, polling for tasks every FLWR_SUPEREXEC_TASK_POLL_INTERVAL s; set it to 1 for Flower's
+default). Where Flower's time goes, per message (Flower 1.41, hard-coded unless said):
+- the SuperNode asks the SuperLink for a message every 3 s while idle, and it goes idle right after
+  each reply: the next round's message waits ~3 s at the slowest silo whatever else is done;
+- `Grid.send_and_receive` (in the ServerApp) pulls replies every 3 s: a round lasts a multiple of 3 s;
+- the SuperExec asks for a task every FLWR_SUPEREXEC_TASK_POLL_INTERVAL s (1 s by default);
+- a fresh `flwr-clientapp` process per message, which imports Flower, torch and the app: the
+  "ClientApp start" line times that import, one process per silo at once, as the SuperNodes do;
+- the SuperNode looks for the ClientApp's reply every 0.5 s.
 `--simulation` also runs the same ClientApp and ServerApp in Flower's simulation engine (Ray, one
 virtual node per silo; `flower-superlink --simulation`), split the same way.
 Simulator: `trainer.federated.FedAvg` over the same silo files, model, steps, batch size and σ,
@@ -18,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +46,7 @@ from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.federated import FedAvg
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.loop import GatedSilo, run_gated
-from tests.flower.federation import DELTA, Federation, federation
+from tests.flower.federation import DELTA, ISOLATION, SUPEREXEC_POLL_SECONDS, Federation, federation
 
 SIGMA, BATCH, LR = 1.0, 16, 0.5
 
@@ -69,52 +81,83 @@ def flower_split(fed: Federation, folder: Path, args: argparse.Namespace) -> lis
     return split
 
 
+def clientapp_start(silos: int, *, repeats: int = 3) -> list[float]:
+    """Seconds until the last of `silos` fresh processes, started at once, has imported what a
+    `flwr-clientapp` imports before it can run our ClientApp (Flower's runtime, then the app)."""
+    code = "import flwr.supernode.cli.flwr_clientapp, dpledger.flower.client_app"
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(silos)]
+        if any(p.wait() != 0 for p in processes):
+            raise SystemExit("importing the ClientApp failed")
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--silos", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--train", type=int, default=120)
+    parser.add_argument("--isolation", choices=("process", "subprocess"), default=ISOLATION,
+                        help="the SuperNodes' --isolation (process: a flower-superexec of ours per SuperNode)")
     parser.add_argument("--simulation", action="store_true", help="also run Flower's simulation engine (Ray)")
+    parser.add_argument("--no-simulator", action="store_true", help="skip the in-process simulator")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    poll = os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(SUPEREXEC_POLL_SECONDS))
     simulated: list[Split] = []
     if args.simulation:
         with tempfile.TemporaryDirectory() as tmp, federation(Path(tmp), budgets=[50.0] * args.silos, noise_multiplier=SIGMA,
                                                                train=args.train, test=40, simulation=True) as fed:
             simulated = flower_split(fed, Path(tmp), args)
     with tempfile.TemporaryDirectory() as tmp, federation(Path(tmp), budgets=[50.0] * args.silos, noise_multiplier=SIGMA,
-                                                           train=args.train, test=40) as fed:
+                                                           train=args.train, test=40, isolation=args.isolation) as fed:
         split = flower_split(fed, Path(tmp), args)
-
-        paths = [s.data_file for s in fed.silos]
-        gated, free = simulator(paths, steps=args.steps, seed=0), simulator(paths, steps=args.steps, seed=0)
-        with fed.ledger() as admin:
-            created = [admin.create_silo(name=f"sim-{k}", epsilon=50.0, delta=DELTA, dataset_size=args.train)
-                       for k in range(args.silos)]
-        silos = [GatedSilo(c.id, LedgerClient(fed.ledger_url, c.api_key)) for c in created]
         gated_times: list[float] = []
-        started = time.perf_counter()
-        run_gated(gated, silos, rounds=args.rounds, job_id="bench-sim",
-                  on_round=lambda _: gated_times.append(time.perf_counter() - started - sum(gated_times)))
-        free_times = []
-        for r in range(args.rounds):
-            t = time.perf_counter()
-            free.run_round(r, torch.ones(args.silos, dtype=torch.bool))
-            free_times.append(time.perf_counter() - t)
+        free_times: list[float] = []
+        if not args.no_simulator:
+            gated_times, free_times = in_process(fed, args)
+    start = clientapp_start(args.silos)
 
     med = statistics.median
     print(f"{args.silos} silos × {args.train} records, tiny CNN, {args.steps} DP-SGD steps of batch {BATCH} a round, "
-          f"{args.rounds} rounds of FedAvg (median per round, s)")
+          f"{args.rounds} rounds of FedAvg (median per round, s); SuperNodes: --isolation {args.isolation}, "
+          f"SuperExec task poll {poll} s")
     print(f"{'':24}{'round':>8}{'training':>10}{'ledger':>8}{'Flower':>8}")
     for name, rows in (("Flower federation", split), ("Flower simulation (Ray)", simulated)):
         if rows:
             print(f"{name:24}{med(s[0] for s in rows):8.2f}{med(s[1] for s in rows):10.2f}"
                   f"{med(s[2] for s in rows):8.2f}{med(s[3] for s in rows):8.2f}")
-    sim_ledger = med(g - f for g, f in zip(gated_times, free_times, strict=True))
-    print(f"{'in-process simulator':24}{med(gated_times):8.2f}{med(free_times):10.2f}{sim_ledger:8.2f}{0.0:8.2f}")
-    print(json.dumps({"flower": split, "flower_simulation": simulated, "simulator_gated": gated_times,
-                      "simulator_ungated": free_times}))
+    if gated_times:
+        sim_ledger = med(g - f for g, f in zip(gated_times, free_times, strict=True))
+        print(f"{'in-process simulator':24}{med(gated_times):8.2f}{med(free_times):10.2f}{sim_ledger:8.2f}{0.0:8.2f}")
+    print(f"ClientApp start ({args.silos} at once, part of Flower's time): {med(start):.2f} s")
+    print(json.dumps({"isolation": args.isolation, "superexec_poll": float(poll), "flower": split,
+                      "flower_simulation": simulated, "simulator_gated": gated_times, "simulator_ungated": free_times,
+                      "clientapp_start": start}))
+
+
+def in_process(fed: Federation, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The in-process simulator's rounds on the federation's silo files, gated by its ledger, and ungated."""
+    paths = [s.data_file for s in fed.silos]
+    gated, free = simulator(paths, steps=args.steps, seed=0), simulator(paths, steps=args.steps, seed=0)
+    with fed.ledger() as admin:
+        created = [admin.create_silo(name=f"sim-{k}", epsilon=50.0, delta=DELTA, dataset_size=args.train)
+                   for k in range(args.silos)]
+    silos = [GatedSilo(c.id, LedgerClient(fed.ledger_url, c.api_key)) for c in created]
+    gated_times: list[float] = []
+    started = time.perf_counter()
+    run_gated(gated, silos, rounds=args.rounds, job_id="bench-sim",
+              on_round=lambda _: gated_times.append(time.perf_counter() - started - sum(gated_times)))
+    free_times: list[float] = []
+    for r in range(args.rounds):
+        t = time.perf_counter()
+        free.run_round(r, torch.ones(args.silos, dtype=torch.bool))
+        free_times.append(time.perf_counter() - t)
+    return gated_times, free_times
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """A real federation on 127.0.0.1 for the tests: `dpledger serve`, `flower-superlink --insecure`,
-one `flower-supernode` per silo (its own data file and key file), and `flwr run`, each a process
-in its own session on a free port, all killed at the end."""
+one `flower-supernode` per silo (its own data file and key file) with its own `flower-superexec`
+beside it (`--isolation process`), and `flwr run`, each on a free port, all killed at the end.
+
+Flower 1.41 starts a fresh `flwr-clientapp` process for every message (no warm ClientApp exists for
+the subprocess executor); what the launch can still cut is the SuperExec's 1 s task poll
+(`FLWR_SUPEREXEC_TASK_POLL_INTERVAL`). The SuperNode's 3 s idle poll and `Grid.send_and_receive`'s
+3 s poll are hard-coded in Flower: bench/flower_rounds.py measures what they cost a round."""
 
 from __future__ import annotations
 
@@ -30,6 +35,13 @@ from tests import gate_oracle
 BIN = Path(sys.executable).parent
 APP_DIR = Path(__file__).resolve().parents[2] / "dpledger" / "flower" / "app"
 DELTA = 1e-5
+# How often a SuperExec asks its SuperNode (or the SuperLink) for a task to start, in seconds:
+# Flower's default of 1 s is paid by every message before its ClientApp even starts.
+SUPEREXEC_POLL_SECONDS = 0.05
+# "process": we start each SuperNode's `flower-superexec` ourselves, in the SuperNode's process group,
+# so that killing a site kills its SuperExec and ClientApps with it; "subprocess": the SuperNode
+# starts its own (Flower's default).
+ISOLATION = "process"
 # Chooses a silo's σ with the silo's own ledger client and id (e.g. `calibrate_silo`), as a site would.
 NoiseChoice = Callable[[LedgerClient, int], float]
 
@@ -82,11 +94,15 @@ class Federation:
     # Simulation: the SuperLink's `--federation-config` for `flwr run` (virtual nodes, Ray's CPUs).
     simulation: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    isolation: str = ISOLATION
 
     def env(self) -> dict[str, str]:
         # Flower starts its own helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
         path = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
         return {**os.environ, "PATH": path, "FLWR_HOME": str(self.folder / "flwr-home"), "PYTHONUNBUFFERED": "1",
+                # The caller's own setting wins (bench/flower_rounds.py measures Flower's default of 1 s).
+                "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL",
+                                                                    str(SUPEREXEC_POLL_SECONDS)),
                 **self.extra_env}
 
     def node_config(self, silo: Silo) -> dict[str, object]:
@@ -94,20 +110,37 @@ class Federation:
         return {"ledger-url": self.ledger_url, "silo-id": silo.silo_id, "key-file": str(silo.key_file),
                 "data-path": str(silo.data_file), "noise-multiplier": silo.noise_multiplier}
 
-    def start(self, command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def start(self, command: list[str], log: Path, *, group: int | None = None) -> subprocess.Popen[bytes]:
+        """Starts `command` in a session of its own; or, for a SuperNode and its SuperExec, in process
+        group `group` of this session (0: a new group; a process may only join a group of its own session)."""
         with log.open("wb") as out:
-            process = subprocess.Popen(command, env=self.env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            if group is None:
+                process = subprocess.Popen(command, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+            else:
+                process = subprocess.Popen(command, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                           process_group=group)
         self.processes.append(process)
         return process
 
     def start_supernode(self, silo: Silo) -> None:
         node_config = " ".join(f"{k}={_toml(v)}" for k, v in self.node_config(silo).items())
         silo.log = self.folder / f"supernode-{silo.silo_id}.log"
+        runtime_port = free_port()  # the SuperNode's Runtime API, which its SuperExec and ClientApps call
         silo.process = self.start(
             [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.superlink_port}",
-             "--port", str(free_port()), "--node-config", node_config],
-            silo.log,
+             "--isolation", self.isolation, "--port", str(runtime_port), "--node-config", node_config],
+            silo.log, group=0,
         )
+        if self.isolation == "process":
+            # The site's SuperExec: in the SuperNode's process group, so `kill(silo.process)` takes it and
+            # the ClientApps it started (their group too) down with the SuperNode, as when a site dies;
+            # `--parent-pid` makes it exit by itself should the SuperNode die alone.
+            self.start(
+                [str(BIN / "flower-superexec"), "--insecure", "--runtime-api-address", f"127.0.0.1:{runtime_port}",
+                 "--parent-pid", str(silo.process.pid)],
+                self.folder / f"superexec-{silo.silo_id}.log", group=silo.process.pid,
+            )
 
     def run_command(self, config: dict[str, object]) -> list[str]:
         """`flwr run` of the app with run-config overrides, its logs streamed."""
@@ -169,30 +202,36 @@ def _descendants(pid: int) -> list[int]:
 
 
 def kill(process: subprocess.Popen[bytes]) -> None:
-    """SIGKILL to the process, its session and every descendant (a SuperNode's ClientApp processes,
-    the SuperLink's SuperExec and ServerApp)."""
+    """SIGKILL to the process, its process group and every descendant (a SuperNode's SuperExec and
+    ClientApp processes, the SuperLink's SuperExec and ServerApp)."""
     for pid in _descendants(process.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    # Its group (a SuperNode's holds its SuperExec and their ClientApps), then the process itself,
+    # which leads no group when it was started into a SuperNode's.
+    for send in (os.killpg, os.kill):
+        try:
+            send(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
 
 
 @contextmanager
 def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | NoiseChoice, train: int,
-               test: int, simulation: bool = False) -> Iterator[Federation]:
+               test: int, simulation: bool = False, isolation: str = ISOLATION) -> Iterator[Federation]:
     """`noise_multiplier`: every silo's σ, or a function each silo calls with its own key.
     `simulation`: no SuperNodes; the SuperLink runs Flower's simulation engine (Ray) with one virtual
-    node per silo, whose settings come from the file named by DPLEDGER_SIMULATION_NODES."""
+    node per silo, whose settings come from the file named by DPLEDGER_SIMULATION_NODES.
+    `isolation`: the SuperNodes' `--isolation` ("process": a `flower-superexec` of ours beside each)."""
+    if isolation not in ("process", "subprocess"):
+        raise ValueError(f"isolation must be 'process' or 'subprocess'. Found {isolation!r}.")
     admin_key = "admin-" + os.urandom(16).hex()
     ledger_port, superlink_port = free_port(), free_port()
     fed = Federation(folder=folder, ledger_url=f"http://127.0.0.1:{ledger_port}", admin_key=admin_key,
-                     superlink_port=superlink_port, coordinator_key_file=folder / "coordinator.key")
+                     superlink_port=superlink_port, coordinator_key_file=folder / "coordinator.key", isolation=isolation)
     (folder / "flwr-home").mkdir()
     (folder / "flwr-home" / "config.toml").write_text(
         f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{superlink_port}"\ninsecure = true\n'
