@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from dpledger.flower.settings import SIMULATION_NODES_ENV, RunSettings, SettingsError, SiloSettings
+from dpledger.flower.settings import SIMULATION_NODES_ENV, ConfigValue, RunSettings, SettingsError, SiloSettings
 
-NODE = {"ledger-url": "http://127.0.0.1:8000", "silo-id": 3, "key-file": "/k", "data-path": "/d.npz", "noise-multiplier": 1.1}
-RUN = {"algorithm": "fedavg", "rounds": 4, "local-steps": 5, "batch-size": 16, "lr": 0.5, "clip-norm": 1.0, "lam": 0.0,
-       "server-noise": 1.0, "update-clip": 1.0, "seed": 0, "min-nodes": 3, "round-timeout": 60.0,
-       "ledger-url": "http://127.0.0.1:8000", "coordinator-key-file": "/c", "out": ""}
+NODE: dict[str, ConfigValue] = {"ledger-url": "http://127.0.0.1:8000", "silo-id": 3, "key-file": "/k", "data-path": "/d.npz",
+                                "noise-multiplier": 1.1}
+RUN: dict[str, ConfigValue] = {
+    "algorithm": "fedavg", "rounds": 4, "local-steps": 5, "batch-size": 16, "lr": 0.5, "clip-norm": 1.0, "lam": 0.0,
+    "server-noise": 1.0, "update-clip": 1.0, "seed": 0, "min-nodes": 3, "round-timeout": 60.0,
+    "ledger-url": "http://127.0.0.1:8000", "coordinator-key-file": "/c", "out": ""}
 
 
 def test_a_node_config_parses() -> None:
