@@ -65,6 +65,24 @@ def _wait_for_nodes(grid: Grid, count: int) -> list[int]:
         time.sleep(0.5)
 
 
+REPLY_POLL_SECONDS = 0.1
+
+
+def _exchange(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+    """Grid.send_and_receive, pulling every 0.1 s: Flower 1.41's own pulls every 3 s, which rounds
+    every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py)."""
+    pending = set(grid.push_messages(messages))
+    deadline = time.monotonic() + timeout
+    replies: list[Message] = []
+    while pending and time.monotonic() < deadline:
+        pulled = list(grid.pull_messages(pending))
+        replies.extend(pulled)
+        pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
+        if pending:
+            time.sleep(REPLY_POLL_SECONDS)
+    return replies
+
+
 def _public_values(reply: Message) -> dict[str, object]:
     if reply.has_error():
         return {"error-code": reply.error.code}
@@ -79,7 +97,7 @@ def _public_values(reply: Message) -> dict[str, object]:
 def _ask_silo_ids(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int]:
     asks = [Message(RecordDict(), node, MessageType.QUERY, group_id="silo-id") for node in nodes]
     silos: dict[int, int] = {}
-    for reply in grid.send_and_receive(asks, timeout=timeout):
+    for reply in _exchange(grid, asks, timeout):
         if not reply.has_error() and records.CONFIG in reply.content.config_records:
             silo_id = reply.content.config_records[records.CONFIG].get("silo-id")
             if isinstance(silo_id, int):
@@ -140,7 +158,7 @@ def main(grid: Grid, context: Context) -> None:
         ]
         started = time.perf_counter()
         replies = {silos.get(reply.metadata.src_node_id): reply
-                   for reply in grid.send_and_receive(messages, timeout=settings.round_timeout)}
+                   for reply in _exchange(grid, messages, settings.round_timeout)}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
         trained: list[torch.Tensor] = []
         trained_silos: list[int] = []
@@ -194,7 +212,7 @@ def main(grid: Grid, context: Context) -> None:
                 node, MessageType.EVALUATE, group_id="evaluate")
         for node in sorted(_current_nodes(grid, silos, job_silos, settings.round_timeout, asked_nodes).values())
     ]
-    for reply in grid.send_and_receive(evaluations, timeout=settings.round_timeout):
+    for reply in _exchange(grid, evaluations, settings.round_timeout):
         if not reply.has_error() and records.METRICS in reply.content.metric_records:
             run.accuracy[silos[reply.metadata.src_node_id]] = float(reply.content.metric_records[records.METRICS]["accuracy"])  # type: ignore[arg-type]  # a float the silo wrote
     log.info("accuracy per silo: %s", {k: round(v, 3) for k, v in run.accuracy.items()})

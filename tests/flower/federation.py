@@ -1,6 +1,6 @@
 """A real federation on 127.0.0.1 for the tests: `dpledger serve`, `flower-superlink --insecure`,
-one `flower-supernode` per silo (its own data file and key file) with its own `flower-superexec`
-beside it (`--isolation process`), and `flwr run`, each on a free port, all killed at the end.
+one `flower-supernode` per silo (its own data file and key file; it starts its own `flower-superexec`),
+and `flwr run`, each on a free port, all killed at the end.
 
 Flower 1.41 starts a fresh `flwr-clientapp` process for every message (no warm ClientApp exists for
 the subprocess executor); what the launch can still cut is the SuperExec's 1 s task poll
@@ -38,10 +38,10 @@ DELTA = 1e-5
 # How often a SuperExec asks its SuperNode (or the SuperLink) for a task to start, in seconds:
 # Flower's default of 1 s is paid by every message before its ClientApp even starts.
 SUPEREXEC_POLL_SECONDS = 0.05
-# "process": we start each SuperNode's `flower-superexec` ourselves, in the SuperNode's process group,
-# so that killing a site kills its SuperExec and ClientApps with it; "subprocess": the SuperNode
-# starts its own (Flower's default).
-ISOLATION = "process"
+# "subprocess" (Flower's default, as the README runs it): the SuperNode starts its own SuperExec, which
+# inherits the poll interval above; "process": we start each SuperNode's `flower-superexec` ourselves,
+# in the SuperNode's process group (bench/flower_rounds.py --isolation compares them: the same speed).
+ISOLATION = "subprocess"
 # Chooses a silo's σ with the silo's own ledger client and id (e.g. `calibrate_silo`), as a site would.
 NoiseChoice = Callable[[LedgerClient, int], float]
 
