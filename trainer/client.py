@@ -167,7 +167,7 @@ def as_mechanism(mechanism: AnyMechanism | Mapping[str, Any]) -> AnyMechanism:
 
 class LedgerClient:
     def __init__(self, base_url: str, api_key: str, *, transport: httpx.BaseTransport | None = None,
-                 retry: Retry = Retry(), timeout: float = 30.0, http: httpx.Client | None = None,
+                 retry: Retry | None = None, timeout: float = 30.0, http: httpx.Client | None = None,
                  receipts: Path | bool = True) -> None:
         """`http`: an httpx client to send through instead of a new one (e.g. an in-process app's
         test client); the key is sent with every request either way. `receipts`: the directory to
@@ -176,7 +176,8 @@ class LedgerClient:
         self._owns_http = http is None
         self._http = http if http is not None else httpx.Client(base_url=base_url, transport=transport, timeout=timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"}
-        self._retry = retry
+        # Read here, not at import: $DPLEDGER_RETRY_WINDOW may be set after the module was imported.
+        self._retry = retry if retry is not None else Retry()
         self.receipts_file = None if receipts is False else (
             (default_receipts_dir() if receipts is True else Path(receipts)) / RECEIPTS_FILE
         )

@@ -105,16 +105,22 @@ def _ask_silo_ids(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int
     return silos
 
 
+SILO_ID_ASKS = 3  # how many rounds a silent new node is asked its silo id before it is left alone
+
+
 def _current_nodes(grid: Grid, silos: dict[int, int], job_silos: list[int], timeout: float,
-                   asked: set[int]) -> dict[int, int]:
-    """Silo id → its connected node now. Nodes never asked before (a restarted SuperNode comes back
-    under a new id) are asked their silo id once; `silos` (node → silo) keeps every node that ever
-    answered for one of the job's silos, in the order found, so a silo's newest node wins."""
+                   asks: dict[int, int]) -> dict[int, int]:
+    """Silo id → its connected node now. A node not heard from (a restarted SuperNode comes back under
+    a new id) is asked its silo id, in up to SILO_ID_ASKS rounds while it stays silent; `silos`
+    (node → silo) keeps every node that answered for one of the job's silos, in the order found, so
+    a silo's newest node wins."""
     connected = set(grid.get_node_ids())
-    new = sorted(connected - asked)
+    new = sorted(n for n in connected if asks.get(n, 0) < SILO_ID_ASKS)
     if new:
-        asked.update(new)
+        for node in new:
+            asks[node] = asks.get(node, 0) + 1
         for node, silo in _ask_silo_ids(grid, new, timeout).items():
+            asks[node] = SILO_ID_ASKS  # it answered: never asked again
             if silo in job_silos:
                 log.info("silo %d answers on node %d", silo, node)
                 silos.pop(node, None)
@@ -139,7 +145,8 @@ def main(grid: Grid, context: Context) -> None:
     job_silos = sorted(silos.values())
     latest = {silo: shared.clone() for silo in job_silos}  # MR-MTL: each silo's last personal model
     active = set(job_silos)  # every silo that has not declined
-    asked_nodes = set(nodes)
+    # Asked once already at the start; those that answered are never asked again.
+    asked_nodes = {node: 1 for node in nodes} | {node: SILO_ID_ASKS for node in silos}
     for round_index in range(settings.rounds):
         if not active:
             log.info("round %d: no silo left to train", round_index)

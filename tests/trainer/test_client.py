@@ -82,6 +82,8 @@ def test_the_retry_window_defaults_to_a_minute_and_reads_the_environment(monkeyp
     assert Retry().window == 60.0
     monkeypatch.setenv(RETRY_WINDOW_ENV, "90")
     assert Retry().window == 90.0
+    with LedgerClient("http://127.0.0.1:1", "key", receipts=False) as client:  # read when the client is made
+        assert client._retry.window == 90.0
     monkeypatch.setenv(RETRY_WINDOW_ENV, "soon")
     with pytest.raises(ValueError, match=RETRY_WINDOW_ENV):
         Retry()
