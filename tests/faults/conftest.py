@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from dpledger.harness import free_port
+from tests.flower.federation import descendants, wait_http
 
 BIN = Path(sys.executable).parent
 T = TypeVar("T")
@@ -70,42 +71,7 @@ class LedgerServer:
         self.stop(signal.SIGKILL)
 
 
-def wait_http(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
-        try:
-            httpx.get(url, timeout=1.0)
-            return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing answered on {url} within {timeout} s")
-
-
 # --- processes ---------------------------------------------------------------------------------------
-def _parents() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (Flower starts SuperExec and ClientApp processes by name)."""
-    children, found, todo = _parents(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def command_line(pid: int) -> list[str]:
     try:
         return [part.decode() for part in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if part]

@@ -24,16 +24,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Context, RecordDict
 
 from dpledger.flower import records
-from dpledger.flower.client_app import train
 from dpledger.flower.gate import ledger_gate, ledger_job
-from dpledger.flower.local import round_mechanism, template
+from dpledger.flower.local import round_mechanism
 from dpledger.trainer.client import LedgerClient
 from tests.faults.conftest import BIN, LedgerServer, listed_charges, stop_tree
 from tests.faults.proxy import Proxy
 from tests.flower.federation import DELTA, expected_epsilon, write_silo_files
+from tests.flower.test_gate import Counting, train_message
 
 ADMIN = "faults-admin-" + os.urandom(8).hex()
 TRAIN, SIGMA, STEPS, BATCH, BUDGET = 60, 1.0, 2, 12, 20.0
@@ -83,22 +83,6 @@ def new_silo(ledger: LedgerServer, folder: Path, *, ledger_url: str) -> tuple[in
     node_config = {"ledger-url": ledger_url, "silo-id": created.id, "key-file": str(key_file), "data-path": str(data),
                    "noise-multiplier": SIGMA}
     return created.id, str(job_id), node_config
-
-
-def train_message(job_id: int, round_index: int) -> Message:
-    config = ConfigRecord({"job-id": job_id, "round": round_index, "algorithm": "fedavg", "seed": 0, "local-steps": STEPS,
-                           "batch-size": BATCH, "lr": 0.5, "clip-norm": 1.0, "lam": 0.5, "server-noise": 1.0})
-    content = RecordDict({records.ARRAYS: records.to_record(template(seed=0).initial()), records.CONFIG: config})
-    return Message(content, 7, MessageType.TRAIN, group_id=str(round_index))
-
-
-class Counting:
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def __call__(self, message: Message, context: Context) -> Message:
-        self.calls += 1
-        return train(message, context)
 
 
 def mechanism() -> dict[str, Any]:

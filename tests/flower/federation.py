@@ -169,7 +169,7 @@ def _toml(value: object) -> str:
     return repr(value)
 
 
-def _wait_http(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_http(url: str, process: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -182,7 +182,7 @@ def _wait_http(url: str, process: subprocess.Popen[bytes], timeout: float) -> No
     raise RuntimeError(f"nothing answered on {url} within {timeout} s")
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (Flower detaches some helpers into sessions of their own, so
     killing a process group is not enough)."""
     parents: dict[int, list[int]] = {}
@@ -204,7 +204,7 @@ def _descendants(pid: int) -> list[int]:
 def kill(process: subprocess.Popen[bytes]) -> None:
     """SIGKILL to the process, its process group and every descendant (a SuperNode's SuperExec and
     ClientApp processes, the SuperLink's SuperExec and ServerApp)."""
-    for pid in _descendants(process.pid):
+    for pid in descendants(process.pid):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -242,7 +242,7 @@ def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | 
              str(BIN / "dpledger"), "serve", "--port", str(ledger_port)],
             folder / "ledger.log",
         )
-        _wait_http(f"{fed.ledger_url}/healthz", serve, 60)
+        wait_http(f"{fed.ledger_url}/healthz", serve, 60)
         data = write_silo_files(folder, silos=len(budgets), train=train, test=test)
         with fed.ledger() as admin:
             fed.coordinator_key_file.write_text(admin.create_key(role=Role.coordinator).api_key)
@@ -269,7 +269,7 @@ def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | 
              "--disable-runtime-dependency-installation", *(["--simulation"] if simulation else [])],
             folder / "superlink.log",
         )
-        _wait_http(f"http://127.0.0.1:{superlink_port}/", link, 60)
+        wait_http(f"http://127.0.0.1:{superlink_port}/", link, 60)
         if not simulation:
             for silo in fed.silos:
                 fed.start_supernode(silo)
