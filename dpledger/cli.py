@@ -235,28 +235,30 @@ def _wait(args: argparse.Namespace) -> int:
 
     import httpx
 
-    if "://" in args.target:
+    is_url = "://" in args.target
+    if is_url:
         try:
-            url = httpx.URL(args.target)
+            url: httpx.URL | None = httpx.URL(args.target)
         except httpx.InvalidURL:
             url = None
         if url is None or url.scheme not in ("http", "https") or not url.host:
             print(f"dpledger wait: {args.target!r} is not an http(s) URL", file=sys.stderr)
             return 2
+    else:
+        host, _, port = args.target.rpartition(":")
+        if not host or not port.isdigit():
+            print(f"dpledger wait: {args.target!r} is neither a URL nor HOST:PORT", file=sys.stderr)
+            return 2
     deadline = time.monotonic() + args.timeout
     last = "nothing tried"
     while True:
         try:
-            if "://" in args.target:
+            if is_url:
                 status = httpx.get(args.target, timeout=2.0, follow_redirects=True).status_code
                 if 200 <= status < 300:
                     return 0
                 last = f"HTTP {status}"
             else:
-                host, _, port = args.target.rpartition(":")
-                if not host or not port.isdigit():
-                    print(f"dpledger wait: {args.target!r} is neither a URL nor HOST:PORT", file=sys.stderr)
-                    return 2
                 with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
                     return 0
         except (httpx.HTTPError, OSError) as error:
