@@ -25,6 +25,7 @@ class EntryEvent(enum.StrEnum):
     release = "release"
     filter = "filter"  # the silo's filter orders and δ shares, for silos that held charges before filters
     plan = "plan"  # a plan declared before the silo's first charge
+    seal = "seal"  # an admin accepted the silo's record as it stands after a tamper (the record it covers)
 
 
 class SearchStatus(enum.StrEnum):

@@ -19,6 +19,7 @@ from dpledger.service.ledger.errors import (
     SettledAlready,
     Unauthorized,
 )
+from dpledger.service.ledger.seals import Tampered
 from dpledger.wire.schemas import OverBudgetResponse, finite_or_none
 
 
@@ -60,6 +61,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Conflict)
     async def _conflict(_: Request, error: Conflict) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=status.HTTP_409_CONFLICT)
+
+    @app.exception_handler(Tampered)
+    async def _tampered(_: Request, error: Tampered) -> JSONResponse:
+        # Names the record and the entry whose hash no longer recomputes, for a person and a program.
+        where = {"silo_id": error.silo_id, "table": "silos", "entry_seq": error.seq, "entry_event": error.event.value}
+        return JSONResponse({"detail": str(error), "tampered": where}, status_code=status.HTTP_409_CONFLICT)
 
     @app.exception_handler(OverBudget)
     async def _over_budget(_: Request, error: OverBudget) -> JSONResponse:

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
-from dpledger.service.ledger import chain
+from dpledger.service.ledger import chain, seals
 from dpledger.service.ledger.models import (
     Charge,
     ChargeStatus,
@@ -85,7 +85,7 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} has an unknown event {entry.event!r}", entry.charge_id)
         if event is None:
             subject = {}
-        elif event in (EntryEvent.create, EntryEvent.filter, EntryEvent.plan):
+        elif event in seals.RECORD_EVENTS:
             subject = chain.subject(event, silo, None)
             if event is EntryEvent.filter:
                 filter_entries.append(entry.seq)
@@ -107,7 +107,10 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
                     f"{'no entry' if before is None else 'its ' + before.value + ' entry'}", charge.id,
                 )
             status_from_log[charge.id] = _STATUS_AFTER[event]
-        if chain.entry_hash(entry, subject=subject) != entry.hash:
+        # An entry that covered the record before an admin's seal covers what the row held then, which
+        # the seal accepted was lost: the seal's entry (and the transparency log's leaf) stand for it.
+        superseded = event in seals.RECORD_EVENTS and entry.seq < (silo.sealed_seq or 0)
+        if not superseded and chain.entry_hash(entry, subject=subject) != entry.hash:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} ({entry.event}) does not match its hash", entry.charge_id)
         prev_hash, expected_seq = entry.hash, entry.seq + 1
     if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:

@@ -60,10 +60,17 @@ def plan_fields(silo: Silo) -> dict[str, Any]:
     return {"silo_id": silo.id, "plan": silo.plan}
 
 
+def seal_fields(silo: Silo) -> dict[str, Any]:
+    """A seal covers the whole record as it stands: an admin accepted it after a tamper (ledger/seals.py)."""
+    return {**silo_fields(silo), "filter": silo.filter_spec, "plan": silo.plan}
+
+
 def subject(event: EntryEvent, silo: Silo, charge: Charge | None) -> dict[str, Any]:
     """What an entry of this kind covers besides itself."""
     if event is EntryEvent.create:
         return create_fields(silo)
+    if event is EntryEvent.seal:
+        return seal_fields(silo)
     if event is EntryEvent.filter:
         return filter_fields(silo)
     if event is EntryEvent.plan:

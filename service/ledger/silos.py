@@ -13,7 +13,7 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain, gate, transparency
+from dpledger.service.ledger import chain, gate, seals, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
@@ -89,19 +89,24 @@ def append_entry(
     return transparency.append(session, entry, subject=subject)
 
 
-def get(session: Session, silo_id: int) -> Silo:
+def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
+    """The silo row; `checked`: only if its record still matches its entries' hashes (seals.Tampered)."""
     silo = session.get(Silo, silo_id)
     if silo is None:
         raise NotFound(f"silo {silo_id} not found")
+    if checked:
+        seals.check(session, silo)
     return silo
 
 
-def lock(session: Session, silo_id: int) -> Silo:
+def lock(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
     """The silo row, locked until the transaction ends (FOR UPDATE; SQLite's IMMEDIATE lock already
-    serialises writers)."""
+    serialises writers); `checked` as in `get`, under the lock, so no approval reads an edited record."""
     silo = session.scalars(select(Silo).where(Silo.id == silo_id).with_for_update()).one_or_none()
     if silo is None:
         raise NotFound(f"silo {silo_id} not found")
+    if checked:
+        seals.check(session, silo)
     return silo
 
 

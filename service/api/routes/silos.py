@@ -11,7 +11,7 @@ from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
-from dpledger.service.ledger import charges, gate, jobs, silos
+from dpledger.service.ledger import charges, gate, jobs, seals, silos
 from dpledger.service.ledger.models import EntryEvent, Role, Silo
 from dpledger.service.safe_text import safe_cell
 from dpledger.wire.schemas import (
@@ -61,7 +61,10 @@ def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> Sil
 def list_silos(caller: PrincipalDep, db: DbDep) -> list[SiloSummary]:
     caller.require(*READERS)
     with db.read() as session:
-        return [_summary(s) for s in silos.list_all(session)]
+        found = silos.list_all(session)
+        for silo in found:  # an edited record is named (seals.Tampered), never read as if it were sound
+            seals.check(session, silo)
+        return [_summary(s) for s in found]
 
 
 @router.get("/{silo_id}", response_model=SiloDetail, name="get_silo")
@@ -121,6 +124,9 @@ def declare_plan(silo_id: IdPath, body: PlanRequest, caller: PrincipalDep, db: D
 
 def _subject(event: str, silo: Silo) -> dict[str, object] | None:
     try:
+        if event == EntryEvent.seal:
+            return {"filter": json.loads(silo.filter_spec), "plan": None if silo.plan is None else json.loads(silo.plan),
+                    "epsilon": silo.epsilon, "delta": silo.delta, "dataset_size": silo.dataset_size}
         if event == EntryEvent.filter or (event == EntryEvent.create and silo.filter_seq == 1):
             return {"filter": json.loads(silo.filter_spec)}
         if event == EntryEvent.plan and silo.plan is not None:
@@ -128,6 +134,22 @@ def _subject(event: str, silo: Silo) -> dict[str, object] | None:
     except ValueError:  # an edited row: shown as missing here, and named by /v1/audit/verify
         return None
     return None
+
+
+@router.post(
+    "/{silo_id}/seal",
+    response_model=SiloDetail,
+    name="seal_silo",
+    responses={409: {"description": "the record matches its entries (nothing to seal), or cannot be read as it stands "
+                     "(restore the row instead): nothing was written"}},
+)
+def seal_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
+    """Admin only, after inspecting a silo refused as tampered (GET /v1/audit/verify, its history):
+    accepts its record as it stands in a `seal` entry of its chain and of the transparency log, so that
+    approvals resume. The edit stays visible: the create entry's leaf no longer matches its record."""
+    caller.require(Role.admin)
+    seals.seal(db, silo_id)
+    return get_silo(silo_id, caller, db)
 
 
 @router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
@@ -168,7 +190,7 @@ def silo_history(
     caller.require_silo(silo_id, also=READERS)
     with db.read() as session:
         rows = charges.history(session, silo_id, after_seq=after_seq, limit=limit)
-        silo = silos.get(session, silo_id)
+        silo = silos.get(session, silo_id, checked=False)  # the history is what an admin inspects a tampered silo by
     entries = [
         HistoryEntry(
             seq=r.entry.seq,

@@ -1,0 +1,124 @@
+"""A silo's stored record checked against the entries whose hashes cover it, each time it is loaded.
+
+The budget, δ, dataset size, relation, filter and plan live on the silo row, and the gate reads them
+from there. Each is covered by the hash of one entry of the silo's chain (create, filter, plan):
+recomputing those one to three hashes costs one or two indexed reads, so every request that loads the
+silo can afford it, and an edited row is named (a 409 saying which record and which entry) before
+anything parses it or approves against it, instead of a 500 or an approval under a forged budget.
+
+Resolution: an admin who inspected the silo either restores the row (the hashes recompute again and
+the silo answers as before) or seals the record as it stands: a `seal` entry in the silo's chain and
+in the transparency log, whose hash covers the whole record from then on. The seal does not hide the
+edit: the create entry's leaf still no longer matches its record, which every silo's `verify
+--receipts` and every auditor's `audit` go on reporting.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from dpledger.service.accounting import filter as rdp_filter
+from dpledger.service.accounting import plans
+from dpledger.service.ledger import chain
+from dpledger.service.ledger.db import Database
+from dpledger.service.ledger.errors import Conflict
+from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Silo
+
+# The events whose entries cover the silo's record rather than a charge.
+RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal)
+
+
+class Tampered(Conflict):
+    """The silo's row no longer recomputes to the hash of the entry that covers it."""
+
+    def __init__(self, *, silo_id: int, seq: int, event: EntryEvent, why: str) -> None:
+        super().__init__(
+            f"silo {silo_id}'s record (the silos row) {why}: its {event.value} entry (seq {seq}) covers it. "
+            f"Nothing is approved on this silo until an admin inspects it, then restores the row or seals it "
+            f"as it stands (POST /v1/silos/{silo_id}/seal); GET /v1/audit/verify names every broken entry"
+        )
+        self.silo_id = silo_id
+        self.seq = seq
+        self.event = event
+
+
+def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, LedgerEntry | None]]:
+    """The entries that cover the silo's record now, as (event, seq, the entry or None if gone)."""
+    wanted: dict[int, EntryEvent] = {}
+    if silo.sealed_seq is not None:
+        wanted[silo.sealed_seq] = EntryEvent.seal
+    else:
+        wanted[1] = EntryEvent.create
+        if silo.filter_seq != 1:
+            wanted[silo.filter_seq] = EntryEvent.filter
+    found = {e.seq: e for e in session.scalars(
+        select(LedgerEntry).where(LedgerEntry.silo_id == silo.id, LedgerEntry.seq.in_(list(wanted)))
+    )}
+    out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
+    if silo.plan is not None:
+        # A plan is declared before any charge, so its entry is among the silo's first: the scan in
+        # seq order along the (silo_id, seq) index stops there. One declared after a seal is not covered by it.
+        plan_entry = session.scalars(
+            select(LedgerEntry).where(LedgerEntry.silo_id == silo.id, LedgerEntry.event == EntryEvent.plan,
+                                      LedgerEntry.seq > (silo.sealed_seq or 0)).order_by(LedgerEntry.seq).limit(1)
+        ).first()
+        if plan_entry is not None or silo.sealed_seq is None:
+            out.append((EntryEvent.plan, 0 if plan_entry is None else plan_entry.seq, plan_entry))
+    return out
+
+
+def check(session: Session, silo: Silo) -> None:
+    """Raises Tampered unless every entry that covers the silo's record recomputes to its hash."""
+    for event, seq, entry in covering(session, silo):
+        if entry is None:
+            raise Tampered(silo_id=silo.id, seq=seq, event=event, why="is covered by no entry: the entry was removed")
+        if entry.event != event:
+            raise Tampered(silo_id=silo.id, seq=seq, event=event,
+                           why=f"is covered by entry {seq}, which now reads as a {entry.event!s} entry")
+        if chain.entry_hash(entry, subject=chain.subject(event, silo, None)) != entry.hash:
+            raise Tampered(silo_id=silo.id, seq=seq, event=event, why="no longer matches the hash of the entry that covers it")
+
+
+def sealable(silo: Silo) -> None:
+    """A record may be sealed only if the gate can read it: else sealing would trade a 409 for a 500."""
+    problems = []
+    if not (math.isfinite(silo.epsilon) and silo.epsilon > 0):
+        problems.append(f"epsilon={silo.epsilon!r} is not a positive finite number")
+    if not (math.isfinite(silo.delta) and 0 < silo.delta < 1):
+        problems.append(f"delta={silo.delta!r} is not in (0, 1)")
+    try:
+        rdp_filter.FilterSpec.from_json(silo.filter_spec)
+    except (ValueError, TypeError, KeyError) as error:
+        problems.append(f"its filter does not parse ({error})")
+    if silo.plan is not None:
+        try:
+            plans.Plan.from_json(silo.plan)
+        except (ValueError, TypeError, KeyError) as error:
+            problems.append(f"its plan does not parse ({error})")
+    if problems:
+        raise Conflict(f"silo {silo.id}'s record cannot be sealed as it stands: {'; '.join(problems)}. Restore the row first")
+
+
+def seal(db: Database, silo_id: int) -> int:
+    """Seals a tampered silo's record as it stands, in a `seal` entry of its chain and of the
+    transparency log, so that approvals resume; returns the entry's seq. A 409 if nothing is broken
+    (there is nothing to accept) or if the record cannot be read (it must be restored instead)."""
+    from dpledger.service.ledger import silos  # silos loads through this module: imported here, not above
+
+    with db.write() as session:
+        silo = silos.lock(session, silo_id, checked=False)
+        try:
+            check(session, silo)
+        except Tampered:
+            pass
+        else:
+            raise Conflict(f"silo {silo_id}'s record matches the hashes of its entries: there is nothing to seal")
+        sealable(silo)
+        position = silos.append_entry(session, silo, event=EntryEvent.seal, charge=None,
+                                      epsilon_spent=silos.epsilon_spent(silo), now=datetime.now(UTC))
+        silo.sealed_seq = position.seq
+        return position.seq

@@ -1,0 +1,134 @@
+"""A silo row edited in the database (its filter, its budget) is named in a JSON 409, never a 500, and
+nothing is approved on it until an admin restores the row or seals the record as it stands; the seal
+is an entry of the silo's chain and of the transparency log, and does not hide the edit from the log."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine, create_engine, text
+
+from dpledger.service.transparency_cli import audit
+from tests.conftest import ADMIN, bearer
+
+STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    made = create_engine(database_url)
+    yield made
+    made.dispose()
+
+
+def sql(engine: Engine, statement: str, **params: Any) -> Any:
+    with engine.begin() as connection:
+        return connection.execute(text(statement), params)
+
+
+def entries(engine: Engine) -> int:
+    return int(sql(engine, "SELECT count(*) FROM ledger_entries").scalar_one())
+
+
+def silo(client: TestClient, name: str) -> tuple[int, dict[str, str]]:
+    created = client.post("/v1/silos", headers=ADMIN, json={"name": name, "epsilon": 3.0, "delta": 1e-5, "dataset_size": 1000})
+    assert created.status_code == 201, created.text
+    return created.json()["id"], bearer(created.json()["api_key"])
+
+
+def charge(client: TestClient, silo_id: int, headers: dict[str, str], key: str) -> Any:
+    return client.post(f"/v1/silos/{silo_id}/charges", headers=headers, json={"mechanism": STEP, "idempotency_key": key})
+
+
+def assert_names_create_entry(response: Any, silo_id: int) -> None:
+    assert response.status_code == 409, response.text
+    body = response.json()  # JSON, whatever the edit
+    assert body["tampered"] == {"silo_id": silo_id, "table": "silos", "entry_seq": 1, "entry_event": "create"}
+    assert body["detail"].startswith(f"silo {silo_id}'s record (the silos row) no longer matches the hash of the entry "
+                                     "that covers it: its create entry (seq 1) covers it")
+    assert f"POST /v1/silos/{silo_id}/seal" in body["detail"]
+
+
+@pytest.mark.parametrize("edit", [
+    # A filter that still parses, with every δ share on one order: the gate would read a smaller ε.
+    "UPDATE silos SET filter_spec = :spec WHERE id = :id",
+    # A filter that no longer parses at all: the request used to answer a 500 with a non-JSON body.
+    "UPDATE silos SET filter_spec = '{\"orders\": [' WHERE id = :id",
+    "UPDATE silos SET epsilon = epsilon * 2 WHERE id = :id",
+])
+def test_an_edited_silo_row_is_named_and_refused_until_restored(client: TestClient, engine: Engine, edit: str) -> None:
+    tampered, headers = silo(client, "tampered")
+    other, other_headers = silo(client, "other")
+    assert charge(client, tampered, headers, "before").status_code == 201
+    original = sql(engine, "SELECT filter_spec, epsilon FROM silos WHERE id = :id", id=tampered).one()
+    spec = json.loads(original.filter_spec)
+    one_order = json.dumps({"orders": spec["orders"][:1], "weights": [1.0], "source": spec["source"]})
+    sql(engine, edit, id=tampered, **({"spec": one_order} if ":spec" in edit else {}))
+    written = entries(engine)
+
+    assert_names_create_entry(client.get(f"/v1/silos/{tampered}", headers=headers), tampered)
+    assert_names_create_entry(client.get(f"/v1/silos/{tampered}", headers=ADMIN), tampered)
+    assert_names_create_entry(client.get("/v1/silos", headers=ADMIN), tampered)
+    assert_names_create_entry(charge(client, tampered, headers, "after"), tampered)
+    assert_names_create_entry(client.post(f"/v1/silos/{tampered}/calibrate", headers=headers,
+                                          json={"batch_size": 10, "rounds": 1, "steps_per_round": 1}), tampered)
+    assert entries(engine) == written  # the refusals wrote nothing
+    # The history stays readable (it is what the admin inspects), and the other silo is untouched.
+    assert [e["event"] for e in client.get(f"/v1/silos/{tampered}/history", headers=ADMIN).json()] == ["create", "reserve"]
+    assert charge(client, other, other_headers, "other").status_code == 201
+    # Restoring the row resolves it: the hashes recompute, and approvals resume.
+    sql(engine, "UPDATE silos SET filter_spec = :f, epsilon = :e WHERE id = :id",
+        f=original.filter_spec, e=original.epsilon, id=tampered)
+    assert client.get(f"/v1/silos/{tampered}", headers=headers).status_code == 200
+    assert charge(client, tampered, headers, "after").status_code == 201
+    assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+
+
+def test_an_admin_seals_the_record_as_it_stands_in_an_entry_of_the_chain_and_the_log(client: TestClient, engine: Engine) -> None:
+    tampered, headers = silo(client, "tampered")
+    assert charge(client, tampered, headers, "before").status_code == 201
+    auditor = bearer(client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"])
+    seal = f"/v1/silos/{tampered}/seal"
+    refused = client.post(seal, headers=ADMIN)
+    assert refused.status_code == 409
+    assert refused.json()["detail"] == f"silo {tampered}'s record matches the hashes of its entries: there is nothing to seal"
+    original = sql(engine, "SELECT filter_spec FROM silos WHERE id = :id", id=tampered).scalar_one()
+    sql(engine, "UPDATE silos SET filter_spec = 'garbage' WHERE id = :id", id=tampered)
+    unreadable = client.post(seal, headers=ADMIN)
+    assert unreadable.status_code == 409
+    assert unreadable.json()["detail"].startswith(f"silo {tampered}'s record cannot be sealed as it stands: its filter "
+                                                  "does not parse")
+    sql(engine, "UPDATE silos SET filter_spec = :f, epsilon = 6.0 WHERE id = :id", f=original, id=tampered)
+    assert client.post(seal, headers=headers).status_code == 403  # the silo's own key may not accept its record
+    assert client.post(seal, headers=auditor).status_code == 403
+    written = entries(engine)
+    sealed = client.post(seal, headers=ADMIN)
+    assert sealed.status_code == 200, sealed.text
+    assert sealed.json()["epsilon"] == 6.0
+    assert entries(engine) == written + 1
+    history = client.get(f"/v1/silos/{tampered}/history", headers=ADMIN).json()
+    assert [e["event"] for e in history] == ["create", "reserve", "seal"]
+    assert history[-1]["subject"]["epsilon"] == 6.0
+    # Approvals resume, the chain check accepts the sealed record, and a second seal has nothing to do.
+    assert charge(client, tampered, headers, "after").status_code == 201
+    assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+    assert client.post(seal, headers=ADMIN).status_code == 409
+    # An edit after the seal is caught against the seal's entry.
+    sql(engine, "UPDATE silos SET delta = 1e-3 WHERE id = :id", id=tampered)
+    late = charge(client, tampered, headers, "late")
+    assert late.status_code == 409 and late.json()["tampered"]["entry_event"] == "seal"
+    assert late.json()["tampered"]["entry_seq"] == 3
+    sql(engine, "UPDATE silos SET delta = 1e-5 WHERE id = :id", id=tampered)
+
+    # The log does not forget: its leaf for the create entry no longer matches the record it was signed over.
+    def get(path: str, params: dict[str, Any] | None) -> Any:
+        response = client.get(path, params=params, headers=auditor)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    found = audit(get, None)
+    assert found.problems == ["log index 0: the entry no longer matches its leaf (edited after it was logged)"]
