@@ -22,13 +22,40 @@ if TYPE_CHECKING:
 WORKER_COMMANDS = ("demo", "train", "tune")
 
 
+EXIT_CLOSED_PIPE = 128 + 13  # what a shell reports for a process that SIGPIPE ended, as `yes | head` does
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Every command, worker's included, runs here: a reader that stops early (`dpledger history 1 | head`)
+    ends the command quietly in this one place, never with a traceback."""
+    try:
+        code = _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, not at the interpreter's exit: output still buffered meets the closed pipe now
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_CLOSED_PIPE
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in WORKER_COMMANDS:
         worker = importlib.import_module("dpledger.worker_cli")
         return int(worker.main(argv) or 0)
     args = _parser().parse_args(argv)
     return int(args.run(args) or 0)
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null, so that the interpreter's final flush of what is still buffered
+    does not fail again on the closed pipe (the recipe of Python's `signal` documentation)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout replaced by something without a descriptor (a test's capture)
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,6 +136,8 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
 
         try:
             return int(command(args) or 0)
+        except BrokenPipeError:  # a reader that stopped early is not a failure of the command: main() ends it
+            raise
         except ValidationError as error:  # Settings: the variable's name and what is wrong with it
             problems = "; ".join(f"{_variable(e['loc'])}{e['msg'].removeprefix('Value error, ')}" for e in error.errors())
             message = f"settings: {problems}"

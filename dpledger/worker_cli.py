@@ -165,7 +165,7 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
     for k, refusal in sorted(run.refusals.items()):
         would = "∞" if refusal.epsilon_if_approved is None else f"{refusal.epsilon_if_approved:.4g}"
         spent = "∞" if refusal.epsilon_spent is None else f"{refusal.epsilon_spent:.4g}"
-        _say(f"{silos[k].label}: refused at round {refusal.round_index}: it would have reached ε = {would} "
+        _say(f"{silos[k].label}: refused at round {refusal.round_index + 1}: it would have reached ε = {would} "
              f"> budget {refusal.budget:.4g} (ε spent {spent})")
     _say(f"wrote {out}/ (models.pt, metrics.jsonl, summary.json)")
     if run.failed:

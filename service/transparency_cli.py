@@ -38,11 +38,13 @@ from dpledger.wire.receipts import (
     Receipt,
     SignedTreeHead,
     check_receipt,
+    default_receipts_dir,
     key_id,
     record_leaf_hash,
     verify_head,
 )
 
+_DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, when the environment is final
 Get = Callable[[str, dict[str, Any] | None], Any]  # path, query → the JSON body; raises on an error status
 PAGE = 1000
 EPSILON_RTOL = 1e-6  # the ledger's running sum and a fresh sum of the same curves differ by rounding only
@@ -359,7 +361,7 @@ def report(out: Outcome) -> int:
 
 @people_cli._reports_errors
 def verify_receipts_command(args: argparse.Namespace) -> int:
-    receipts = load_receipts(args.receipts)
+    receipts = load_receipts(default_receipts_dir() if args.receipts is _DEFAULT_RECEIPTS else args.receipts)
     if args.silo is not None:
         receipts = [r for r in receipts if r.silo_id == args.silo]
     return report(verify_receipts(_guarded(http_get), receipts, public_key=args.public_key))
@@ -405,8 +407,9 @@ def _guarded(get: Get) -> Get:
 
 
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser], verify: argparse.ArgumentParser) -> None:
-    verify.add_argument("--receipts", type=Path, metavar="DIR",
-                        help="check the receipts in DIR (*.jsonl, as the trainer's client keeps them) against the log")
+    verify.add_argument("--receipts", type=Path, metavar="DIR", nargs="?", const=_DEFAULT_RECEIPTS,
+                        help="check the receipts in DIR (*.jsonl, as the trainer's client keeps them) against the log; "
+                        "DIR defaults to where the client keeps them ($DPLEDGER_RECEIPTS, else ~/.local/share/dpledger/receipts)")
     verify.add_argument("--silo", type=int, metavar="ID", help="with --receipts: only this silo's receipts")
     verify.add_argument("--public-key", metavar="HEX", help="with --receipts: the ledger's key, pinned out of band")
     auditing = commands.add_parser(

@@ -36,7 +36,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dpledger.wire.enums import ChargeStatus, Role
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
-from dpledger.wire.receipts import Receipt
+from dpledger.wire.receipts import Receipt, default_receipts_dir
 from dpledger.wire.schemas import (
     CalibrateResponse,
     ChargeReserved,
@@ -58,12 +58,6 @@ _MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
 _HISTORY: TypeAdapter[list[HistoryEntry]] = TypeAdapter(list[HistoryEntry])
 ModelT = TypeVar("ModelT", bound=BaseModel)
 RECEIPTS_FILE = "receipts.jsonl"
-
-
-def default_receipts_dir() -> Path:
-    """Where receipts are kept unless told otherwise: $DPLEDGER_RECEIPTS, else
-    ~/.local/share/dpledger/receipts (`dpledger verify --receipts DIR` reads every *.jsonl there)."""
-    return Path(os.environ.get("DPLEDGER_RECEIPTS") or Path.home() / ".local/share/dpledger/receipts").expanduser()
 
 
 class LedgerError(Exception):

@@ -127,7 +127,8 @@ def write_outputs(
     after: Sequence[LedgerSilo | None],
 ) -> None:
     """models.pt (every silo's deployed model by ledger id, and the algorithm's whole state),
-    metrics.jsonl (a line per round and silo) and summary.json (the job, the stop, per silo)."""
+    metrics.jsonl (a line per round and silo) and summary.json (the job, the stop, per silo). Rounds count
+    from 1 here, as in every line `train` prints; the ledger's charges keep the round's index (from 0)."""
     out.mkdir(parents=True, exist_ok=True)
     deployed = algorithm.deployed_parameters().detach().cpu()
     torch.save(
@@ -143,7 +144,7 @@ def write_outputs(
         for record in run.rounds:
             for k, silo in enumerate(silos):
                 metrics.write(json.dumps({
-                    "round": record.round_index, "silo_id": silo.id, "silo": silo.name,
+                    "round": record.round_index + 1, "silo_id": silo.id, "silo": silo.name,
                     "approved": record.approved[k], "refused": record.refused[k],
                     "epsilon_spent": record.epsilon_spent[k], "metric": _finite(record.metric[k]),
                     "update_norm": _finite(record.update_norms[k]),
@@ -165,7 +166,7 @@ def silo_summary(run: JobRun, k: int, silo: LedgerSilo, after: LedgerSilo | None
         "epsilon_spent_before": silo.epsilon_spent, "epsilon_spent_after": None if after is None else after.epsilon_spent,
         "rounds_approved": run.approved_rounds()[k], "rounds_refused": run.refused_rounds()[k],
         "final_metric": _finite(run.rounds[-1].metric[k]) if run.rounds else None,
-        "refused_at_round": None if refusal is None else refusal.round_index,
+        "refused_at_round": None if refusal is None else refusal.round_index + 1,
         "epsilon_if_approved": None if refusal is None else refusal.epsilon_if_approved,
     }
 

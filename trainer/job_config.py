@@ -28,12 +28,15 @@ class JobFileError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a value is taken as the type TOML wrote it. `rounds = "20"` or `rounds = 20.0` is a
+    # mistake said before anything is spent, never a guess (an int is still a float: `lam = 1`).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class DataConfig(_Strict):
     source: Literal["digits", "npz"] = "digits"
-    path: Path | None = Field(None, description="folder of one .npz per silo (source = npz)")
+    # TOML has no path type: the string it holds (strict=False only lets str become Path).
+    path: Annotated[Path, Field(strict=False)] | None = Field(None, description="folder of one .npz per silo (source = npz)")
     silos: Annotated[int, Field(ge=1)] = 10
     seed: int = 0
     mask_probability: Annotated[float, Field(ge=0, le=1)] = 0.1
@@ -126,6 +129,26 @@ def _where(location: Sequence[int | str]) -> str:
     return ".".join(parts)
 
 
+# pydantic's error kinds for a value of the wrong type, as the messages name the type wanted.
+_TYPE_NAMES = {"int_type": "an integer", "float_type": "a number", "string_type": "a string", "bool_type": "true or false",
+               "model_type": "a table", "list_type": "a list", "dict_type": "a table"}
+_TOML_TYPES: dict[type, str] = {int: "an integer", float: "a float", bool: "a boolean", list: "a list", dict: "a table"}
+
+
+def _wrong_type(kind: str, location: Sequence[int | str], found: Any) -> str:
+    """The value as TOML wrote it, and the fix where the value was only quoted: `rounds = "20"`."""
+    if not isinstance(found, str):
+        spelled = str(found).lower() if isinstance(found, bool) else repr(found)
+        return f"{spelled} ({_TOML_TYPES.get(type(found), type(found).__name__)})"
+    number = kind in ("int_type", "float_type")
+    try:
+        unquoted = number and (int(found) if kind == "int_type" else float(found)) is not None
+    except ValueError:
+        unquoted = False
+    key = str(next((p for p in reversed(location) if isinstance(p, str)), ""))
+    return f"the string {found!r}" + (f" (write it without quotes: {key} = {found.strip()})" if unquoted else "")
+
+
 def describe(error: ValidationError) -> list[str]:
     """One line per mistake, each naming the key as it is written in the file."""
     problems = []
@@ -137,6 +160,8 @@ def describe(error: ValidationError) -> list[str]:
             close = difflib.get_close_matches(str(unknown), _fields(JobConfig, parent), n=1)
             hint = f" (did you mean {_where([*parent, close[0]])}?)" if close else ""
             problems.append(f"{_where(location)}: unknown key{hint}")
+        elif kind in _TYPE_NAMES:
+            problems.append(f"{_where(location)}: must be {_TYPE_NAMES[kind]}, not {_wrong_type(kind, location, item['input'])}")
         elif kind == "missing" and location == ["silos"]:
             problems.append("silos: missing: add one [[silos]] table (id, key_env) per data silo, in the data's order")
         else:

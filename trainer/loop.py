@@ -107,13 +107,13 @@ def run_gated(
                 spent[k] = permit.reservation.epsilon_spent
         except Unreachable as error:
             _settle_untouched(permits)
-            run.stop_reason = f"ledger unreachable before round {round_index}: {error}"
+            run.stop_reason = f"ledger unreachable before round {round_index + 1}: {error}"
             run.failed = True
             break
         except Rejected as error:
             # A key revoked mid-run, say: this round's other reservations never touched the data.
             _settle_untouched(permits)
-            run.stop_reason = f"the ledger rejected silo {silos[k].silo_id}'s reservation for round {round_index}: {error}"
+            run.stop_reason = f"the ledger rejected silo {silos[k].silo_id}'s reservation for round {round_index + 1}: {error}"
             run.failed = True
             break
 
@@ -126,7 +126,7 @@ def run_gated(
                     permit.touch()
                 permit.settle()  # released when the silo was approved but took no step
         except (Unreachable, Rejected) as error:
-            run.stop_reason = f"the ledger did not settle round {round_index}'s charges; they stay reserved (spent): {error}"
+            run.stop_reason = f"the ledger did not settle round {round_index + 1}'s charges; they stay reserved (spent): {error}"
             run.failed = True
             break
 

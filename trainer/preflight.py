@@ -110,7 +110,7 @@ def _check_job_unused(client: LedgerClient, silo: LedgerSilo, job_id: str) -> st
     if not rounds:
         return None
     known = sorted(r for r in rounds if r is not None)
-    span = f" (rounds {known[0]}–{known[-1]})" if known else ""
+    span = f" (rounds {known[0] + 1}–{known[-1] + 1})"  # the ledger keeps indices from 0 if known else ""
     return f"{silo.label} already has charges of job_id {job_id!r}{span}: give this run a new job_id"
 
 

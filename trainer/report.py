@@ -71,7 +71,7 @@ class SiloOutcome:
     """One silo under one algorithm, at the end of the run."""
 
     rounds_trained: int
-    refused_at: int | None  # the round the ledger refused, if it did
+    refused_at: int | None  # the round the ledger refused, if it did (from 1, as every round shown)
     epsilon_spent: float
     accuracy: float
 
@@ -83,7 +83,7 @@ def outcomes(run: JobRun, silos: int) -> list[SiloOutcome]:
         refusal = run.refusals.get(k)
         spent = max((r.epsilon_spent[k] for r in run.rounds), default=0.0)
         accuracy = run.rounds[-1].metric[k] if run.rounds else float("nan")
-        result.append(SiloOutcome(approved[k], None if refusal is None else refusal.round_index, spent, accuracy))
+        result.append(SiloOutcome(approved[k], None if refusal is None else refusal.round_index + 1, spent, accuracy))
     return result
 
 
@@ -104,7 +104,7 @@ def write_metrics(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings
             for record in run.rounds:
                 for k, budget in enumerate(settings.epsilons):
                     out.write(json.dumps({
-                        "algorithm": algorithm, "round": record.round_index, "silo": k, "budget": budget,
+                        "algorithm": algorithm, "round": record.round_index + 1, "silo": k, "budget": budget,
                         "noise_multiplier": settings.noise_multipliers[k], "sampling_rate": settings.sampling_rates[k],
                         "epsilon_spent": record.epsilon_spent[k], "approved": record.approved[k],
                         "refused": record.refused[k], "accuracy": _finite(record.metric[k]),

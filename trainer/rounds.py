@@ -35,10 +35,11 @@ def round_key(job_id: str, round: int, silo_id: int) -> str:
 
 
 def refusal_line(denied: Denied, *, round: int) -> str:
-    """One line with the refusal's numbers, e.g. "round 3 needs ε 5.46 in all; budget 3.00, 2.10 spent"."""
+    """One line with the refusal's numbers, e.g. "round 3 refused: it needs ε 5.46 in all; …". `round` is the
+    index the ledger keeps (from 0); people read rounds from 1, as the progress bars and plots count them."""
     need = "?" if denied.epsilon_if_approved is None else f"{denied.epsilon_if_approved:.2f}"
     spent = "?" if denied.epsilon_spent is None else f"{denied.epsilon_spent:.2f}"
-    return f"round {round} refused: it needs ε {need} in all; the budget is {denied.epsilon:.2f} and {spent} is spent"
+    return f"round {round + 1} refused: it needs ε {need} in all; the budget is {denied.epsilon:.2f} and {spent} is spent"
 
 
 class NotOwned(LedgerError):
@@ -48,7 +49,7 @@ class NotOwned(LedgerError):
     def __init__(self, reservation: Reservation, *, round: int) -> None:
         held = "another attempt" if reservation.attempt_id else "an attempt that sent no id"
         super().__init__(
-            f"round {round}: charge {reservation.charge_id} ({reservation.status.value}) was reserved before by {held}; "
+            f"round {round + 1}: charge {reservation.charge_id} ({reservation.status.value}) was reserved before by {held}; "
             "this attempt does not train on it"
         )
         self.reservation = reservation

@@ -102,7 +102,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
             log.warning("%s", replay)
             return records.status_reply(message, records.REPLAYED)
         except LedgerError as error:
-            log.error("round %d not run: %s", round_index, error)
+            log.error("round %d not run: %s", round_index + 1, error)
             return records.status_reply(message, records.FAILED)
         ledger_seconds = time.perf_counter() - started
         reply = _train(permit, message, context, call_next, job_id=job_id, steps=steps, batch_size=batch_size,
@@ -112,7 +112,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         try:
             permit.settle()
         except LedgerError as error:
-            log.error("round %d: commit of charge %d failed (%s); it stays reserved, i.e. spent", round_index,
+            log.error("round %d: commit of charge %d failed (%s); it stays reserved, i.e. spent", round_index + 1,
                       permit.charge_id, error)
         outcome = context.state.config_records.pop(records.OUTCOME, None)
         norm = outcome.get("update-norm") if outcome is not None else None
@@ -120,7 +120,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
             try:
                 ledger.report_norm(job_id, round_index, silo_id=silo.silo_id, l2_norm=norm)
             except LedgerError as error:
-                log.error("round %d: the norm was not recorded (%s)", round_index, error)
+                log.error("round %d: the norm was not recorded (%s)", round_index + 1, error)
         ledger_seconds += time.perf_counter() - started
         if records.reply_status(reply) == records.TRAINED:
             reply.content.metric_records[records.METRICS]["ledger-seconds"] = ledger_seconds

@@ -149,7 +149,7 @@ def main(grid: Grid, context: Context) -> None:
     asked_nodes = {node: 1 for node in nodes} | {node: SILO_ID_ASKS for node in silos}
     for round_index in range(settings.rounds):
         if not active:
-            log.info("round %d: no silo left to train", round_index)
+            log.info("round %d: no silo left to train", round_index + 1)
             break
         node_of = _current_nodes(grid, silos, job_silos, settings.round_timeout, asked_nodes)
         config = ConfigRecord({
@@ -211,7 +211,7 @@ def main(grid: Grid, context: Context) -> None:
                                  generator=torch.Generator().manual_seed(secrets.randbits(63)))
         run.rounds.append(entry)
         counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
-        log.info("round %d: %s in %.2f s", round_index, counts, entry.seconds)
+        log.info("round %d: %s in %.2f s", round_index + 1, counts, entry.seconds)
 
     evaluations = [
         Message(RecordDict({records.ARRAYS: records.to_record(shared),

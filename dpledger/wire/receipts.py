@@ -15,12 +15,22 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import struct
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
 from dpledger.wire import merkle
+
+
+def default_receipts_dir() -> Path:
+    """Where a silo's receipts are kept unless told otherwise: $DPLEDGER_RECEIPTS, else
+    ~/.local/share/dpledger/receipts. Here, so that the client that writes them and `dpledger verify
+    --receipts` that reads them agree on one place."""
+    return Path(os.environ.get("DPLEDGER_RECEIPTS") or Path.home() / ".local/share/dpledger/receipts").expanduser()
+
 
 Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="32 bytes, lowercase hex")]
 # Fixed-width fields, so that no two heads encode to the same bytes.

@@ -247,18 +247,18 @@ def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
     assert after[0]["epsilon_spent"] == pytest.approx(rounds_epsilon(body, 2), rel=1e-9)
     assert after[1]["epsilon_spent"] == pytest.approx(rounds_epsilon(after[1], 4), rel=1e-9)
     would = f"{rounds_epsilon(body, 3):.4g}"
-    refused = f"dpledger train: silo {silos[0].id} (run-0): refused at round 2: it would have reached ε = {would}"
+    refused = f"dpledger train: silo {silos[0].id} (run-0): refused at round 3: it would have reached ε = {would}"
     assert refused in captured.err
 
     saved = torch.load(out / "models.pt")
     assert saved["silo_ids"] == [s.id for s in silos] and set(saved["deployed"]) == {s.id for s in silos}
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(m["round"], m["silo_id"], m["approved"]) for m in metrics if m["silo_id"] == silos[0].id] == [
-        (0, silos[0].id, True), (1, silos[0].id, True), (2, silos[0].id, False), (3, silos[0].id, False)
+        (1, silos[0].id, True), (2, silos[0].id, True), (3, silos[0].id, False), (4, silos[0].id, False)
     ]
     summary = json.loads((out / "summary.json").read_text())
     first = summary["silos"][0]
-    assert (first["rounds_approved"], first["rounds_refused"], first["refused_at_round"]) == (2, 1, 2)
+    assert (first["rounds_approved"], first["rounds_refused"], first["refused_at_round"]) == (2, 1, 3)
     assert first["epsilon_spent_after"] == after[0]["epsilon_spent"]
     # The printed table labels silos by ledger id and name.
     table = captured.out.splitlines()
@@ -266,7 +266,7 @@ def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
 
     # A second run under the same job id would replay the old reservations and train unpaid: refused.
     assert main(["train", str(job), "--out", str(out), "--no-progress"]) == 2
-    assert "already has charges of job_id 'run' (rounds 0–3)" in capsys.readouterr().err
+    assert "already has charges of job_id 'run' (rounds 1–4)" in capsys.readouterr().err
 
 
 def test_train_that_trains_nothing_says_so_and_exits_1(
@@ -317,7 +317,7 @@ def test_a_ledger_that_dies_mid_run_is_exit_3_with_what_ran_written_out(
         job = job_file(tmp_path / "dies.toml", server.url, [s.id for s in silos], job_id="dies", rounds=5)
         assert cli.main(["train", str(job), "--out", str(tmp_path / "out"), "--no-progress"]) == 3
     err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("dpledger train: stopped: ledger unreachable before round 2:")
+    assert err[-1].startswith("dpledger train: stopped: ledger unreachable before round 3:")
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert sorted({m["round"] for m in metrics}) == [0, 1]  # what ran is written out
+    assert sorted({m["round"] for m in metrics}) == [1, 2]  # what ran is written out
     assert (tmp_path / "out" / "models.pt").exists()
