@@ -190,7 +190,7 @@ def test_full_round_matches_reference_with_the_silos_own_samplers_and_noise() ->
             noise_generator=make_generator(derive_seed(7, STREAM_NOISE, k), CPU),
         )
         expected = initial - 0.2 * oracle
-        torch.testing.assert_close(algorithm.personal[k], expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(algorithm.silo_state["personal"][k], expected, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(
             result.update_norms[k], (expected - initial).norm().to(torch.float64), rtol=1e-5, atol=1e-6
         )
@@ -211,7 +211,7 @@ def test_mrmtl_with_zero_lambda_is_local_training_bitwise() -> None:
         a, b = local.run_round(r, approved), mrmtl.run_round(r, approved)
         assert torch.equal(a.update_norms.nan_to_num(-1.0), b.update_norms.nan_to_num(-1.0))
         assert torch.equal(a.steps, b.steps)
-    assert torch.equal(local.personal, mrmtl.personal)
+    assert torch.equal(local.silo_state["personal"], mrmtl.silo_state["personal"])
     assert torch.equal(local.evaluate(), mrmtl.evaluate())
 
 
@@ -238,7 +238,7 @@ def test_refused_silos_are_frozen_bitwise(name: str) -> None:
     run(fresh, 1)
     for k in refused.tolist():
         assert torch.equal(algorithm.samplers[k].generator.get_state(), fresh.samplers[k].generator.get_state())
-        assert torch.equal(algorithm.noise_generators[k].get_state(), fresh.noise_generators[k].get_state())
+        assert torch.equal(algorithm.engine.noise_generators[k].get_state(), fresh.engine.noise_generators[k].get_state())
 
 
 def test_nothing_approved_changes_nothing() -> None:
@@ -257,7 +257,7 @@ def test_empty_poisson_batches_are_handled() -> None:
     algorithm = MRMTL(lam=0.1, **data, num_classes=NUM_CLASSES, config=config)
     result = algorithm.run_round(0, torch.ones(4, dtype=torch.bool))
     assert result.steps.tolist() == [20] * 4
-    assert bool(torch.isfinite(result.update_norms).all()) and bool(torch.isfinite(algorithm.personal).all())
+    assert bool(torch.isfinite(result.update_norms).all()) and bool(torch.isfinite(algorithm.silo_state["personal"]).all())
     idx, mask = pad_batches([torch.empty(0, dtype=torch.int64)] * 3, device=CPU)
     assert idx.shape == (3, 0) and mask.shape == (3, 0)
 
@@ -298,7 +298,7 @@ def test_ppsgd_unsampled_silos_declare_and_run_nothing() -> None:
     for r in range(4):
         declared = algorithm.round_mechanisms(r)
         assert declared == algorithm.round_mechanisms(r)  # a pure function of the round
-        sampled = algorithm.sampled(r)
+        sampled = algorithm.server.asks(r)
         assert [m is not None for m in declared] == sampled.tolist()
         seen_unsampled |= not bool(sampled.all())
         before = algorithm.state()["local"]
@@ -381,6 +381,6 @@ def test_each_silo_declares_and_runs_its_own_noise_multiplier() -> None:
             noise_multiplier=sigmas[k], expected_batch=float(min(8, n)),
             noise_generator=make_generator(derive_seed(7, STREAM_NOISE, k), CPU),
         )
-        torch.testing.assert_close(algorithm.personal[k], initial - 0.2 * oracle, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(algorithm.silo_state["personal"][k], initial - 0.2 * oracle, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="one finite σ"):
         LocalTraining(**data, model="linear", num_classes=NUM_CLASSES, config=config, noise_multipliers=[1.0, 2.0])

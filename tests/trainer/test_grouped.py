@@ -69,7 +69,7 @@ def run(url: str, coordinator: LedgerClient, algorithm: GroupAggregated, prefix:
 
     def snapshot(record: RoundRecord) -> None:
         if watch is not None:
-            watch.append(algorithm.global_model.clone())
+            watch.append(algorithm.server.global_model.clone())
 
     return run_grouped(algorithm, silos, coordinator=coordinator, rounds=rounds, name=prefix, groups=groups,
                        on_round=snapshot), silos
@@ -77,7 +77,7 @@ def run(url: str, coordinator: LedgerClient, algorithm: GroupAggregated, prefix:
 
 def test_the_warm_start_round_charges_every_silo_and_leaves_the_global_model(ledger: str, coordinator: LedgerClient) -> None:
     algorithm = PFA(**common())
-    initial = algorithm.global_model.clone()
+    initial = algorithm.server.global_model.clone()
     globals_after: list[torch.Tensor] = []
     result, silos = run(ledger, coordinator, algorithm, "warm", rounds=3, watch=globals_after)
 
@@ -131,12 +131,12 @@ def test_explicit_groups_are_used_as_given(ledger: str, coordinator: LedgerClien
 
 def test_pfa_projects_the_noisy_group_onto_the_public_updates(ledger: str, coordinator: LedgerClient) -> None:
     algorithm = PFA(**common())
-    initial = algorithm.global_model.clone()
+    initial = algorithm.server.global_model.clone()
     run(ledger, coordinator, algorithm, "pfa")
-    updates = (algorithm.local - initial).to(torch.float64)
+    updates = (algorithm.silo_state["local"] - initial).to(torch.float64)
     public = torch.tensor(NOISE_GROUPS) == 0
     n = len(NOISE)
-    private_part = (algorithm.global_model - initial).to(torch.float64) - (3 / n) * updates[public].mean(0)
+    private_part = (algorithm.server.global_model - initial).to(torch.float64) - (3 / n) * updates[public].mean(0)
     # k = full rank of the 3 public updates: the private contribution lies in their span...
     q, _ = torch.linalg.qr(updates[public].T)
     residual = private_part - q @ (q.T @ private_part)
@@ -152,18 +152,18 @@ def test_fedhdp_ratio_one_is_the_plain_mean_and_zero_the_public_mean(
     ledger: str, coordinator: LedgerClient, ratio: float
 ) -> None:
     algorithm = FedHDP(ratio=ratio, **common())
-    initial = algorithm.global_model.clone()
+    initial = algorithm.server.global_model.clone()
     run(ledger, coordinator, algorithm, f"hdp-{ratio}")
-    updates = algorithm.local - initial
+    updates = algorithm.silo_state["local"] - initial
     expected = updates.mean(0) if ratio == 1.0 else updates[:3].mean(0)
-    assert torch.allclose(algorithm.global_model - initial, expected, atol=1e-6)
-    assert algorithm.ratio_history == [[1.0, ratio]]
+    assert torch.allclose(algorithm.server.global_model - initial, expected, atol=1e-6)
+    assert algorithm.server.ratio_history == [[1.0, ratio]]
 
 
 def test_fedhdp_budget_blind_ratio_downweights_the_noisy_group(ledger: str, coordinator: LedgerClient) -> None:
     algorithm = FedHDP(ratio="budget_blind", **common())
     run(ledger, coordinator, algorithm, "hdp-blind", rounds=3)
-    for r0, r1 in algorithm.ratio_history:
+    for r0, r1 in algorithm.server.ratio_history:
         assert r0 == 1.0 and 0.0 < r1 < 0.1  # noise σ 6 vs 0.3: the noisy silos' variance is far larger
 
 
@@ -181,7 +181,7 @@ def test_fedhdp_quantile_query_is_charged_as_its_own_mechanism(ledger: str, coor
             assert [e["type"] for e in m["events"]] == ["dpsgd", "gaussian"]
             assert m["events"][1]["noise_multiplier"] == 2.0
     # Round 1 ran at S = 1; the query moved S for round 2 (half the norms are ≫ 1, half ≤ ~1).
-    assert algorithm.clip_history[0] == 1.0 and algorithm.clip_history[1] != 1.0
+    assert algorithm.server.clip_history[0] == 1.0 and algorithm.server.clip_history[1] != 1.0
 
 
 def test_an_aggregation_round_without_groups_touches_no_data() -> None:

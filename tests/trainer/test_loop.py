@@ -84,14 +84,14 @@ def test_a_refused_silo_stops_spending_and_its_model_freezes(ledger: str) -> Non
 
     def watch(record: RoundRecord) -> None:
         if record.round_index == k_rounds - 1:
-            frozen_at.append(algorithm.personal[0].clone())
+            frozen_at.append(algorithm.silo_state["personal"][0].clone())
 
     run = run_gated(algorithm, silos, rounds=5, job_id="freeze", on_round=watch)
 
     assert run.approved_rounds() == [k_rounds, 5, 5]
     assert run.refused_rounds() == [1, 0, 0]  # asked once more, refused, then never again
     assert run.stopped == [True, False, False]
-    assert torch.equal(algorithm.personal[0], frozen_at[0])
+    assert torch.equal(algorithm.silo_state["personal"][0], frozen_at[0])
     history = silos[0].client.history(silos[0].silo_id)
     assert [e.event for e in history].count("reserve") == k_rounds
     assert all(e.event != "release" for e in history)

@@ -23,6 +23,10 @@ from dpledger.trainer.federated import (
     Finetuning,
     clustering_rounds,
 )
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, Halves, Trained
+from dpledger.trainer.federated.ifca import ClusterSilo
+from dpledger.trainer.federated.plan import SELECTIONS
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import budget_admitting, dpsgd_epsilon
@@ -61,36 +65,39 @@ def test_ifca_selection_recovers_the_rotation_clusters() -> None:
     args, groups = digits_args(20, config=DPSGDConfig(seed=0))
     ifca = IFCA(clusters=4, **args)
     run_ungated(ifca, 12)
-    assignment = ifca.assignment.tolist()
+    assignment = ifca.silo_state["assignment"].tolist()
     assert purity(assignment, groups) == 1.0
     assert len(set(assignment)) == 4
     # Each silo deploys its own cluster's model, and the clusters are distinct models.
-    assert torch.equal(ifca.deployed_parameters(), ifca.cluster_models[ifca.assignment])
-    assert torch.linalg.matrix_rank(ifca.cluster_models) == 4
+    assert torch.equal(ifca.deployed_parameters(), ifca.server.cluster_models[ifca.silo_state["assignment"]])
+    assert torch.linalg.matrix_rank(ifca.server.cluster_models) == 4
 
 
 def test_selection_noise_is_what_separates_private_from_exact_selection() -> None:
     """With vanishing σ_s the noisy argmin is the exact argmin of the clipped loss sums; with a
     huge σ_s the choice is noise (a sanity check that the noise is really added)."""
     args, _groups = digits_args(8)
-    exact = IFCA(clusters=4, selection=ClusterSelection(noise_multiplier=1e-9), **args)
+    selection = ClusterSelection(noise_multiplier=1e-9)
+    exact = IFCA(clusters=4, selection=selection, **args)
     run_ungated(exact, 4)
     silos = torch.arange(8)
     losses = []
     for k in range(8):
         x, y = exact.train.x[k, : exact.train.sizes[k]], exact.train.y[k, : exact.train.sizes[k]]
         per = torch.stack(
-            [torch.nn.functional.cross_entropy(exact.model.forward(m, x), y, reduction="none") for m in exact.cluster_models], 1
+            [torch.nn.functional.cross_entropy(exact.model.forward(m, x), y, reduction="none")
+             for m in exact.server.cluster_models], 1
         )
         factor = (
-            exact.selection.loss_clip / torch.linalg.vector_norm(per, dim=1).clamp(min=exact.selection.loss_clip)
+            selection.loss_clip / torch.linalg.vector_norm(per, dim=1).clamp(min=selection.loss_clip)
         ).unsqueeze(1)
         losses.append((per * factor).sum(0))
     expected = torch.stack(losses).argmin(1)
-    assert torch.equal(exact._select(silos), expected)
+    assert torch.equal(exact.engine.select(exact.server.cluster_models, silos, selection), expected)
 
-    noisy = IFCA(clusters=4, selection=ClusterSelection(noise_multiplier=1e6), **args)
-    picks = torch.cat([noisy._select(silos) for _ in range(50)])
+    loud = ClusterSelection(noise_multiplier=1e6)
+    noisy = IFCA(clusters=4, selection=loud, **args)
+    picks = torch.cat([noisy.engine.select(noisy.server.cluster_models, silos, loud) for _ in range(50)])
     assert set(picks.tolist()) == {0, 1, 2, 3}
 
 
@@ -114,15 +121,23 @@ def test_a_refused_silo_neither_selects_nor_trains() -> None:
     approved = torch.tensor([True, False, True, True])
     before = ifca.state()
     result = ifca.run_round(0, approved)
-    assert ifca.selection_queries.tolist() == [1, 0, 1, 1]
+    assert ifca.meter.total(SELECTIONS).tolist() == [1, 0, 1, 1]
     assert result.steps.tolist() == [CONFIG.local_steps, 0, CONFIG.local_steps, CONFIG.local_steps]
-    assert int(ifca.assignment[1]) == int(before["assignment"][1]) == 0
+    assert int(ifca.silo_state["assignment"][1]) == int(before["assignment"][1]) == 0
+
+
+class _SelectingSilo(ClusterSilo):
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        engine.select(received["clusters"], rows, self.selection)  # a query its `queries` never declared
+        return super().train(round_index, engine, rows, received, state)
 
 
 class _SelectsWithoutDeclaring(IFCA):
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        self._select(silos)
-        return super()._train(round_index, silos)
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, clusters: int, selection_rounds: int | None = None) -> Halves:
+        server = IFCA.halves(config, clusters=clusters, selection_rounds=selection_rounds).server
+        return Halves(_SelectingSilo(config, selection=ClusterSelection(), selection_rounds=selection_rounds), server)
 
 
 def test_a_selection_that_was_not_declared_fails_the_round() -> None:
@@ -138,11 +153,11 @@ def test_finetuning_is_fedavg_until_it_switches_then_local() -> None:
     finetune, fedavg = Finetuning(federated_rounds=3, **args), FedAvg(**args)
     run_ungated(finetune, 3)
     run_ungated(fedavg, 3)
-    assert torch.equal(finetune.global_model, fedavg.global_model)
+    assert torch.equal(finetune.server.global_model, fedavg.server.global_model)
     assert torch.equal(finetune.deployed_parameters(), fedavg.deployed_parameters())
     finetune.run_round(3, ALL(6, dtype=torch.bool))
     deployed = finetune.deployed_parameters()
-    assert torch.equal(finetune.global_model, fedavg.global_model)  # the global model stops
+    assert torch.equal(finetune.server.global_model, fedavg.server.global_model)  # the global model stops
     assert all(not torch.equal(deployed[0], deployed[k]) for k in range(1, 6))  # each silo its own
     assert finetune.round_mechanisms(3) == fedavg.round_mechanisms(3)  # finetuning steps are charged
 
@@ -151,23 +166,22 @@ def test_warm_started_mrmtl_starts_each_silo_from_its_cluster_model() -> None:
     args, _ = digits_args(8)
     warm = ClusteredMRMTL(lam=0.5, clusters=4, selection_rounds=2, **args)
     run_ungated(warm, 2)
-    clusters, assignment = warm.cluster_models.clone(), warm.assignment.clone()
+    clusters, assignment = warm.server.cluster_models.clone(), warm.silo_state["assignment"].clone()
     assert torch.equal(warm.deployed_parameters(), clusters[assignment])
     warm.run_round(2, ALL(8, dtype=torch.bool))
-    assert warm.personal is not None
-    assert torch.equal(warm.assignment, assignment)  # no selection after the warm start
-    assert warm.selection_queries.tolist() == [2] * 8
+    assert warm.silo_state["switched"].all()
+    assert torch.equal(warm.silo_state["assignment"], assignment)  # no selection after the warm start
+    assert warm.meter.total(SELECTIONS).tolist() == [2] * 8
     # The pull towards the cluster's mean: after a few rounds the models of one cluster are closer
     # to each other than to any model of another cluster.
     warm_small = ClusteredMRMTL(lam=0.5, clusters=4, selection_rounds=2, **args)
     run_ungated(warm_small, 6)
-    personal = warm_small.personal
-    assert personal is not None
+    personal = warm_small.silo_state["personal"]
     same, other = [], []
     for i in range(8):
         for j in range(i + 1, 8):
             d = float(torch.linalg.vector_norm(personal[i] - personal[j]))
-            (same if warm_small.assignment[i] == warm_small.assignment[j] else other).append(d)
+            (same if warm_small.silo_state["assignment"][i] == warm_small.silo_state["assignment"][j] else other).append(d)
     assert same and other and max(same) < min(other)
 
 
@@ -207,11 +221,11 @@ def queries_per_round(algorithm: FederatedAlgorithm, url: str, prefix: str, roun
     made: list[tuple[list[int], list[int]]] = []
     last = [
         algorithm._queries.clone(),
-        getattr(algorithm, "selection_queries", torch.zeros(algorithm.num_silos, dtype=torch.int64)).clone(),
+        algorithm.meter.total(SELECTIONS).clone(),
     ]
 
     def snapshot(_: RoundRecord) -> None:
-        now = [algorithm._queries.clone(), getattr(algorithm, "selection_queries", torch.zeros_like(last[1])).clone()]
+        now = [algorithm._queries.clone(), algorithm.meter.total(SELECTIONS).clone()]
         made.append(((now[0] - last[0]).tolist(), (now[1] - last[1]).tolist()))
         last[:] = now
 

@@ -60,15 +60,15 @@ def test_the_job_builds_each_algorithm_from_its_settings() -> None:
         algorithm = build(job, dataset)
         assert type(algorithm) is cls
     ditto = build(JobConfig(url="http://x", algorithm="ditto", lam=0.25, personal_steps=3, silos=[SILO]), dataset)
-    assert isinstance(ditto, Ditto) and (ditto.lam, ditto.personal_steps) == (0.25, 3)
+    assert isinstance(ditto, Ditto) and (ditto.silo.lam, ditto.silo.personal_steps) == (0.25, 3)  # type: ignore[attr-defined]
     assert [m["steps"] for m in ditto.round_mechanisms(0) if m is not None] == [10 + 3, 10 + 3]
     # IFCA selects in every round unless told; the warm start of ifca_mrmtl must end, after 10% of the rounds.
     ifca = build(JobConfig(url="http://x", algorithm="ifca", rounds=30, silos=[SILO]), dataset)
     warm = build(JobConfig(url="http://x", algorithm="ifca_mrmtl", rounds=30, silos=[SILO]), dataset)
     short = build(JobConfig(url="http://x", algorithm="ifca", rounds=30, cluster_fraction=0.2, silos=[SILO]), dataset)
-    assert isinstance(ifca, IFCA) and ifca.selection_rounds is None
-    assert isinstance(warm, ClusteredMRMTL) and warm.selection_rounds == math.ceil(WARM_START_FRACTION * 30) == 3
-    assert isinstance(short, IFCA) and short.selection_rounds == 6
+    assert isinstance(ifca, IFCA) and ifca.silo.selection_rounds is None  # type: ignore[attr-defined]
+    assert isinstance(warm, ClusteredMRMTL) and warm.silo.warm_start_rounds == math.ceil(WARM_START_FRACTION * 30) == 3
+    assert isinstance(short, IFCA) and short.silo.selection_rounds == 6  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", ["pfa", "fedhdp", "nope"])

@@ -1,28 +1,27 @@
-"""The interface every federated algorithm offers the round loop, and the batched DP-SGD they share.
+"""The in-process simulator: K silos driven through one algorithm's two halves at once.
 
-Round protocol (docs/ARCHITECTURE.md, "The round protocol"): the loop asks `round_mechanisms(r)`, gets each
-silo's mechanism approved (or not) by the ledger, then calls `run_round(r, approved)`. Only approved
-silos touch their data; the others' state stays bitwise unchanged. Privacy model: Liu et al. 2022 Def. 3.1
-(silo-specific sample-level DP); only dataset queries cost (Liu et al. 2022 §3), so what each algorithm
-declares is exactly its number of DP-SGD steps on the silo's data in that round.
+An algorithm is a silo half and a server half (`trainer.federated.halves`); `FederatedAlgorithm`
+runs both over K silos whose parameters are stacked into [K, P] tensors, so one round trains every
+approved silo in one batched computation. Round protocol (docs/ARCHITECTURE.md, "The round
+protocol"): the loop asks `round_mechanisms(r)`, gets each silo's mechanism approved (or not) by
+the ledger, then calls `run_round(r, approved)`. Only approved silos touch their data; the others'
+state stays bitwise unchanged. Privacy model: Liu et al. 2022 Def. 3.1 (silo-specific sample-level
+DP); only dataset queries cost (Liu et al. 2022 §3), so what each algorithm declares is exactly the
+queries its silo half makes of the silo's data in that round.
 """
 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from abc import ABC
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypedDict
 
 import torch
 from torch.func import vmap
 
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.federated.batched import (
-    PaddedSilos,
-    noisy_clipped_gradient,
-    pad_batches,
-)
+from dpledger.trainer.federated import engine as streams
+from dpledger.trainer.federated.batched import PaddedSilos
 from dpledger.trainer.federated.config import (
     STREAM_INIT,
     STREAM_NOISE,
@@ -30,15 +29,23 @@ from dpledger.trainer.federated.config import (
     DPSGDConfig,
     RoundResult,
     Task,
-    Weighting,
     derive_seed,
     make_generator,
 )
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, ServerStart, SiloHalf
 from dpledger.trainer.federated.models import Architecture, ModelFactory, make_template
-from dpledger.trainer.federated.plan import STEPS, PlannedQuery, QueryMeter, RoundPlan
+from dpledger.trainer.federated.plan import STEPS, Mechanism, PlannedQuery, RoundPlan
 
 # Every algorithm class that sets `name`, by that name (filled by FederatedAlgorithm.__init_subclass__).
 REGISTERED: dict[str, type[FederatedAlgorithm]] = {}
+
+# Random streams of IFCA's selection (0–4 are taken in trainer.federated.config and .fedhdp), so that
+# enabling selection never shifts DP-SGD's draws.
+STREAM_SELECTION_SAMPLER = 5
+STREAM_SELECTION_NOISE = 6
+_STREAM_IDS = {streams.SAMPLER: STREAM_SAMPLER, streams.NOISE: STREAM_NOISE,
+               streams.SELECTION_SAMPLER: STREAM_SELECTION_SAMPLER, streams.SELECTION_NOISE: STREAM_SELECTION_NOISE}
 
 
 class _RequiredArgs(TypedDict):
@@ -49,7 +56,8 @@ class _RequiredArgs(TypedDict):
 
 
 class AlgorithmArgs(_RequiredArgs, total=False):
-    """The constructor arguments every algorithm shares (subclasses take `**common: Unpack[...]`)."""
+    """The constructor arguments every algorithm shares; the rest are the algorithm's own options,
+    the keyword arguments of its `halves`."""
 
     model: ModelFactory | Architecture
     task: Task
@@ -60,22 +68,28 @@ class AlgorithmArgs(_RequiredArgs, total=False):
 
 
 def update_norms(updates: torch.Tensor) -> torch.Tensor:
-    """[A] L2 norm of each row of [A, P] updates (what a round reports to the coordinator)."""
+    """[A] L2 norm of each row of [A, P] updates (what a round reports to the ledger)."""
     norms: torch.Tensor = torch.linalg.vector_norm(updates, dim=1)  # torch.linalg is unannotated
     return norms
 
 
 class FederatedAlgorithm(ABC):
-    """K silos trained in one batched computation; state lives in [K, P] / [P] tensors."""
+    """K silos trained in one batched computation through the algorithm's halves."""
 
-    # A concrete algorithm names itself (its key in trainer.federated.registry and in job files) and
-    # says in words what one round charges each silo, and which model each silo deploys (the docs).
+    # A concrete algorithm names itself (its key in trainer.federated.registry, in job files and in
+    # the Flower run config) and says in words what one round charges each silo, and which model each
+    # silo deploys (the docs).
     name: ClassVar[str]
     cost: ClassVar[str]
     deploys: ClassVar[str]
-    # True for an algorithm that needs a coordinator between rounds (the privacy groups of
-    # trainer.grouped), so that a plain round loop cannot run it alone.
+    # True for an algorithm whose server needs the privacy groups the ledger finds from the
+    # warm-start round's norms (trainer.grouped), so that a plain round loop cannot run it alone.
     coordinated: ClassVar[bool] = False
+
+    # A concrete algorithm's classmethod `halves(config, **options)`: its silo half and server half
+    # for the options given (its keyword arguments are the algorithm's own settings, checked there,
+    # wherever it runs: the simulator, the job file, the Flower apps).
+    halves: ClassVar[Callable[..., Halves]]
 
     def __init__(
         self,
@@ -90,7 +104,9 @@ class FederatedAlgorithm(ABC):
         config: DPSGDConfig = DPSGDConfig(),
         noise_multipliers: Sequence[float] | None = None,
         device: torch.device | str = "cpu",
+        **options: Any,
     ) -> None:
+        halves = self.halves(config, **options)  # the options are checked before any data is touched
         if task not in ("classification", "regression"):
             raise ValueError(f"task must be 'classification' or 'regression'. Found {task!r}.")
         if len(x_test) != len(x_train) or len(y_test) != len(x_train):
@@ -114,42 +130,39 @@ class FederatedAlgorithm(ABC):
             out_features = num_classes
         else:
             out_features = 1
-        self.model = make_template(
-            model,
-            task=task,
-            in_features=int(x_train[0].shape[1]),
-            out_features=out_features,
-            init_seed=derive_seed(config.seed, STREAM_INIT),
-            device=self.device,
-        )
+        in_features = int(x_train[0].shape[1])
+
+        def template(init_seed: int) -> Any:
+            return make_template(model, task=task, in_features=in_features, out_features=out_features,
+                                 init_seed=init_seed, device=self.device)
+
+        self.model = template(derive_seed(config.seed, STREAM_INIT))
         # Every silo starts from the same initial model (as in FedAvg), so that algorithms differ only
         # in how they train and aggregate, and λ = 0 MR-MTL coincides with local training exactly.
         self.initial = self.model.initial()
-        # A silo smaller than B samples every record (q = 1): honest, just no amplification.
-        self.batch_sizes = [min(config.batch_size, n) for n in self.train.sizes]
-        self.samplers = [
-            PoissonSampler(
-                dataset_size=n,
-                batch_size=b,
-                generator=make_generator(derive_seed(config.seed, STREAM_SAMPLER, k), self.device),
-            )
-            for k, (n, b) in enumerate(zip(self.train.sizes, self.batch_sizes, strict=True))
-        ]
-        self.noise_generators = [
-            make_generator(derive_seed(config.seed, STREAM_NOISE, k), self.device) for k in range(self.num_silos)
-        ]
-        self._expected_batch = torch.tensor(self.batch_sizes, dtype=torch.float32, device=self.device)
         # Each silo may calibrate its own σ to its own budget (Liu et al. 2022 Def. 3.1: silo-specific
         # (ε_k, δ_k)); by default every silo uses config.noise_multiplier.
         if noise_multipliers is None:
-            noise_multipliers = [config.noise_multiplier] * self.num_silos
-        if len(noise_multipliers) != self.num_silos or not all(math.isfinite(s) and s >= 0 for s in noise_multipliers):
+            noise_multipliers = [config.noise_multiplier] * self.train.num_silos
+        count = self.train.num_silos
+        if len(noise_multipliers) != count or not all(math.isfinite(s) and s >= 0 for s in noise_multipliers):
             raise ValueError(
-                f"noise_multipliers must hold one finite σ >= 0 per silo ({self.num_silos}). Found {list(noise_multipliers)}."
+                f"noise_multipliers must hold one finite σ >= 0 per silo ({count}). Found {list(noise_multipliers)}."
             )
         self.noise_multipliers = [float(s) for s in noise_multipliers]
-        self._noise = torch.tensor(self.noise_multipliers, dtype=torch.float32, device=self.device)
-        self.meter = QueryMeter(self.num_silos)
+        self.engine = SiloEngine(
+            train=self.train, model=self.model, config=config, noise_multipliers=self.noise_multipliers,
+            streams=lambda stream, k: make_generator(derive_seed(config.seed, _STREAM_IDS[stream], k), self.device),
+            device=self.device,
+        )
+        self.meter = self.engine.meter
+        self.silo: SiloHalf = halves.silo
+        self.silo_state: Arrays = self.silo.start(self.initial, self.num_silos)
+        self.server: ServerHalf = halves.server(ServerStart(
+            initial=self.initial, num_silos=self.num_silos,
+            fresh_model=lambda j: template(derive_seed(config.seed, STREAM_INIT, j)).initial(),
+            record=self._record_server_query,
+        ))
         self._plan: RoundPlan | None = None
         self._last_round = -1
 
@@ -164,56 +177,42 @@ class FederatedAlgorithm(ABC):
                 raise TypeError(f"two algorithms named {name!r}: {REGISTERED[name].__qualname__} and {cls.__qualname__}")
             REGISTERED[name] = cls
 
+    def _record_server_query(self, kind: str, silos: torch.Tensor, mechanism: Mechanism) -> None:
+        self.meter.record(kind, silos, mechanism=mechanism)
+
     @property
     def num_silos(self) -> int:
         return self.train.num_silos
+
+    @property
+    def samplers(self) -> list[Any]:
+        return self.engine.samplers
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self.engine.batch_sizes
 
     @property
     def _queries(self) -> torch.Tensor:
         """int64 [K]: DP-SGD steps each silo has run on its data so far."""
         return self.meter.total(STEPS)
 
-    # ----- what subclasses define -------------------------------------------------------------
-
-    def declared_steps(self, round_index: int) -> list[int]:
-        """Per silo: DP-SGD steps on its data that round `round_index` will run if approved (0: none).
-        A pure function of the round index and the seed, so declaring and running agree. By default
-        every silo runs E = `config.local_steps` steps every round."""
-        return [self.config.local_steps] * self.num_silos
-
-    def extra_queries(self, round_index: int, silo: int) -> tuple[PlannedQuery, ...]:
-        """Queries of silo `silo`'s data that round `round_index` makes besides its DP-SGD steps, if it
-        runs any (none by default). Pure, like `declared_steps`."""
-        return ()
-
-    @abstractmethod
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        """Run the round for the silos in `silos` (int64 [A], on device), all approved; return the
-        L2 norm of each one's noisy update ([A])."""
-
-    @abstractmethod
-    def deployed_parameters(self) -> torch.Tensor:
-        """[K, P]: the model each silo would deploy."""
-
-    @abstractmethod
-    def state(self) -> dict[str, torch.Tensor]:
-        """Copies of all trained state: per-silo tensors have leading dim K, shared ones do not."""
-
     # ----- the round protocol -----------------------------------------------------------------
 
+    def declared_steps(self, round_index: int) -> list[int]:
+        """Per silo: DP-SGD steps on its data that round `round_index` will run if approved (0: the
+        server does not ask it). A pure function of the round index and the seed."""
+        asked = self.server.asks(round_index).tolist()
+        return [self.silo.steps(round_index) if a else 0 for a in asked]
+
     def plan(self, round_index: int) -> RoundPlan:
-        """Every query round `round_index` makes of each silo's data, computed once per round: the
-        DP-SGD steps' mechanism comes from the silo's own sampler (the mechanism a worker declares is
-        the sampler it runs), then the algorithm's extra queries."""
+        """Every query round `round_index` makes of each asked silo's data, computed once per round
+        from the silo half (the DP-SGD steps' mechanism comes from the silo's own sampler)."""
         if self._plan is None or self._plan.round_index != round_index:
-            queries: list[tuple[PlannedQuery, ...]] = []
-            steps = self.declared_steps(round_index)
-            for k, (sampler, sigma, n) in enumerate(zip(self.samplers, self.noise_multipliers, steps, strict=True)):
-                if n == 0:
-                    queries.append(())
-                    continue
-                dpsgd = PlannedQuery(STEPS, n, sampler.mechanism(noise_multiplier=sigma, steps=n))
-                queries.append((dpsgd, *self.extra_queries(round_index, k)))
+            asked = self.server.asks(round_index).tolist()
+            queries: list[tuple[PlannedQuery, ...]] = [
+                self.silo.queries(round_index, self.engine, k) if a else () for k, a in enumerate(asked)
+            ]
             self._plan = RoundPlan(round_index=round_index, queries=tuple(queries))
         return self._plan
 
@@ -232,18 +231,34 @@ class FederatedAlgorithm(ABC):
                 f"approved must be a bool tensor of shape ({self.num_silos},). "
                 f"Found {approved.dtype} {tuple(approved.shape)}."
             )
+        self._check_round(round_index)
         self._last_round = round_index
         plan = self.plan(round_index)
         active = approved.cpu() & plan.queries_data()
         norms = torch.full((self.num_silos,), float("nan"), dtype=torch.float64)
         self.meter.start()
         if bool(active.any()):
-            silos = torch.nonzero(active).flatten()
-            norms[silos] = self._train(round_index, silos.to(self.device)).detach().cpu().to(torch.float64)
+            silos = torch.nonzero(active).flatten().to(self.device)
+            received = self.server.broadcast(round_index)
+            trained = self.silo.train(round_index, self.engine, silos, received, self.silo_state)
+            self.server.aggregate(round_index, silos, trained.upload)
+            norms[silos.cpu()] = trained.norms.detach().cpu().to(torch.float64)
         ran = self.meter.since_start()
         plan.check(active, ran)  # raises unless exactly the approved plan ran
         steps = ran.counts.get(STEPS, torch.zeros(self.num_silos, dtype=torch.int64))
         return RoundResult(round_index=round_index, update_norms=norms, steps=steps)
+
+    def _check_round(self, round_index: int) -> None:
+        """Raise before any silo touches its data if round `round_index` cannot run (none by default)."""
+        return None
+
+    def deployed_parameters(self) -> torch.Tensor:
+        """[K, P]: the model each silo would deploy now."""
+        return self.silo.deployed(self.server.broadcast(self._last_round + 1), self.silo_state)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Copies of all trained state: the server's (shared) and every silo's (leading dim K)."""
+        return {**self.server.state(), **{key: value.clone() for key, value in self.silo_state.items()}}
 
     def evaluate(self) -> torch.Tensor:
         """Per-silo test accuracy (classification) or mean squared error (regression) of the model
@@ -258,65 +273,3 @@ class FederatedAlgorithm(ABC):
             totals = torch.where(mask, per_record, 0.0).sum(1)
             counts = mask.sum(1).to(torch.float64)
             return (totals / counts).cpu()  # 0/0 = nan for an empty test set, as documented
-
-    # ----- shared DP-SGD machinery ------------------------------------------------------------
-
-    def _dp_gradient(self, params: torch.Tensor, silos: torch.Tensor) -> torch.Tensor:
-        """One noisy clipped gradient per silo in `silos` at its parameters `params` ([A, P]): one
-        Poisson-sampled Gaussian query of each of those silos' data."""
-        silo_list = silos.tolist()
-        indices = [self.samplers[k].sample() for k in silo_list]
-        idx, mask = pad_batches(indices, device=self.device)
-        rows = silos.unsqueeze(1)
-        self.meter.record(STEPS, silos)
-        return noisy_clipped_gradient(
-            self.model,
-            params,
-            self.train.x[rows, idx],
-            self.train.y[rows, idx],
-            mask,
-            clip_norm=self.config.clip_norm,
-            noise_multipliers=self._noise[silos],
-            expected_batch_sizes=self._expected_batch[silos],
-            generators=[self.noise_generators[k] for k in silo_list],
-        )
-
-    def _dp_sgd(
-        self,
-        params: torch.Tensor,
-        silos: torch.Tensor,
-        *,
-        steps: int,
-        anchor: torch.Tensor | None = None,
-        lam: float = 0.0,
-    ) -> torch.Tensor:
-        """`steps` DP-SGD steps from `params` ([A, P]); with an anchor, the objective gains
-        λ/2‖w − anchor‖² (Liu et al. 2022 §5 / Alg. A1; Ditto's personal objective, Liu et al. 2022 §4).
-
-        The regulariser's gradient λ(w − anchor) is not a function of the data beyond already-private
-        quantities, so it is added after clipping and noise (post-processing) and costs nothing."""
-        for _ in range(steps):
-            update = self._dp_gradient(params, silos)
-            # Skipped at λ = 0 rather than adding 0·(w − anchor): adding +0.0 turns -0.0 into +0.0,
-            # and λ = 0 must reproduce local training bit for bit.
-            if anchor is not None and lam != 0.0:
-                update = update + lam * (params - anchor)
-            params = params - self.config.lr * update
-        return params
-
-    def _train_personal(
-        self, personal: torch.Tensor, silos: torch.Tensor, *, anchor: torch.Tensor | None = None, lam: float = 0.0
-    ) -> torch.Tensor:
-        """E DP-SGD steps on each approved silo's own model (rows of `personal`, updated in place),
-        pulled towards `anchor` with weight λ if given; returns the update norms."""
-        start = personal[silos]
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps, anchor=anchor, lam=lam)
-        personal[silos] = trained
-        return update_norms(trained - start)
-
-    def _aggregate(self, models: torch.Tensor, silos: torch.Tensor, *, weighting: Weighting) -> torch.Tensor:
-        """Server average of the participating silos' models ([A, P] → [P]); post-processing."""
-        if weighting == "uniform":
-            return models.mean(0)
-        sizes = torch.tensor(self.train.sizes, dtype=models.dtype, device=models.device)[silos]
-        return (models * (sizes / sizes.sum()).unsqueeze(1)).sum(0)

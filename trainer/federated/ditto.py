@@ -2,12 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Unpack
-
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
-from dpledger.trainer.federated.config import Weighting, check_lam, check_weighting
+from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.config import DPSGDConfig, Weighting, check_lam, check_weighting
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.fedavg import GLOBAL, AveragingServer, GlobalModelSilo
+from dpledger.trainer.federated.halves import Arrays, Halves, Trained
+from dpledger.trainer.federated.local import PERSONAL
+
+
+class DittoSilo(GlobalModelSilo):
+    """First E_p DP-SGD steps on the personal model v_k towards the received global w (Ditto Alg. 1
+    order), then E steps on a copy of w, which it sends. The reported norm is that of the update
+    shared with the server; the personalized model never leaves the silo."""
+
+    def __init__(self, config: DPSGDConfig, *, lam: float, personal_steps: int, weighting: Weighting) -> None:
+        super().__init__(config, weighting=weighting)
+        self.lam = check_lam(lam)
+        if personal_steps <= 0:
+            raise ValueError(f"personal_steps must be positive. Found {personal_steps}.")
+        self.personal_steps = personal_steps
+
+    def steps(self, round_index: int) -> int:
+        return self.config.local_steps + self.personal_steps
+
+    def start(self, initial: torch.Tensor, rows: int) -> Arrays:
+        return {**super().start(initial, rows), PERSONAL: initial.expand(rows, -1).clone()}
+
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        state[PERSONAL][rows] = engine.dp_sgd(state[PERSONAL][rows], rows, steps=self.personal_steps,
+                                              anchor=received[GLOBAL], lam=self.lam)
+        return self.train_global(engine, rows, received, state)
+
+    def deployed(self, received: Arrays, state: Arrays) -> torch.Tensor:
+        return state[PERSONAL]
 
 
 class Ditto(FederatedAlgorithm):
@@ -25,41 +55,8 @@ class Ditto(FederatedAlgorithm):
     cost = "dpsgd(B_k/n_k, σ, E + E_p)"
     deploys = "personalized model"
 
-    def __init__(
-        self,
-        *,
-        lam: float,
-        personal_steps: int,
-        weighting: Weighting = "uniform",
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
-        check_lam(lam)
-        if personal_steps <= 0:
-            raise ValueError(f"personal_steps must be positive. Found {personal_steps}.")
-        self.weighting = check_weighting(weighting)
-        super().__init__(**common)
-        self.lam = lam
-        self.personal_steps = personal_steps
-        self.global_model = self.initial.clone()
-        self.personal = self.initial.expand(self.num_silos, -1).clone()
-
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps + self.personal_steps] * self.num_silos
-
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        anchor = self.global_model
-        self.personal[silos] = self._dp_sgd(
-            self.personal[silos], silos, steps=self.personal_steps, anchor=anchor, lam=self.lam
-        )
-        start = anchor.expand(len(silos), -1)
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
-        self.global_model = self._aggregate(trained, silos, weighting=self.weighting)
-        # The norm reported is that of the update shared with the server (the global-model copy);
-        # the personalized model never leaves the silo.
-        return update_norms(trained - start)
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return self.personal
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"global": self.global_model.clone(), "personal": self.personal.clone()}
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, lam: float, personal_steps: int, weighting: Weighting = "uniform") -> Halves:
+        chosen = check_weighting(weighting)
+        return Halves(DittoSilo(config, lam=lam, personal_steps=personal_steps, weighting=chosen),
+                      lambda start: AveragingServer(start, weighting=chosen))

@@ -3,12 +3,69 @@
 
 from __future__ import annotations
 
-from typing import Unpack
-
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
-from dpledger.trainer.federated.config import Weighting, check_weighting
+from dpledger.trainer.federated.base import FederatedAlgorithm, update_norms
+from dpledger.trainer.federated.config import DPSGDConfig, Weighting, check_weighting
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, ServerStart, SiloHalf, Trained
+
+GLOBAL, MODEL, SIZE = "global", "model", "size"
+
+
+class GlobalModelSilo(SiloHalf):
+    """Trains a copy of the received global model with E DP-SGD steps and sends it back (with its
+    registered record count when the server weighs by dataset size: public, the ledger holds it)."""
+
+    def __init__(self, config: DPSGDConfig, *, weighting: Weighting = "uniform") -> None:
+        super().__init__(config)
+        self.weighting = weighting
+
+    def start(self, initial: torch.Tensor, rows: int) -> Arrays:
+        # The model each silo last trained (what it uploaded); a refused silo keeps its last one.
+        return {"local": initial.expand(rows, -1).clone()}
+
+    def train_global(self, engine: SiloEngine, rows: torch.Tensor, received: Arrays, state: Arrays) -> Trained:
+        start = received[GLOBAL].expand(len(rows), -1)
+        trained = engine.dp_sgd(start, rows, steps=self.config.local_steps)
+        state["local"][rows] = trained
+        upload = {MODEL: trained}
+        if self.weighting == "dataset_size":
+            upload[SIZE] = torch.tensor(engine.train.sizes, dtype=trained.dtype, device=trained.device)[rows]
+        return Trained(upload, update_norms(trained - start))
+
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        return self.train_global(engine, rows, received, state)
+
+    def deployed(self, received: Arrays, state: Arrays) -> torch.Tensor:
+        return received[GLOBAL].expand(state["local"].shape[0], -1)
+
+
+class AveragingServer(ServerHalf):
+    """Keeps the global model; averages the trained copies it receives (uniformly, or weighted by the
+    silos' record counts; Liu et al. 2022 §2). Averaging already-private models is post-processing."""
+
+    def __init__(self, start: ServerStart, *, weighting: Weighting = "uniform") -> None:
+        super().__init__(start)
+        self.weighting = weighting
+        self.global_model = start.initial.clone()
+
+    def broadcast(self, round_index: int) -> Arrays:
+        return {GLOBAL: self.global_model}
+
+    def aggregate(self, round_index: int, members: torch.Tensor, upload: Arrays) -> None:
+        if MODEL not in upload:
+            return  # a round whose silos sent nothing to average (finetuning's personal rounds)
+        models = upload[MODEL]
+        if self.weighting == "uniform":
+            self.global_model = models.mean(0)
+        else:
+            sizes = upload[SIZE]
+            self.global_model = (models * (sizes / sizes.sum()).unsqueeze(1)).sum(0)
+
+    def state(self) -> Arrays:
+        return {GLOBAL: self.global_model.clone()}
 
 
 class FedAvg(FederatedAlgorithm):
@@ -24,27 +81,7 @@ class FedAvg(FederatedAlgorithm):
     cost = "dpsgd(B_k/n_k, σ, E)"
     deploys = "global model"
 
-    def __init__(
-        self,
-        *,
-        weighting: Weighting = "uniform",
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
-        self.weighting = check_weighting(weighting)
-        super().__init__(**common)
-        self.global_model = self.initial.clone()
-        # The model each silo last trained locally (what it uploaded); refused silos keep theirs.
-        self.local = self.initial.expand(self.num_silos, -1).clone()
-
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        start = self.global_model.expand(len(silos), -1)
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
-        self.local[silos] = trained
-        self.global_model = self._aggregate(trained, silos, weighting=self.weighting)
-        return update_norms(trained - start)
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return self.global_model.expand(self.num_silos, -1)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"global": self.global_model.clone(), "local": self.local.clone()}
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, weighting: Weighting = "uniform") -> Halves:
+        chosen = check_weighting(weighting)
+        return Halves(GlobalModelSilo(config, weighting=chosen), lambda start: AveragingServer(start, weighting=chosen))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Unpack
+from typing import Literal
 
 import torch
 
@@ -34,9 +34,10 @@ from dpledger.trainer.aggregation import (
     noisy_quantile_clip_update,
 )
 from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
-from dpledger.trainer.federated.base import AlgorithmArgs
-from dpledger.trainer.federated.config import derive_seed, make_generator
-from dpledger.trainer.federated.pfa import GroupAggregated
+from dpledger.trainer.federated.config import DPSGDConfig, derive_seed, make_generator
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Halves, ServerStart
+from dpledger.trainer.federated.pfa import WARM_START_ROUND, GroupAggregated, GroupServer, UpdateSilo
 from dpledger.trainer.federated.plan import QUANTILE_QUERIES, PlannedQuery
 
 # A random stream of its own for the quantile query's noise, distinct from STREAM_INIT/SAMPLER/
@@ -80,49 +81,34 @@ def blind_group_ratios(updates: torch.Tensor, groups: torch.Tensor) -> torch.Ten
     return budget_blind_ratio(updates, groups, n_groups=n_groups).clamp(0.0, 1.0)
 
 
-class FedHDP(GroupAggregated):
-    """Global model from local DP-SGD, aggregated as Σ_g w_g ū_g with w_g ∝ r_g N_g (FedHDP Alg. 2).
+class QuantileSilo(UpdateSilo):
+    """PFA's silo half, declaring the quantile query that reads its clipping indicator in every
+    aggregation round when the clip adapts (Alg. 2, last line), composed with its DP-SGD steps."""
 
-    `ratio`: r of every group but the least noisy one (r_0 = 1), or "budget_blind" to estimate r_g
-    per round from the updates. `update_clip`: a fixed S (post-processing, free), or
-    `adaptive_clip` to adapt S by the charged quantile query; at most one of the two.
-    """
+    def __init__(self, config: DPSGDConfig, *, adaptive_clip: AdaptiveClip | None) -> None:
+        super().__init__(config)
+        self.adaptive_clip = adaptive_clip
 
-    name = "fedhdp"
-    cost = "dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive)"
-    deploys = "global model"
+    def extra_queries(self, round_index: int, engine: SiloEngine, row: int) -> tuple[PlannedQuery, ...]:
+        if self.adaptive_clip is None or round_index == WARM_START_ROUND:
+            return ()
+        return (PlannedQuery(QUANTILE_QUERIES, 1, dict(self.adaptive_clip.mechanism())),)
 
-    def __init__(
-        self,
-        *,
-        ratio: RatioChoice,
-        update_clip: float | None = None,
-        adaptive_clip: AdaptiveClip | None = None,
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
-        if ratio != "budget_blind" and (
-            isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (math.isfinite(ratio) and ratio >= 0)
-        ):
-            raise ValueError(f"ratio must be a finite number >= 0 or 'budget_blind'. Found {ratio!r}.")
-        if update_clip is not None and adaptive_clip is not None:
-            raise ValueError("Give update_clip (a fixed S) or adaptive_clip (S adapted by a quantile query), not both.")
-        if update_clip is not None and not (math.isfinite(update_clip) and update_clip > 0):
-            raise ValueError(f"update_clip must be finite and > 0. Found {update_clip}.")
-        super().__init__(**common)
-        self.ratio: RatioChoice = ratio if ratio == "budget_blind" else float(ratio)
+
+class FedHDPServer(GroupServer):
+    """Σ_g w_g ū_g with w_g ∝ r_g N_g over the (clipped) updates; S adapted by the noisy quantile query."""
+
+    def __init__(self, start: ServerStart, *, ratio: RatioChoice, update_clip: float | None,
+                 adaptive_clip: AdaptiveClip | None, seed: int) -> None:
+        super().__init__(start)
+        self.ratio = ratio
         self.adaptive_clip = adaptive_clip
         self.clip_norm: float | None = adaptive_clip.initial_clip if adaptive_clip is not None else update_clip
-        self.quantile_generator = make_generator(derive_seed(self.config.seed, STREAM_QUANTILE), torch.device("cpu"))
+        self.quantile_generator = make_generator(derive_seed(seed, STREAM_QUANTILE), torch.device("cpu"))
+        self.record = start.record
         # What each aggregation round used, for reports: r_g per (compacted) group, and S.
         self.ratio_history: list[list[float]] = []
         self.clip_history: list[float] = []
-
-    def extra_queries(self, round_index: int, silo: int) -> tuple[PlannedQuery, ...]:
-        """In an aggregation round with adaptive clipping, the quantile query that reads the silo's
-        clipping indicator (Alg. 2, last line), composed with its DP-SGD steps."""
-        if self.adaptive_clip is None or round_index == self.WARM_START_ROUND:
-            return ()
-        return (PlannedQuery(QUANTILE_QUERIES, 1, dict(self.adaptive_clip.mechanism())),)
 
     def _ratios(self, updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         n_groups = int(groups.max()) + 1
@@ -130,9 +116,8 @@ class FedHDP(GroupAggregated):
             return torch.tensor([1.0] + [float(self.ratio)] * (n_groups - 1), dtype=torch.float64)
         return blind_group_ratios(updates, groups)
 
-    def _aggregate_updates(
-        self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
-    ) -> torch.Tensor:
+    def aggregate_updates(self, round_index: int, members: torch.Tensor, updates: torch.Tensor,
+                          groups: torch.Tensor) -> torch.Tensor:
         norms = torch.linalg.vector_norm(updates, dim=1)
         clipped = updates if self.clip_norm is None else clip_updates(updates, clip_norm=self.clip_norm)
         ratios = self._ratios(clipped, groups)
@@ -149,8 +134,37 @@ class FedHDP(GroupAggregated):
                 noise_multiplier=self.adaptive_clip.noise_multiplier,
                 generator=self.quantile_generator,
             )
-            # The query read every approved silo's indicator; the round's check compares the mechanism
-            # it reports with the one each silo was charged for.
-            self.meter.record(QUANTILE_QUERIES, silos, mechanism=dict(step.mechanism))
+            # The query read every trained silo's indicator; the simulator's round check compares
+            # the mechanism it reports with the one each silo was charged for.
+            self.record(QUANTILE_QUERIES, members, dict(step.mechanism))
             self.clip_norm = step.clip_norm
         return aggregate
+
+
+class FedHDP(GroupAggregated):
+    """Global model from local DP-SGD, aggregated as Σ_g w_g ū_g with w_g ∝ r_g N_g (FedHDP Alg. 2).
+
+    `ratio`: r of every group but the least noisy one (r_0 = 1), or "budget_blind" to estimate r_g
+    per round from the updates. `update_clip`: a fixed S (post-processing, free), or
+    `adaptive_clip` to adapt S by the charged quantile query; at most one of the two.
+    """
+
+    name = "fedhdp"
+    cost = "dpsgd(B_k/n_k, σ, E) (+ gaussian quantile query if adaptive)"
+    deploys = "global model"
+
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, ratio: RatioChoice, update_clip: float | None = None,
+               adaptive_clip: AdaptiveClip | None = None) -> Halves:
+        if ratio != "budget_blind" and (
+            isinstance(ratio, bool) or not isinstance(ratio, int | float) or not (math.isfinite(ratio) and ratio >= 0)
+        ):
+            raise ValueError(f"ratio must be a finite number >= 0 or 'budget_blind'. Found {ratio!r}.")
+        if update_clip is not None and adaptive_clip is not None:
+            raise ValueError("Give update_clip (a fixed S) or adaptive_clip (S adapted by a quantile query), not both.")
+        if update_clip is not None and not (math.isfinite(update_clip) and update_clip > 0):
+            raise ValueError(f"update_clip must be finite and > 0. Found {update_clip}.")
+        chosen: RatioChoice = ratio if ratio == "budget_blind" else float(ratio)
+        return Halves(QuantileSilo(config, adaptive_clip=adaptive_clip),
+                      lambda start: FedHDPServer(start, ratio=chosen, update_clip=update_clip,
+                                                 adaptive_clip=adaptive_clip, seed=config.seed))

@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Unpack
-
-from dpledger.trainer.federated.base import AlgorithmArgs
-from dpledger.trainer.federated.config import Weighting
-from dpledger.trainer.federated.fedavg import FedAvg
+from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.config import DPSGDConfig, Weighting, check_weighting
+from dpledger.trainer.federated.fedavg import AveragingServer, GlobalModelSilo
+from dpledger.trainer.federated.halves import Halves
 from dpledger.trainer.federated.warm_start import PersonalAfterWarmStart
 
 
-class Finetuning(PersonalAfterWarmStart, FedAvg):
+class Finetuning(FederatedAlgorithm):
     """Rounds < `federated_rounds` are FedAvg; from then on each silo runs E DP-SGD steps per round
     on its own copy of the last global model and deploys it.
 
@@ -24,14 +23,10 @@ class Finetuning(PersonalAfterWarmStart, FedAvg):
     cost = "dpsgd(B_k/n_k, σ, E), finetuning rounds too"
     deploys = "global, then own model"
 
-    def __init__(
-        self,
-        *,
-        federated_rounds: int,
-        weighting: Weighting = "uniform",
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, federated_rounds: int, weighting: Weighting = "uniform") -> Halves:
         if federated_rounds < 0:
             raise ValueError(f"federated_rounds must be >= 0. Found {federated_rounds}.")
-        super().__init__(weighting=weighting, **common)
-        self.federated_rounds = self.warm_start_rounds = federated_rounds
+        chosen = check_weighting(weighting)
+        silo = PersonalAfterWarmStart(GlobalModelSilo(config, weighting=chosen), warm_start_rounds=federated_rounds)
+        return Halves(silo, lambda start: AveragingServer(start, weighting=chosen))

@@ -32,29 +32,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Unpack
 
 import torch
-from torch.func import vmap
 
-from dpledger.trainer.dpsgd.clip import clip_factors
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
-from dpledger.trainer.federated.batched import gaussian_noise, pad_batches
-from dpledger.trainer.federated.config import (
-    STREAM_INIT,
-    check_lam,
-    derive_seed,
-    make_generator,
-)
-from dpledger.trainer.federated.models import make_template
+from dpledger.trainer.federated.base import FederatedAlgorithm, update_norms
+from dpledger.trainer.federated.config import DPSGDConfig, check_lam
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, ServerStart, SiloHalf, Trained
+from dpledger.trainer.federated.local import PERSONAL
 from dpledger.trainer.federated.plan import SELECTIONS, PlannedQuery
 from dpledger.trainer.federated.warm_start import PersonalAfterWarmStart
 
-# Random streams of their own (0–4 are taken in trainer.federated.config and .fedhdp), so that
-# enabling selection never shifts DP-SGD's draws.
-STREAM_SELECTION_SAMPLER = 5
-STREAM_SELECTION_NOISE = 6
+CLUSTERS, CLUSTER, ASSIGNMENT, MODEL, MEANS = "clusters", "cluster", "assignment", "model", "means"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,124 +73,138 @@ def clustering_rounds(fraction: float, rounds: int) -> int:
     return max(1, math.ceil(fraction * rounds))
 
 
+def _check_rounds(clusters: int, selection_rounds: int | None) -> None:
+    if clusters < 1:
+        raise ValueError(f"clusters must be at least 1. Found {clusters}.")
+    if selection_rounds is not None and selection_rounds < 0:
+        raise ValueError(f"selection_rounds must be >= 0 or None. Found {selection_rounds}.")
+
+
+class ClusterSilo(SiloHalf):
+    """In a clustering round, privately selects the received cluster model with the lowest noisy loss
+    on its data (one charged query; see the module docstring); trains its cluster's model with E
+    DP-SGD steps and sends it with the cluster's index. A silo that never selected is in cluster 0."""
+
+    def __init__(self, config: DPSGDConfig, *, selection: ClusterSelection, selection_rounds: int | None) -> None:
+        super().__init__(config)
+        self.selection = selection
+        self.selection_rounds = selection_rounds
+
+    def selects(self, round_index: int) -> bool:
+        return self.selection_rounds is None or round_index < self.selection_rounds
+
+    def extra_queries(self, round_index: int, engine: SiloEngine, row: int) -> tuple[PlannedQuery, ...]:
+        # A clustering round composes the selection with the DP-SGD steps; other rounds reuse the
+        # last (already private) assignment for free.
+        if not self.selects(round_index):
+            return ()
+        return (PlannedQuery(SELECTIONS, 1, engine.selection_mechanism(row, self.selection)),)
+
+    def start(self, initial: torch.Tensor, rows: int) -> Arrays:
+        return {ASSIGNMENT: torch.zeros(rows, dtype=torch.int64, device=initial.device)}
+
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        if self.selects(round_index):
+            state[ASSIGNMENT][rows] = engine.select(received[CLUSTERS], rows, self.selection)
+        chosen = state[ASSIGNMENT][rows]
+        start = received[CLUSTERS][chosen]
+        trained = engine.dp_sgd(start, rows, steps=self.config.local_steps)
+        return Trained({MODEL: trained, CLUSTER: chosen}, update_norms(trained - start))
+
+    def deployed(self, received: Arrays, state: Arrays) -> torch.Tensor:
+        return received[CLUSTERS][state[ASSIGNMENT]]
+
+
+class ClusterServer(ServerHalf):
+    """k cluster models, cluster 0 from the initial model every algorithm shares and the others from
+    distinct random initialisations (IFCA's recipe); each cluster's model becomes the mean of the
+    trained copies of the silos that chose it. It learns each silo's cluster from its upload."""
+
+    def __init__(self, start: ServerStart, *, clusters: int) -> None:
+        super().__init__(start)
+        self.cluster_models = torch.stack([start.initial] + [start.fresh_model(j) for j in range(1, clusters)])
+        self.assignment = torch.zeros(start.num_silos, dtype=torch.int64, device=start.initial.device)
+
+    def broadcast(self, round_index: int) -> Arrays:
+        return {CLUSTERS: self.cluster_models}
+
+    def aggregate(self, round_index: int, members: torch.Tensor, upload: Arrays) -> None:
+        chosen, trained = upload[CLUSTER], upload[MODEL]
+        self.assignment[members] = chosen
+        for cluster in torch.unique(chosen).tolist():
+            self.cluster_models[cluster] = trained[chosen == cluster].mean(0)
+
+    def state(self) -> Arrays:
+        return {CLUSTERS: self.cluster_models.clone()}
+
+
 class IFCA(FederatedAlgorithm):
     """k cluster models; each approved silo privately selects one in clustering rounds (see the
     module docstring), trains it with E DP-SGD steps, and the server averages each cluster's
     trained copies. Each silo deploys its cluster's model.
 
     `clusters`: k. `selection_rounds`: None to select in every round (IFCA's default), or the number
-    of leading rounds that select (see `clustering_rounds`). The cluster models start from distinct
-    random initialisations (IFCA's recipe), cluster 0 from the initial model every algorithm shares.
-    A silo that never selected (refused from the start) is counted in cluster 0.
+    of leading rounds that select (see `clustering_rounds`).
     """
 
     name = "ifca"
     cost = "dpsgd(B_k/n_k, σ, E) + dpsgd(B_s/n_k, σ_s, 1) in selecting rounds"
     deploys = "its cluster's model"
 
-    def __init__(
-        self,
-        *,
-        clusters: int,
-        selection: ClusterSelection = ClusterSelection(),
-        selection_rounds: int | None = None,
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
-        if clusters < 1:
-            raise ValueError(f"clusters must be at least 1. Found {clusters}.")
-        if selection_rounds is not None and selection_rounds < 0:
-            raise ValueError(f"selection_rounds must be >= 0 or None. Found {selection_rounds}.")
-        super().__init__(**common)
-        self.clusters = clusters
-        self.selection = selection
-        self.selection_rounds = selection_rounds
-        model = common.get("model", "mlp")
-        out_features = int(self.model.forward(self.initial, self.train.x[0, :1]).shape[-1])
-        inits = [self.initial] + [
-            make_template(
-                model, task=self.task, in_features=int(self.train.x.shape[-1]), out_features=out_features,
-                init_seed=derive_seed(self.config.seed, STREAM_INIT, j), device=self.device,
-            ).initial()
-            for j in range(1, clusters)
-        ]
-        self.cluster_models = torch.stack(inits)
-        self.assignment = torch.zeros(self.num_silos, dtype=torch.int64, device=self.device)
-        self.selection_samplers = [
-            PoissonSampler(
-                dataset_size=n,
-                batch_size=n if selection.batch_size is None else min(selection.batch_size, n),
-                generator=make_generator(derive_seed(self.config.seed, STREAM_SELECTION_SAMPLER, k), self.device),
-            )
-            for k, n in enumerate(self.train.sizes)
-        ]
-        self.selection_generators = [
-            make_generator(derive_seed(self.config.seed, STREAM_SELECTION_NOISE, k), self.device)
-            for k in range(self.num_silos)
-        ]
-
-    # ----- what each round declares -------------------------------------------------------------
-
-    def selects(self, round_index: int) -> bool:
-        return self.selection_rounds is None or round_index < self.selection_rounds
-
-    def selection_mechanism(self, silo: int) -> dict[str, Any]:
-        """The selection of silo `silo` as a ledger mechanism: one Poisson-sampled Gaussian."""
-        return self.selection_samplers[silo].mechanism(noise_multiplier=self.selection.noise_multiplier, steps=1)
-
-    def extra_queries(self, round_index: int, silo: int) -> tuple[PlannedQuery, ...]:
-        # A clustering round composes the selection with the DP-SGD steps; other rounds reuse the
-        # last (already private) assignment for free.
-        return (PlannedQuery(SELECTIONS, 1, self.selection_mechanism(silo)),) if self.selects(round_index) else ()
-
-    @property
-    def selection_queries(self) -> torch.Tensor:
-        """int64 [K]: selections each silo has run on its data so far."""
-        return self.meter.total(SELECTIONS)
-
-    # ----- training -----------------------------------------------------------------------------
-
-    def _select(self, silos: torch.Tensor) -> torch.Tensor:
-        """Each silo's privately selected cluster (int64 [A]); one selection query per silo."""
-        silo_list = silos.tolist()
-        idx, mask = pad_batches([self.selection_samplers[k].sample() for k in silo_list], device=self.device)
-        self.meter.record(SELECTIONS, silos)
-        rows = silos.unsqueeze(1)
-        x, y = self.train.x[rows, idx], self.train.y[rows, idx]
-        per_record = vmap(self.model.example_loss, in_dims=(None, 0, 0))  # over records → [b]
-        per_cluster = vmap(per_record, in_dims=(0, None, None))  # over cluster models → [k, b]
-        with torch.no_grad():
-            losses = vmap(per_cluster, in_dims=(None, 0, 0))(self.cluster_models, x, y).transpose(1, 2)  # [A, b, k]
-            clip = self.selection.loss_clip
-            factors = torch.where(mask, clip_factors(torch.linalg.vector_norm(losses, dim=-1), max_grad_norm=clip), 0.0)
-            sums = torch.einsum("abk,ab->ak", losses, factors)
-            noise = gaussian_noise(
-                [self.selection_generators[k] for k in silo_list], size=self.clusters, std=1.0, device=self.device
-            )
-            return torch.argmin(sums + noise * (self.selection.noise_multiplier * clip), dim=1)
-
-    def _train_clusters(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        """IFCA's round: select (in clustering rounds), train the chosen cluster model, average per
-        cluster over the approved silos; returns the update norms."""
-        if self.selects(round_index):
-            self.assignment[silos] = self._select(silos)
-        chosen = self.assignment[silos]
-        start = self.cluster_models[chosen]
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
-        for cluster in torch.unique(chosen).tolist():
-            self.cluster_models[cluster] = trained[chosen == cluster].mean(0)
-        return update_norms(trained - start)
-
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        return self._train_clusters(round_index, silos)
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return self.cluster_models[self.assignment]
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"clusters": self.cluster_models.clone(), "assignment": self.assignment.clone()}
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, clusters: int, selection: ClusterSelection = ClusterSelection(),
+               selection_rounds: int | None = None) -> Halves:
+        _check_rounds(clusters, selection_rounds)
+        return Halves(ClusterSilo(config, selection=selection, selection_rounds=selection_rounds),
+                      lambda start: ClusterServer(start, clusters=clusters))
 
 
-class ClusteredMRMTL(PersonalAfterWarmStart, IFCA):
+class ClusterPulledSilo(PersonalAfterWarmStart):
+    """IFCA's silo half while it warms up; then its own model, pulled towards its cluster's mean."""
+
+    def __init__(self, parent: ClusterSilo, *, warm_start_rounds: int, lam: float) -> None:
+        super().__init__(parent, warm_start_rounds=warm_start_rounds)
+        self.lam = lam
+
+    def anchor(self, received: Arrays, state: Arrays, rows: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        return received[MEANS][state[ASSIGNMENT][rows]], self.lam
+
+    def personal_upload(self, state: Arrays, rows: torch.Tensor) -> Arrays:
+        return {MODEL: state[PERSONAL][rows]}
+
+
+class ClusterMeanServer(ClusterServer):
+    """IFCA's server while it warms up; then, per cluster, the mean of its silos' latest personal
+    models (a stopped silo's frozen one included; at the switch each silo's is its cluster's model)."""
+
+    def __init__(self, start: ServerStart, *, clusters: int, warm_start_rounds: int) -> None:
+        super().__init__(start, clusters=clusters)
+        self.warm_start_rounds = warm_start_rounds
+        self.latest: torch.Tensor | None = None
+
+    def _cluster_means(self) -> torch.Tensor:
+        """[k, P]: for each cluster, the mean of its silos' personal models (post-processing)."""
+        latest = self.latest if self.latest is not None else self.cluster_models[self.assignment]
+        members = torch.nn.functional.one_hot(self.assignment, len(self.cluster_models)).to(latest.dtype)  # [K, k]
+        means: torch.Tensor = (members.T @ latest) / members.sum(0).clamp(min=1).unsqueeze(1)
+        return means
+
+    def broadcast(self, round_index: int) -> Arrays:
+        if round_index < self.warm_start_rounds:
+            return super().broadcast(round_index)
+        return {CLUSTERS: self.cluster_models, MEANS: self._cluster_means()}
+
+    def aggregate(self, round_index: int, members: torch.Tensor, upload: Arrays) -> None:
+        if round_index < self.warm_start_rounds:
+            super().aggregate(round_index, members, upload)
+            return
+        if self.latest is None:
+            self.latest = self.cluster_models[self.assignment].clone()
+        self.latest[members] = upload[MODEL]
+
+
+class ClusteredMRMTL(FederatedAlgorithm):
     """MR-MTL(λ) warm-started by IFCA (Liu et al. 2022 §5, Fig. 6): rounds < `selection_rounds` run IFCA;
     from then on each silo trains its own model, starting from its cluster's, with
     loss_k(w_k) + λ/2‖w_k − w̄_c‖², w̄_c the mean of the personalized models of its cluster c.
@@ -213,27 +216,13 @@ class ClusteredMRMTL(PersonalAfterWarmStart, IFCA):
     cost = "IFCA's, then dpsgd(B_k/n_k, σ, E)"
     deploys = "cluster's, then own model"
 
-    def __init__(
-        self,
-        *,
-        lam: float,
-        clusters: int,
-        selection_rounds: int,
-        selection: ClusterSelection = ClusterSelection(),
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
-        self.lam = check_lam(lam)
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, lam: float, clusters: int, selection_rounds: int,
+               selection: ClusterSelection = ClusterSelection()) -> Halves:
+        check_lam(lam)
         if selection_rounds < 1:
             raise ValueError(f"selection_rounds must be at least 1 (the warm start). Found {selection_rounds}.")
-        super().__init__(clusters=clusters, selection=selection, selection_rounds=selection_rounds, **common)
-        self.warm_start_rounds = selection_rounds
-
-    def _cluster_means(self) -> torch.Tensor:
-        """[K, P]: for each silo, the mean of the personalized models in its cluster (post-processing)."""
-        assert self.personal is not None
-        members = torch.nn.functional.one_hot(self.assignment, self.clusters).to(self.personal.dtype)  # [K, k]
-        means = (members.T @ self.personal) / members.sum(0).clamp(min=1).unsqueeze(1)  # [k, P]
-        return means[self.assignment]
-
-    def _personal_anchor(self, silos: torch.Tensor) -> tuple[torch.Tensor | None, float]:
-        return self._cluster_means()[silos], self.lam
+        _check_rounds(clusters, selection_rounds)
+        silo = ClusterPulledSilo(ClusterSilo(config, selection=selection, selection_rounds=selection_rounds),
+                                 warm_start_rounds=selection_rounds, lam=lam)
+        return Halves(silo, lambda start: ClusterMeanServer(start, clusters=clusters, warm_start_rounds=selection_rounds))

@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
-from typing import Unpack
-
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm
-from dpledger.trainer.federated.config import check_lam
+from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.config import DPSGDConfig, check_lam
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, ServerStart, Trained
+from dpledger.trainer.federated.local import PERSONAL, PersonalSilo, train_personal
+
+MEAN, MODEL = "mean", "model"
+
+
+class PulledSilo(PersonalSilo):
+    """Trains its own model pulled towards the received mean with weight λ; sends that model."""
+
+    def __init__(self, config: DPSGDConfig, *, lam: float) -> None:
+        super().__init__(config)
+        self.lam = check_lam(lam)
+
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        norms = train_personal(engine, state, rows, steps=self.config.local_steps, anchor=received[MEAN], lam=self.lam)
+        return Trained({MODEL: state[PERSONAL][rows]}, norms)
+
+
+class MeanServer(ServerHalf):
+    """w̄: the mean of every silo's latest personal model, a stopped silo's frozen one included
+    (Liu et al. 2022 §5): each is already private, so averaging them is post-processing (§3)."""
+
+    def __init__(self, start: ServerStart) -> None:
+        super().__init__(start)
+        self.latest = start.initial.expand(start.num_silos, -1).clone()
+        self.mean = start.initial.clone()
+
+    def broadcast(self, round_index: int) -> Arrays:
+        return {MEAN: self.mean}
+
+    def aggregate(self, round_index: int, members: torch.Tensor, upload: Arrays) -> None:
+        self.latest[members] = upload[MODEL]
+        self.mean = self.latest.mean(0)
+
+    def state(self) -> Arrays:
+        return {MEAN: self.mean.clone()}
 
 
 class MRMTL(FederatedAlgorithm):
@@ -23,26 +59,6 @@ class MRMTL(FederatedAlgorithm):
     cost = "dpsgd(B_k/n_k, σ, E)"
     deploys = "own model, pulled to the mean"
 
-    def __init__(
-        self,
-        *,
-        lam: float,
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
-        self.lam = check_lam(lam)
-        super().__init__(**common)
-        self.personal = self.initial.expand(self.num_silos, -1).clone()
-        self.mean = self.initial.clone()
-
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        norms = self._train_personal(self.personal, silos, anchor=self.mean, lam=self.lam)
-        # w̄ is the mean of *all* personalized models (Liu et al. 2022 §5), a refused silo's frozen one
-        # included: each is already private, so averaging them is post-processing (§3).
-        self.mean = self.personal.mean(0)
-        return norms
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return self.personal
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"personal": self.personal.clone(), "mean": self.mean.clone()}
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, lam: float) -> Halves:
+        return Halves(PulledSilo(config, lam=lam), MeanServer)

@@ -18,13 +18,20 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar, Unpack
+from typing import ClassVar
 
 import torch
 
 from dpledger.trainer.aggregation import pfa_aggregate, public_mask
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
-from dpledger.trainer.federated.config import RoundResult
+from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.config import DPSGDConfig
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.fedavg import GLOBAL, AveragingServer, GlobalModelSilo
+from dpledger.trainer.federated.halves import Arrays, Halves, ServerStart, Trained
+
+UPDATE = "update"
+# Liu et al. 2023 Alg. 1: the warm-start round precedes the rounds t = 2..T of line 5.
+WARM_START_ROUND = 0
 
 
 def compact_groups(groups: torch.Tensor) -> torch.Tensor:
@@ -37,24 +44,22 @@ def compact_groups(groups: torch.Tensor) -> torch.Tensor:
     return inverse.to(torch.int64)
 
 
-class GroupAggregated(FederatedAlgorithm):
-    """A global model trained by local DP-SGD; round `WARM_START_ROUND` only collects the updates
-    (Liu et al. 2023 §4.1), every later round aggregates the approved silos' updates by privacy group.
+class UpdateSilo(GlobalModelSilo):
+    """Trains a copy of the received global model with E DP-SGD steps and sends its noisy update."""
 
-    Every silo deploys the global model (Liu et al. 2023 reports the global model's accuracy, Fig. 4).
-    The warm-start round is declared and charged like any other (the base class's E steps per
-    round): the silos' data is queried just the same.
-    """
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        trained = self.train_global(engine, rows, received, state)
+        return Trained({UPDATE: trained.upload["model"] - received[GLOBAL]}, trained.norms)
 
-    # Liu et al. 2023 Alg. 1: the warm-start round precedes the rounds t = 2..T of line 5.
-    WARM_START_ROUND: ClassVar[int] = 0
-    coordinated = True  # set_groups() after the warm-start round
 
-    def __init__(self, **common: Unpack[AlgorithmArgs]) -> None:
-        super().__init__(**common)
-        self.global_model = self.initial.clone()
-        # The model each silo last trained locally (its upload); a refused silo keeps its last one.
-        self.local = self.initial.expand(self.num_silos, -1).clone()
+class GroupServer(AveragingServer):
+    """Round `WARM_START_ROUND` only collects (Liu et al. 2023 §4.1: the silos report their norms to the
+    ledger, whose clustering the coordinator reads); every later round adds the group-wise aggregate
+    of the trained silos' updates to the global model, by the groups set once (`set_groups`)."""
+
+    def __init__(self, start: ServerStart) -> None:
+        super().__init__(start)
         self.groups: torch.Tensor | None = None
 
     def set_groups(self, groups: Sequence[int]) -> None:
@@ -65,40 +70,66 @@ class GroupAggregated(FederatedAlgorithm):
             raise ValueError(f"groups must hold one group id >= 0 per silo ({self.num_silos}). Found {values}.")
         self.groups = torch.tensor(values, dtype=torch.int64)
 
-    def run_round(self, round_index: int, approved: torch.Tensor) -> RoundResult:
+    def aggregate(self, round_index: int, members: torch.Tensor, upload: Arrays) -> None:
+        if round_index == WARM_START_ROUND:
+            return  # the global model stays as it was: only the norms are collected
+        if self.groups is None:
+            raise RuntimeError(f"Round {round_index} aggregates by privacy group: set the groups after the warm-start round.")
+        updates = upload[UPDATE]
+        groups = compact_groups(self.groups[members.cpu()]).to(updates.device)
+        self.global_model = self.global_model + self.aggregate_updates(round_index, members, updates, groups)
+
+    @abstractmethod
+    def aggregate_updates(self, round_index: int, members: torch.Tensor, updates: torch.Tensor,
+                          groups: torch.Tensor) -> torch.Tensor:
+        """[A, P] noisy updates of the trained silos and their compacted groups [A] → the global
+        update [P]. Post-processing of the updates; a rule that queries more (FedHDP's quantile
+        query) reports it through `ServerStart.record`, and its silos declare it."""
+
+
+class GroupAggregated(FederatedAlgorithm):
+    """A global model trained by local DP-SGD; round `WARM_START_ROUND` only collects the updates
+    (Liu et al. 2023 §4.1), every later round aggregates the approved silos' updates by privacy group.
+
+    Every silo deploys the global model (Liu et al. 2023 reports the global model's accuracy, Fig. 4).
+    The warm-start round is declared and charged like any other (E steps): the silos' data is
+    queried just the same.
+    """
+
+    WARM_START_ROUND: ClassVar[int] = WARM_START_ROUND
+    coordinated = True  # set_groups() after the warm-start round
+    server: GroupServer
+
+    def set_groups(self, groups: Sequence[int]) -> None:
+        self.server.set_groups(groups)
+
+    @property
+    def groups(self) -> torch.Tensor | None:
+        return self.server.groups
+
+    def _check_round(self, round_index: int) -> None:
         # Checked before any silo touches its data, so a protocol error never spends budget.
-        if round_index != self.WARM_START_ROUND and self.groups is None:
+        if round_index != WARM_START_ROUND and self.server.groups is None:
             raise RuntimeError(
                 f"Round {round_index} aggregates by privacy group: call set_groups() after the warm-start round."
             )
-        return super().run_round(round_index, approved)
 
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        start = self.global_model.expand(len(silos), -1)
-        trained = self._dp_sgd(start, silos, steps=self.config.local_steps)
-        self.local[silos] = trained
-        updates = trained - start
-        if round_index != self.WARM_START_ROUND:
-            assert self.groups is not None  # run_round checked it before training
-            groups = compact_groups(self.groups[silos.cpu()]).to(updates.device)
-            self.global_model = self.global_model + self._aggregate_updates(round_index, silos, updates, groups)
-        # Liu et al. 2023 §4.1: in the warm-start round the server only collects the noisy updates, whose
-        # norms are what the coordinator clusters; the global model stays as it was.
-        return update_norms(updates)
 
-    @abstractmethod
-    def _aggregate_updates(
-        self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
-    ) -> torch.Tensor:
-        """[A, P] noisy updates of the approved silos `silos` and their compacted groups [A] → the
-        global update [P]. Post-processing of the updates; a rule that queries more (FedHDP's
-        quantile query) declares it in `extra_queries` and records it in the meter."""
+class PFAServer(GroupServer):
+    """Liu et al. 2023 Alg. 1 lines 14–19: the silos of the `n_public_groups` least noisy groups are
+    public; the others' mean update is projected onto the top-k subspace of the public updates."""
 
-    def deployed_parameters(self) -> torch.Tensor:
-        return self.global_model.expand(self.num_silos, -1)
+    def __init__(self, start: ServerStart, *, k: int | None, n_public_groups: int) -> None:
+        super().__init__(start)
+        self.k = k
+        self.n_public_groups = n_public_groups
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"global": self.global_model.clone(), "local": self.local.clone()}
+    def aggregate_updates(self, round_index: int, members: torch.Tensor, updates: torch.Tensor,
+                          groups: torch.Tensor) -> torch.Tensor:
+        public = public_mask(groups, n_public_groups=self.n_public_groups).to(updates.device)
+        full_rank = min(int(public.sum()), updates.shape[1])
+        k = full_rank if self.k is None else min(self.k, full_rank)
+        return pfa_aggregate(updates, public, k=k)
 
 
 class PFA(GroupAggregated):
@@ -116,20 +147,11 @@ class PFA(GroupAggregated):
     cost = "dpsgd(B_k/n_k, σ, E), the warm-start round too"
     deploys = "global model, grouped by norm"
 
-    def __init__(self, *, k: int | None = None, n_public_groups: int = 1, **common: Unpack[AlgorithmArgs]) -> None:
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, k: int | None = None, n_public_groups: int = 1) -> Halves:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"k must be None or an integer >= 1. Found {k!r}.")
         if isinstance(n_public_groups, bool) or not isinstance(n_public_groups, int) or n_public_groups < 1:
             raise ValueError(f"n_public_groups must be an integer >= 1. Found {n_public_groups!r}.")
-        super().__init__(**common)
-        self.k = k
-        self.n_public_groups = n_public_groups
+        return Halves(UpdateSilo(config), lambda start: PFAServer(start, k=k, n_public_groups=n_public_groups))
 
-    def _aggregate_updates(
-        self, round_index: int, silos: torch.Tensor, updates: torch.Tensor, groups: torch.Tensor
-    ) -> torch.Tensor:
-        public = public_mask(groups, n_public_groups=self.n_public_groups).to(updates.device)
-        n_public = int(public.sum())
-        full_rank = min(n_public, updates.shape[1])
-        k = full_rank if self.k is None else min(self.k, full_rank)
-        return pfa_aggregate(updates, public, k=k)

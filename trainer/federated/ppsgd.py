@@ -30,74 +30,88 @@ sampling is claimed, because the silo and the server both know whether it took p
 from __future__ import annotations
 
 import math
-from typing import Unpack
 
 import torch
 
-from dpledger.trainer.federated.base import AlgorithmArgs, FederatedAlgorithm, update_norms
-from dpledger.trainer.federated.config import (
-    STREAM_CLIENTS,
-    derive_seed,
-    make_generator,
-)
+from dpledger.trainer.federated.base import FederatedAlgorithm, update_norms
+from dpledger.trainer.federated.config import STREAM_CLIENTS, DPSGDConfig, derive_seed, make_generator
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, ServerStart, SiloHalf, Trained
+
+GLOBAL, LOCAL, STEP = "global", "local", "step"
+
+
+class AdditiveSilo(SiloHalf):
+    """E iterations of θ_k ← θ_k − η ĝ_k, each ĝ_k one noisy clipped gradient at w + θ_k (w as
+    received); sends η Σ_t ĝ_t, the same queries' sum (post-processing)."""
+
+    def start(self, initial: torch.Tensor, rows: int) -> Arrays:
+        # θ_k starts at 0, so every silo's initial deployed model is the one the other algorithms start from.
+        return {LOCAL: torch.zeros(rows, initial.shape[0], dtype=initial.dtype, device=initial.device)}
+
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
+        lr = self.config.lr
+        w = received[GLOBAL].unsqueeze(0)
+        moved = torch.zeros(len(rows), w.shape[1], dtype=w.dtype, device=w.device)
+        for _ in range(self.config.local_steps):
+            theta = state[LOCAL][rows]
+            noisy = engine.dp_gradient(w + theta, rows)
+            state[LOCAL][rows] = theta - lr * noisy
+            moved = moved + lr * noisy
+        # θ_k moved by exactly −η Σ_t ĝ_t this round, and η Σ_t ĝ_t is also the message it sends.
+        return Trained({STEP: moved}, update_norms(moved))
+
+    def deployed(self, received: Arrays, state: Arrays) -> torch.Tensor:
+        return received[GLOBAL].unsqueeze(0) + state[LOCAL]
+
+
+class SampledServer(ServerHalf):
+    """w ← w − α · mean_k (η Σ_t ĝ_k,t) over the round's participants, who are drawn with
+    probability p per round by a public coin."""
+
+    def __init__(self, start: ServerStart, *, alpha: float, client_rate: float, seed: int) -> None:
+        super().__init__(start)
+        self.alpha = alpha
+        self.client_rate = client_rate
+        self.seed = seed
+        self.global_model = start.initial.clone()
+
+    def asks(self, round_index: int) -> torch.Tensor:
+        # A pure function of the seed and the round (drawn on CPU, so the same on every device).
+        generator = make_generator(derive_seed(self.seed, STREAM_CLIENTS, round_index), torch.device("cpu"))
+        return torch.rand(self.num_silos, generator=generator) < self.client_rate
+
+    def broadcast(self, round_index: int) -> Arrays:
+        return {GLOBAL: self.global_model}
+
+    def aggregate(self, round_index: int, members: torch.Tensor, upload: Arrays) -> None:
+        self.global_model = self.global_model - self.alpha * upload[STEP].mean(0)
+
+    def state(self) -> Arrays:
+        return {GLOBAL: self.global_model.clone()}
 
 
 class PPSGD(FederatedAlgorithm):
-    """Each round: silos are sampled with probability `client_rate` (p); each sampled and
-    approved silo runs E = `config.local_steps` synchronous iterations of Bietti et al. 2022 Alg. 2:
-    θ_k ← θ_k − η ĝ_k, then the server sets w ← w − αη · mean_k ĝ_k over the participants.
+    """Each round: silos are sampled with probability `client_rate` (p); each sampled and approved
+    silo runs E = `config.local_steps` iterations θ_k ← θ_k − η ĝ_k at w + θ_k, then the server
+    moves w by −αη times the mean of the participants' summed gradients (Bietti et al. 2022 Alg. 2
+    with E local iterations per communication round; E = 1 is Alg. 2's synchronous step).
 
     α is the global/local step ratio (Bietti et al. 2022 §4): α = 0 is local learning (w never moves), large
     α moves the shared component faster. w starts at the template's initial model rather than 0
-    (Alg. 2 line 2) because an all-zero MLP has no gradient signal to break symmetry; θ_k starts
-    at 0, so every silo's initial deployed model is the same as in the other algorithms.
+    (Alg. 2 line 2) because an all-zero MLP has no gradient signal to break symmetry.
     """
 
     name = "ppsgd"
     cost = "dpsgd(B_k/n_k, σ, E) if sampled, else None"
     deploys = "w + θ_k"
 
-    def __init__(
-        self,
-        *,
-        alpha: float,
-        client_rate: float = 1.0,
-        **common: Unpack[AlgorithmArgs],
-    ) -> None:
+    @classmethod
+    def halves(cls, config: DPSGDConfig, *, alpha: float, client_rate: float = 1.0) -> Halves:
         if not (math.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be finite and >= 0. Found {alpha}.")
         if not 0 < client_rate <= 1:
             raise ValueError(f"client_rate must be in (0, 1]. Found {client_rate}.")
-        super().__init__(**common)
-        self.alpha = alpha
-        self.client_rate = client_rate
-        self.global_model = self.initial.clone()
-        self.local = torch.zeros(self.num_silos, self.model.size, dtype=self.initial.dtype, device=self.device)
-
-    def sampled(self, round_index: int) -> torch.Tensor:
-        """bool [K]: which silos round `round_index` samples. A pure function of the seed and the
-        round (drawn on CPU, so the same on every device), so the silos that declared a mechanism are
-        exactly those that may run."""
-        generator = make_generator(derive_seed(self.config.seed, STREAM_CLIENTS, round_index), torch.device("cpu"))
-        return torch.rand(self.num_silos, generator=generator) < self.client_rate
-
-    def declared_steps(self, round_index: int) -> list[int]:
-        return [self.config.local_steps if s else 0 for s in self.sampled(round_index).tolist()]
-
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
-        lr = self.config.lr
-        moved = torch.zeros(len(silos), self.model.size, dtype=self.initial.dtype, device=self.device)
-        for _ in range(self.config.local_steps):
-            theta = self.local[silos]
-            noisy = self._dp_gradient(self.global_model.unsqueeze(0) + theta, silos)
-            self.local[silos] = theta - lr * noisy
-            self.global_model = self.global_model - self.alpha * lr * noisy.mean(0)
-            moved = moved + lr * noisy
-        # θ_k moved by exactly −η Σ_t ĝ_t this round, and ĝ_t is also the message it sent.
-        return update_norms(moved)
-
-    def deployed_parameters(self) -> torch.Tensor:
-        return self.global_model.unsqueeze(0) + self.local
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {"global": self.global_model.clone(), "local": self.local.clone()}
+        return Halves(AdditiveSilo(config),
+                      lambda start: SampledServer(start, alpha=alpha, client_rate=client_rate, seed=config.seed))

@@ -27,11 +27,10 @@ def standalone() -> dict[str, type[FederatedAlgorithm]]:
 
 
 def options(cls: type[FederatedAlgorithm]) -> dict[str, inspect.Parameter]:
-    """The keyword arguments `cls`'s constructor takes besides the ones every algorithm shares
-    (AlgorithmArgs), by name; a parameter without a default is required."""
-    shared = AlgorithmArgs.__required_keys__ | AlgorithmArgs.__optional_keys__
-    parameters = inspect.signature(cls.__init__).parameters.values()
-    return {p.name: p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in shared}
+    """The algorithm's own options (the keyword arguments of its `halves`), by name; a parameter
+    without a default is required."""
+    parameters = inspect.signature(cls.halves).parameters.values()
+    return {p.name: p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def build(name: str, common: AlgorithmArgs, settings: Mapping[str, Any]) -> FederatedAlgorithm:

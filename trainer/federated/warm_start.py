@@ -1,45 +1,59 @@
-"""A personal phase after a warm start: the parent algorithm for the first rounds, then each silo
-trains its own model from what it deployed at the switch (local finetuning, §4, and MR-MTL
+"""A personal phase after a warm start: the parent algorithm's silo half for the first rounds, then
+each silo trains its own model from what it deployed at the switch (local finetuning, §4, and MR-MTL
 warm-started by IFCA, §5, of "On Privacy and Personalization in Cross-Silo Federated Learning")."""
 
 from __future__ import annotations
 
 import torch
 
-from dpledger.trainer.federated.base import FederatedAlgorithm
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.halves import Arrays, SiloHalf, Trained
+from dpledger.trainer.federated.local import PERSONAL, train_personal
+from dpledger.trainer.federated.plan import PlannedQuery
 
-# _PARENT: this class is only ever mixed in before a concrete algorithm, so its super() calls reach
-# that algorithm's methods, never the abstract ones mypy sees on FederatedAlgorithm.
+SWITCHED = "switched"
 
 
-class PersonalAfterWarmStart(FederatedAlgorithm):
-    """Mixed in before a concrete algorithm (`class X(PersonalAfterWarmStart, Parent)`): rounds
-    < `warm_start_rounds` are the parent's; from then on each approved silo runs E DP-SGD steps on
-    its own model, pulled towards `_personal_anchor` if that gives one. The round's mechanism stays
-    the parent's `declared_steps` (E steps), so the personal steps are charged like any others."""
+class PersonalAfterWarmStart(SiloHalf):
+    """Rounds < `warm_start_rounds` are `parent`'s; from then on each approved silo runs E DP-SGD
+    steps on its own model, which starts as the model it deployed (already private, so copying it is
+    free), pulled towards `anchor` if a subclass gives one. The round's queries stay the parent's
+    (its E steps, its extra queries), so the personal steps are charged like any others."""
 
-    warm_start_rounds: int
-    personal: torch.Tensor | None = None
+    def __init__(self, parent: SiloHalf, *, warm_start_rounds: int) -> None:
+        super().__init__(parent.config)
+        self.parent = parent
+        self.warm_start_rounds = warm_start_rounds
 
-    def _personal_anchor(self, silos: torch.Tensor) -> tuple[torch.Tensor | None, float]:
-        """The model each of `silos` is pulled towards in the personal phase, and λ (none by default)."""
+    def steps(self, round_index: int) -> int:
+        return self.parent.steps(round_index)
+
+    def extra_queries(self, round_index: int, engine: SiloEngine, row: int) -> tuple[PlannedQuery, ...]:
+        return self.parent.extra_queries(round_index, engine, row)
+
+    def start(self, initial: torch.Tensor, rows: int) -> Arrays:
+        return {**self.parent.start(initial, rows), PERSONAL: initial.expand(rows, -1).clone(),
+                SWITCHED: torch.zeros(rows, dtype=torch.bool, device=initial.device)}
+
+    def anchor(self, received: Arrays, state: Arrays, rows: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        """The model each of `rows` is pulled towards in the personal phase, and λ (none by default)."""
         return None, 0.0
 
-    def _train(self, round_index: int, silos: torch.Tensor) -> torch.Tensor:
+    def personal_upload(self, state: Arrays, rows: torch.Tensor) -> Arrays:
+        """What a silo sends in the personal phase (nothing by default)."""
+        return {}
+
+    def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
+              state: Arrays) -> Trained:
         if round_index < self.warm_start_rounds:
-            return super()._train(round_index, silos)  # type: ignore[safe-super]  # see _PARENT
-        if self.personal is None:
-            # The switch: every silo starts from the model it deployed, refused ones included (that
-            # model is already private, so copying it is free).
-            self.personal = super().deployed_parameters().clone()  # type: ignore[safe-super]  # see _PARENT
-        anchor, lam = self._personal_anchor(silos)
-        return self._train_personal(self.personal, silos, anchor=anchor, lam=lam)
+            return self.parent.train(round_index, engine, rows, received, state)
+        new = rows[~state[SWITCHED][rows]]
+        if len(new):
+            state[PERSONAL][new] = self.parent.deployed(received, state)[new]
+            state[SWITCHED][new] = True
+        anchor, lam = self.anchor(received, state, rows)
+        norms = train_personal(engine, state, rows, steps=self.steps(round_index), anchor=anchor, lam=lam)
+        return Trained(self.personal_upload(state, rows), norms)
 
-    def deployed_parameters(self) -> torch.Tensor:
-        return super().deployed_parameters() if self.personal is None else self.personal  # type: ignore[safe-super]  # see _PARENT
-
-    def state(self) -> dict[str, torch.Tensor]:
-        state = super().state()  # type: ignore[safe-super]  # see _PARENT
-        if self.personal is not None:
-            state["personal"] = self.personal.clone()
-        return state
+    def deployed(self, received: Arrays, state: Arrays) -> torch.Tensor:
+        return torch.where(state[SWITCHED].unsqueeze(1), state[PERSONAL], self.parent.deployed(received, state))
