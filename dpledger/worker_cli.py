@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -206,10 +205,6 @@ def _summary_table(run: Any, silos: list[Any], after: list[Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])
 
 
-def _declared(declared: list[list[dict[str, Any] | None]], k: int, round_index: int) -> dict[str, Any] | None:
-    return declared[round_index][k]
-
-
 def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int:
     from dpledger.trainer.client import LedgerClient, LedgerError
     from dpledger.trainer.job_config import silo_key
@@ -217,16 +212,17 @@ def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int
 
     horizon = max(job.rounds, PLAN_HORIZON)
     declared = [algorithm.round_mechanisms(r) for r in range(horizon)]
-    plans, sigmas = [], []
+    plans = []
     for k, (silo, entry) in enumerate(zip(silos, job.silos, strict=True)):
+        # One request per silo: each silo's key reads only its own budget.
         with LedgerClient(job.url, silo_key(entry, os.environ)) as client:
             try:
-                plans.append(plan_silo(client, silo, functools.partial(_declared, declared, k), horizon=horizon))
-                if calibrate:
-                    sigmas.append(_calibrated(client, silo.id, [declared[r][k] for r in range(job.rounds)], rounds=job.rounds))
+                plans.append(plan_silo(client, silo, [declared[r][k] for r in range(horizon)], rounds=job.rounds,
+                                       calibrate=calibrate))
             except LedgerError as error:
                 _say(f"{silo.label}: the ledger could not quote its rounds: {error}")
                 return EXIT_LEDGER_FAILED
+    sigmas = [p.noise_multiplier for p in plans]
     print(f"plan of job {job.job_id!r}: {job.algorithm}, {job.rounds} rounds, noise_multiplier "
           f"{job.dpsgd.noise_multiplier}, batch_size {job.dpsgd.batch_size}, local_steps {job.dpsgd.local_steps}; "
           "ε from the ledger's own quotes at each silo's δ")
@@ -243,16 +239,6 @@ def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int
         else:
             print("σ is calibrated only where every round is plain DP-SGD of one shape (— elsewhere)")
     return 0
-
-
-def _calibrated(client: Any, silo_id: int, mechanisms: list[dict[str, Any] | None], *, rounds: int) -> float | None:
-    """The ledger's σ for `rounds` more rounds of this silo (POST /v1/silos/{id}/calibrate), where
-    every round is the same plain DP-SGD; None where a round also queries otherwise (IFCA's selection)."""
-    first = mechanisms[0]
-    if first is None or first.get("type") != "dpsgd" or any(m != first for m in mechanisms):
-        return None
-    plan = client.calibrate_silo(silo_id, batch_size=int(first["batch_size"]), steps_per_round=int(first["steps"]), rounds=rounds)
-    return float(plan.noise_multiplier)
 
 
 def _tune(args: argparse.Namespace) -> None:

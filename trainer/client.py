@@ -26,7 +26,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +48,7 @@ from dpledger.wire.schemas import (
     KeyInfo,
     OverBudgetResponse,
     QuoteResponse,
+    RoundsQuote,
     SiloCalibration,
     SiloCreated,
     SiloDetail,
@@ -366,6 +367,17 @@ class LedgerClient:
         if delta is not None:
             body["delta"] = delta
         return self._expect(self._send("POST", "/v1/quote", body), QuoteResponse, 200)
+
+    def quote_rounds(self, silo_id: int, runs: Sequence[tuple[AnyMechanism | Mapping[str, Any] | None, int]], *,
+                     rounds: int, calibrate: bool = False) -> RoundsQuote:
+        """A job's rounds for this silo, as (mechanism or None, count) runs in order, priced in one
+        request: how many its remaining budget buys, read by its gate (and with calibrate, the σ for
+        `rounds` of them)."""
+        body = {"silo_id": silo_id, "rounds": rounds, "calibrate": calibrate, "runs": [
+            {"mechanism": None if m is None else as_mechanism(m).model_dump(mode="json", exclude_none=True), "count": n}
+            for m, n in runs
+        ]}
+        return self._expect(self._send("POST", "/v1/quote/rounds", body), RoundsQuote, 200)
 
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}

@@ -2,14 +2,14 @@
 key, and the plan (what a round costs each silo, and how many rounds its remaining budget buys).
 
 httpx only (no torch): a wrong key, an unknown silo id, a re-used job id or a ledger that is down is
-one line per silo before any data is loaded. Every ε here is the service's own (POST /v1/quote with
-the silo), so the plan and the approvals cannot disagree.
+one line per silo before any data is loaded. Every ε here is the service's own (POST /v1/quote/rounds
+with the silo's key, read by its gate), so the plan and the approvals cannot disagree.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,44 +134,30 @@ class SiloPlan:
     round_epsilon: float | None  # one round alone, at the silo's δ (None: unbounded)
     affordable_rounds: int  # rounds its remaining budget buys, at most `horizon`
     horizon: int  # the most rounds searched
+    noise_multiplier: float | None = None  # with calibrate: the ledger's σ for all the job's rounds
 
 
-def _composition(mechanisms: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Consecutive equal mechanisms as self_composed runs, so that a long plan is a short request."""
-    runs: list[list[Any]] = []
+def runs(mechanisms: Sequence[Mapping[str, Any] | None]) -> list[tuple[Mapping[str, Any] | None, int]]:
+    """Consecutive equal rounds as (mechanism, count), so that a thousand rounds are a short request."""
+    found: list[tuple[Mapping[str, Any] | None, int]] = []
     for mechanism in mechanisms:
-        if runs and runs[-1][0] == mechanism:
-            runs[-1][1] += 1
+        if found and found[-1][0] == mechanism:
+            found[-1] = (mechanism, found[-1][1] + 1)
         else:
-            runs.append([mechanism, 1])
-    events = [m if n == 1 else {"type": "self_composed", "count": n, "event": m} for m, n in runs]
-    return events[0] if len(events) == 1 else {"type": "composed", "events": events}
+            found.append((mechanism, 1))
+    return found
 
 
 def plan_silo(
-    client: LedgerClient, silo: LedgerSilo, mechanism_of_round: Callable[[int], dict[str, Any] | None], *, horizon: int
+    client: LedgerClient, silo: LedgerSilo, mechanisms: Sequence[Mapping[str, Any] | None], *, rounds: int,
+    calibrate: bool = False,
 ) -> SiloPlan:
-    """The largest N ≤ horizon such that the silo's ε, were rounds 0..N-1 added to what it has spent,
-    stays within its budget: a doubling then a bisection over the service's quotes."""
-    declared = [m for m in (mechanism_of_round(r) for r in range(horizon))]
-
-    def fits(n: int) -> bool:
-        spent = [m for m in declared[:n] if m is not None]
-        if not spent:
-            return True
-        after = client.quote(_composition(spent), silo_id=silo.id).epsilon_if_approved
-        return after is not None and after <= silo.epsilon
-
-    first = next((m for m in declared if m is not None), None)
-    round_epsilon = None if first is None else client.quote(first, silo_id=silo.id).epsilon
-    low, high = 0, 1  # fits(low) holds; search the first n that does not fit
-    while high <= horizon and fits(high):
-        low, high = high, high * 2
-    high = min(high, horizon + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return SiloPlan(silo=silo, round_epsilon=round_epsilon, affordable_rounds=low, horizon=horizon)
+    """How many of `mechanisms` (the job's rounds, in order, up to the horizon searched) the silo's
+    remaining budget buys, in one request (POST /v1/quote/rounds): the ledger reads each candidate
+    with the silo's own gate, as it will approve the rounds one by one."""
+    quote = client.quote_rounds(silo.id, runs(mechanisms), rounds=rounds, calibrate=calibrate)
+    return SiloPlan(silo=silo, round_epsilon=quote.round_epsilon, affordable_rounds=quote.affordable_rounds,
+                    horizon=quote.horizon, noise_multiplier=quote.noise_multiplier)
 
 
 def sigma_up(sigma: float, digits: int = 4) -> str:

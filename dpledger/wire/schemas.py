@@ -217,6 +217,63 @@ class QuoteRequest(_WithMechanism):
     silo_id: Id | None = None
 
 
+# Bounds of one rounds quote: a plan searches at most MAX_PLAN_ROUNDS rounds, said as runs of equal
+# rounds, and each distinct mechanism is priced once (a new (q, σ) pair costs dp-accounting ~50 ms).
+MAX_PLAN_ROUNDS = 10_000
+MAX_PLAN_RUNS = 1_000
+MAX_PLAN_MECHANISMS = 32
+
+
+class RoundRun(_Request):
+    """`count` consecutive rounds that each charge `mechanism` (null: rounds that read no data)."""
+
+    mechanism: Mechanism | None
+    count: Annotated[int, Field(ge=1, le=MAX_PLAN_ROUNDS, strict=True)]
+
+    @field_validator("mechanism", mode="before")
+    @classmethod
+    def _bounded_nesting(cls, value: Any) -> Any:
+        return None if value is None else check_nesting(value)
+
+
+class RoundsQuoteRequest(_Request):
+    """A job's rounds for one silo, in order: how many its remaining budget buys, as its gate would
+    approve them one by one, and with `calibrate` the σ at which it buys the first `rounds`."""
+
+    silo_id: Id
+    rounds: Annotated[int, Field(ge=1, le=MAX_PLAN_ROUNDS, strict=True, description="the job's rounds")]
+    runs: Annotated[list[RoundRun], Field(min_length=1, max_length=MAX_PLAN_RUNS)]
+    calibrate: bool = Field(False, description="also the σ for `rounds` rounds (every one the same plain DP-SGD)")
+
+    @model_validator(mode="after")
+    def _bounded(self) -> RoundsQuoteRequest:
+        total = sum(run.count for run in self.runs)
+        if total > MAX_PLAN_ROUNDS:
+            raise ValueError(f"runs: their counts must sum to at most {MAX_PLAN_ROUNDS}. Found {total}.")
+        if total < self.rounds:
+            raise ValueError(f"runs: their counts must cover the job's rounds={self.rounds}. Found {total}.")
+        distinct = {run.mechanism.model_dump_json() for run in self.runs if run.mechanism is not None}
+        if len(distinct) > MAX_PLAN_MECHANISMS:
+            raise ValueError(f"runs: at most {MAX_PLAN_MECHANISMS} distinct mechanisms. Found {len(distinct)}.")
+        return self
+
+
+class RoundsQuote(BaseModel):
+    """Every ε is the silo's gate's own reading at its δ (null: unbounded)."""
+
+    silo_id: int
+    epsilon: float = Field(description="the silo's budget")
+    delta: float
+    epsilon_spent: float | None
+    round_epsilon: float | None = Field(description="the first charged round alone, at the silo's δ")
+    affordable_rounds: int = Field(description="the most leading rounds whose charges, added one by one to what the "
+                                   "silo has spent, its gate approves (at most the rounds sent)")
+    horizon: int = Field(description="the rounds sent")
+    epsilon_after_rounds: float | None = Field(description="the silo's ε were the job's `rounds` rounds all approved")
+    noise_multiplier: float | None = Field(None, description="with calibrate: the σ for all `rounds` rounds")
+    noise_note: str | None = Field(None, description="with calibrate: why no σ")
+
+
 class QuoteResponse(BaseModel):
     epsilon: float | None
     order: float

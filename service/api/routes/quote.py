@@ -8,14 +8,17 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
-from dpledger.service.ledger import charges, gate
+from dpledger.service.ledger import charges, gate, round_quotes
 from dpledger.service.ledger.errors import InvalidRequest
+from dpledger.service.ledger.models import Role
 from dpledger.wire.mechanisms import AnyMechanism
 from dpledger.wire.schemas import (
     CalibrateRequest,
     CalibrateResponse,
     QuoteRequest,
     QuoteResponse,
+    RoundsQuote,
+    RoundsQuoteRequest,
     finite_or_none,
 )
 
@@ -78,3 +81,20 @@ def calibrate(body: CalibrateRequest, caller: PrincipalDep) -> CalibrateResponse
         epsilon=body.epsilon, delta=body.delta, sampling_rate=body.sampling_rate, steps=body.steps
     )
     return CalibrateResponse(noise_multiplier=sigma, epsilon=eps)
+
+
+@router.post("/quote/rounds", response_model=RoundsQuote, name="quote_rounds")
+def quote_rounds(body: RoundsQuoteRequest, caller: PrincipalDep, db: DbDep) -> RoundsQuote:
+    """A job's rounds for one silo, priced in one request: how many of them its remaining budget buys,
+    read by its gate as it will approve them one by one (what `dpledger train --plan` prints); with
+    `calibrate`, the σ for the job's rounds. Reserves nothing. Calibration answers from the silo's
+    budget, so it takes the silo's own key or an admin's, as `POST /v1/silos/{id}/calibrate` does."""
+    caller.require_silo(body.silo_id, also=(Role.admin,) if body.calibrate else READERS)
+    price = round_quotes.quote_rounds(db, body)
+    return RoundsQuote(
+        silo_id=price.silo.id, epsilon=price.silo.epsilon, delta=price.silo.delta,
+        epsilon_spent=finite_or_none(price.epsilon_spent), round_epsilon=finite_or_none(price.round_epsilon),
+        affordable_rounds=price.affordable_rounds, horizon=price.horizon,
+        epsilon_after_rounds=finite_or_none(price.epsilon_after_rounds), noise_multiplier=price.noise_multiplier,
+        noise_note=price.noise_note,
+    )

@@ -1,0 +1,81 @@
+"""A job's rounds priced for one silo in one request: how many its remaining budget buys, read by
+the silo's own gate exactly as it will approve them, one charge after another. Reserves nothing.
+
+`dpledger train --plan` once asked `POST /v1/quote` a dozen times per silo (a doubling, then a
+bisection), and each quote also computed a PLD ε that a plan never shows; here each distinct
+mechanism is priced once and every candidate is the running sum the gate would hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.events import MechanismError
+from dpledger.service.accounting.running_sum import RunningSum
+from dpledger.service.ledger import charges, gate, silos
+from dpledger.service.ledger.db import Database
+from dpledger.service.ledger.errors import Conflict, InvalidRequest
+from dpledger.service.ledger.models import Silo
+from dpledger.wire.mechanisms import AnyMechanism, DpSgd
+from dpledger.wire.schemas import RoundsQuoteRequest
+
+
+@dataclass(frozen=True)
+class RoundsPrice:
+    silo: Silo
+    epsilon_spent: float
+    round_epsilon: float | None  # None: no round charges anything
+    affordable_rounds: int
+    horizon: int
+    epsilon_after_rounds: float
+    noise_multiplier: float | None
+    noise_note: str | None
+
+
+def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
+    with db.read() as session:
+        silo = silos.get(session, body.silo_id)
+    if silo.plan is not None:
+        raise Conflict(f"silo {silo.id} is on its declared plan: it is approved the plan's units only, nothing else")
+    declared = [run.mechanism for run in body.runs for _ in range(run.count)]
+    curves = {}
+    for index, run in enumerate(body.runs):
+        key = None if run.mechanism is None else run.mechanism.model_dump_json()
+        if run.mechanism is not None and key not in curves:
+            try:
+                curves[key] = charges.price(run.mechanism, silo=silo, charged=False, path=f"runs.{index}.mechanism").curve
+            except MechanismError as error:
+                raise InvalidRequest(error.field, error.message) from error
+    # What the gate would hold after each round: the spent sum, plus each round's charge in turn.
+    spent = RunningSum.from_json(silo.rdp_spent)
+    after = [spent]
+    for mechanism in declared:
+        after.append(after[-1] if mechanism is None else after[-1].add(curves[mechanism.model_dump_json()]))
+
+    def fits(n: int) -> bool:
+        return rdp.within_budget(gate.reading(silo, after[n]).epsilon, budget=silo.epsilon)
+
+    # A running sum only grows, so the rounds that fit are a prefix: bisect for its end.
+    low, high = 0, len(declared) + 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    first = next((m for m in declared if m is not None), None)
+    sigma, note = _calibrated(silo, declared[: body.rounds]) if body.calibrate else (None, None)
+    return RoundsPrice(
+        silo=silo, epsilon_spent=gate.reading(silo, spent).epsilon,
+        round_epsilon=None if first is None else rdp.guarantee(curves[first.model_dump_json()], delta=silo.delta).epsilon,
+        affordable_rounds=low, horizon=len(declared),
+        epsilon_after_rounds=gate.reading(silo, after[body.rounds]).epsilon, noise_multiplier=sigma, noise_note=note,
+    )
+
+
+def _calibrated(silo: Silo, rounds: list[AnyMechanism | None]) -> tuple[float | None, str | None]:
+    """The service's σ for these rounds (silos.plan_noise, the gate's conversion), where every one is
+    the same plain DP-SGD; else why not."""
+    first = rounds[0]
+    if not isinstance(first, DpSgd) or first.batch_size is None or any(m != first for m in rounds):
+        return None, "σ is calibrated only where every round is the same plain DP-SGD of a batch_size"
+    plan = silos.plan_noise(silo, batch_size=first.batch_size, steps=len(rounds) * first.steps)
+    return plan.noise_multiplier, None
