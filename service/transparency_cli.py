@@ -16,6 +16,7 @@ codes as `dpledger verify`: 0 all checks hold, 1 misbehaviour found, 2 could not
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections import defaultdict
@@ -29,10 +30,10 @@ from pydantic import TypeAdapter, ValidationError
 
 from dpledger.service import people_cli
 from dpledger.wire import merkle
+from dpledger.wire.log_proofs import MAX_PROOFS, LogProofs
 from dpledger.wire.receipts import (
     ConsistencyProof,
     HeadError,
-    InclusionProof,
     LogLeaf,
     PublicKey,
     Receipt,
@@ -47,6 +48,7 @@ from dpledger.wire.receipts import (
 _DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, when the environment is final
 Get = Callable[[str, dict[str, Any] | None], Any]  # path, query → the JSON body; raises on an error status
 PAGE = 1000
+SILO_PAGE = 10_000  # a silo's own leaves per request (the most /v1/log/leaves gives)
 EPSILON_RTOL = 1e-6  # the ledger's running sum and a fresh sum of the same curves differ by rounding only
 
 
@@ -75,37 +77,47 @@ def _hex(values: list[str]) -> list[bytes]:
     return [bytes.fromhex(v) for v in values]
 
 
-def check_extends(get: Get, held: SignedTreeHead, current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
-    """The current head extends `held` (both already verified under `public_key`), or the evidence why not."""
+def check_extends(get: Get, held: SignedTreeHead, current: SignedTreeHead, public_key: bytes, out: Outcome, *,
+                  proof: list[bytes] | None = None, ask_past: bool = True) -> int:
+    """The current head extends `held` (both already verified under `public_key`), or the evidence why not.
+    `proof`: the consistency path, if already fetched. Returns how many past heads it asked for (0 or 1):
+    with `ask_past` off, an inconsistency is reported without asking for the head that proves it."""
     if current.tree_size < held.tree_size:
         # Found, but not a proof for third parties: the ledger signs past sizes' heads on request too.
         # Once the log regrows past the held size, the same rewrite is a fork, which is one.
         out.problems.append(f"the log shrank from {held.tree_size} to {current.tree_size} leaves: entries were removed")
-        return
+        return 0
     if current.tree_size == held.tree_size:
         if current.root_hash != held.root_hash:
             out.fork(held, current, public_key, f"FORK: two signed heads of size {held.tree_size} with different roots")
-        return
-    proof = ConsistencyProof(**get("/v1/log/proofs/consistency", {"first": held.tree_size, "second": current.tree_size}))
+        return 0
+    if proof is None:
+        proof = _hex(ConsistencyProof(**get("/v1/log/proofs/consistency",
+                                            {"first": held.tree_size, "second": current.tree_size})).path)
     try:
         merkle.verify_consistency(first=held.tree_size, second=current.tree_size, first_root=bytes.fromhex(held.root_hash),
-                                  second_root=bytes.fromhex(current.root_hash), path=_hex(proof.path))
-        return
+                                  second_root=bytes.fromhex(current.root_hash), path=proof)
+        return 0
     except merkle.ProofError as error:
         reason = str(error)
+    if not ask_past:
+        out.problems.append(f"the current head (size {current.tree_size}) is not consistent with the head of size "
+                            f"{held.tree_size} held: {reason}")
+        return 0
     # Ask the ledger to sign its head at the size held: a different root is a fork anyone can check.
     past = SignedTreeHead(**get("/v1/log/head", {"size": held.tree_size}))
     try:
         verify_head(past, public_key)
     except HeadError as error:
         out.problems.append(f"the head the ledger signed for size {held.tree_size} does not verify: {error}")
-        return
+        return 1
     if past.root_hash != held.root_hash:
         out.fork(held, past, public_key, f"FORK: two signed heads of size {held.tree_size} with different roots "
                                          "(the log before it was rewritten, and after)")
     else:
         out.problems.append(f"the current head (size {current.tree_size}) is not consistent with the head of size "
                             f"{held.tree_size} held: {reason}")
+    return 1
 
 
 def _pinned_key(get: Get, pinned_id: str, explicit: str | None, out: Outcome) -> bytes | None:
@@ -132,7 +144,8 @@ def current_head(get: Get, public_key: bytes, out: Outcome) -> SignedTreeHead | 
 
 
 def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None = None) -> Outcome:
-    """A silo's check of the receipts it holds (see the module's docstring)."""
+    """A silo's check of the receipts it holds (see the module's docstring). About ten requests
+    whatever the number of receipts: the silo's leaves in one page, every proof in one batch."""
     out = Outcome()
     if not receipts:
         out.problems.append("no receipts to check")
@@ -158,25 +171,64 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
     current = current_head(get, key, out)
     if current is None or not held:
         return out
-    newest = max((r.tree_head for r in held), key=lambda h: h.tree_size)
-    check_extends(get, newest, current, key, out)
+    silo_ids = sorted({r.silo_id for r in held})
+    leaves = {silo_id: _silo_leaves(get, silo_id, current.tree_size) for silo_id in silo_ids}
+    # Every distinct head held, not only the newest: after a rewrite, heads the silo got before it
+    # contradict the new log even when the newest (signed after it) does not.
+    heads = sorted(by_size.values(), key=lambda h: h.tree_size)
+    inclusion, consistency = _proofs(get, current.tree_size, sorted(i for found in leaves.values() for i in found),
+                                     [h.tree_size for h in heads if 0 < h.tree_size < current.tree_size])
+    asked_past = 0
+    for head in heads:
+        asked_past += check_extends(get, head, current, key, out, proof=consistency.get(head.tree_size),
+                                    ask_past=asked_past < MAX_PAST_HEADS)
     for r in held:
-        _check_held_entry(get, r, current, out)
-    out.notes.append(f"{len(held)} receipts against the head of size {current.tree_size}")
+        _check_held_entry(r, leaves[r.silo_id], inclusion, current, out)
+    receipted = {r.log_index for r in held}
+    for silo_id in silo_ids:
+        _check_silo(get, silo_id, leaves[silo_id], inclusion, receipted, current, key, out)
+    out.notes.append(f"{len(held)} receipts, {len(heads)} distinct heads and {sum(map(len, leaves.values()))} entries "
+                     f"of silo {', '.join(map(str, silo_ids))} against the head of size {current.tree_size}")
     return out
 
 
-def _check_held_entry(get: Get, r: Receipt, current: SignedTreeHead, out: Outcome) -> None:
+MAX_PAST_HEADS = 1  # past heads asked for to turn an inconsistent held head into a fork proof (one proof suffices)
+
+
+def _silo_leaves(get: Get, silo_id: int, size: int) -> dict[int, LogLeaf]:
+    """The silo's own leaves below `size`, with their records, by log index."""
+    found: dict[int, LogLeaf] = {}
+    start = 0
+    while True:
+        page = [LogLeaf(**leaf) for leaf in get("/v1/log/leaves", {"silo_id": silo_id, "start": start, "limit": SILO_PAGE})]
+        found.update((leaf.log_index, leaf) for leaf in page if leaf.log_index < size)
+        if len(page) < SILO_PAGE:
+            return found
+        start = page[-1].log_index + 1
+
+
+def _proofs(get: Get, size: int, indices: list[int], firsts: list[int]) -> tuple[dict[int, list[bytes]], dict[int, list[bytes]]]:
+    """Inclusion paths of `indices` and consistency paths from `firsts`, all to the tree of `size`."""
+    inclusion: dict[int, list[bytes]] = {}
+    consistency: dict[int, list[bytes]] = {}
+    for i in range(0, max(len(indices), len(firsts)), MAX_PROOFS):
+        answer = LogProofs(**get("/v1/log/proofs", {
+            "size": size, "inclusion": ",".join(map(str, indices[i:i + MAX_PROOFS])),
+            "consistency": ",".join(map(str, firsts[i:i + MAX_PROOFS])),
+        }))
+        inclusion.update((p.log_index, _hex(p.path)) for p in answer.inclusion)
+        consistency.update((p.first, _hex(p.path)) for p in answer.consistency)
+    return inclusion, consistency
+
+
+def _check_held_entry(r: Receipt, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]],
+                      current: SignedTreeHead, out: Outcome) -> None:
     name = f"silo {r.silo_id} entry {r.seq} (log index {r.log_index})"
     if r.log_index >= current.tree_size:
         out.problems.append(f"{name}: the log has only {current.tree_size} leaves now")
         return
-    served = [LogLeaf(**leaf) for leaf in get("/v1/log/leaves", {"start": r.log_index, "limit": 1})]
-    if not served or served[0].log_index != r.log_index:
-        out.problems.append(f"{name}: the log serves no leaf at that index")
-        return
-    leaf = served[0]
-    if leaf.record is None:
+    leaf = leaves.get(r.log_index)
+    if leaf is None or leaf.record is None:
         out.problems.append(f"{name}: the leaf at that index is no longer this silo's entry")
         return
     entry = json.loads(leaf.record)["entry"]
@@ -186,13 +238,68 @@ def _check_held_entry(get: Get, r: Receipt, current: SignedTreeHead, out: Outcom
         out.problems.append(f"{name}: the entry now reads differently from what the ledger signed "
                             f"(its record hashes to {record_leaf_hash(leaf.record)[:16]}…, the receipt says {r.leaf_hash[:16]}…)")
     try:
-        proof = InclusionProof(**get("/v1/log/proofs/inclusion", {"index": r.log_index, "size": current.tree_size}))
         merkle.verify_inclusion(index=r.log_index, size=current.tree_size, leaf=bytes.fromhex(r.leaf_hash),
-                                path=_hex(proof.path), root_hash=bytes.fromhex(current.root_hash))
-    except RefusedError as error:
-        out.problems.append(f"{name}: the ledger refused its inclusion proof: {error}")
+                                path=inclusion.get(r.log_index, []), root_hash=bytes.fromhex(current.root_hash))
     except merkle.ProofError as error:
         out.problems.append(f"{name}: the signed leaf is not in the current log: {error}")
+
+
+def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]], receipted: set[int],
+                current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
+    """The silo's whole history as the signed log holds it (its entries with no receipt too, its create
+    entry first): each leaf in the current head, each record its leaf's, and then the ε each entry states,
+    the budget and the filter, recomposed from the mechanisms with the service's accounting code."""
+    records = []
+    for index, leaf in sorted(leaves.items()):
+        if leaf.record is None:
+            continue
+        if index not in receipted:  # a receipt's entry is named above, by what it signed
+            if record_leaf_hash(leaf.record) != leaf.leaf_hash:
+                out.problems.append(f"silo {silo_id} log index {index}: its entry no longer matches its leaf "
+                                    "(edited after it was logged)")
+            try:
+                merkle.verify_inclusion(index=index, size=current.tree_size, leaf=bytes.fromhex(leaf.leaf_hash),
+                                        path=inclusion.get(index, []), root_hash=bytes.fromhex(current.root_hash))
+            except merkle.ProofError as error:
+                out.problems.append(f"silo {silo_id} log index {index}: its leaf is not in the current log: {error}")
+        records.append(json.loads(leaf.record))
+    before = len(out.problems)
+    composed = _compose_silo(silo_id, records, out)
+    if len(out.problems) > before:
+        # The ledger signed these entries (each in the head below, by its path): anyone with the key and
+        # dp-accounting can recompose them and see that what they state is not what they compose to.
+        out.evidence.append({
+            "misbehaviour": f"silo {silo_id}: " + "; ".join(out.problems[before:before + 3]),
+            "public_key": public_key.hex(), "head": current.model_dump(),
+            "entries": [{"log_index": i, "record": leaf.record, "inclusion_path": [p.hex() for p in inclusion.get(i, [])]}
+                        for i, leaf in sorted(leaves.items()) if leaf.record is not None],
+        })
+    if composed is not None:
+        _compare_served(get, silo_id, composed, out)
+
+
+def _compare_served(get: Get, silo_id: int, composed: Composition, out: Outcome) -> None:
+    """What the ledger serves as the silo's budget, filter and ε now, against its own signed entries."""
+    try:
+        detail = get(f"/v1/silos/{silo_id}", None)
+    except RefusedError as error:  # a tampered record is refused by name (409): a finding, not a failure to ask
+        out.problems.append(f"silo {silo_id}: the ledger refuses to serve the silo: {error}")
+        return
+    name = f"silo {silo_id}"
+    for field_name, signed in (("epsilon", composed.budget), ("delta", composed.delta)):
+        if detail.get(field_name) != signed:
+            out.problems.append(f"{name}: the ledger serves {field_name}={detail.get(field_name)!r}, "
+                                f"but its signed {composed.record_event} entry fixed {signed!r}")
+    if composed.spec is not None:
+        served = detail.get("filter") or {}
+        if (tuple(served.get("orders", ())), tuple(served.get("weights", ()))) != (composed.spec.orders, composed.spec.weights):
+            out.problems.append(f"{name}: the ledger serves a filter other than the one its signed "
+                                f"{composed.record_event} entry fixed (orders {served.get('orders')} "
+                                f"weights {served.get('weights')})")
+    stated = math.inf if detail.get("epsilon_spent") is None else float(detail["epsilon_spent"])
+    if not _same_epsilon(stated, composed.epsilon):
+        out.problems.append(f"{name}: the ledger says ε={stated:.6g} is spent now, but the mechanisms of its "
+                            f"signed entries compose to ε={composed.epsilon:.6g}")
 
 
 # --- the auditor ------------------------------------------------------------------------------------
@@ -249,72 +356,123 @@ def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> list[dict[str
 
 
 def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
-    """Replays each silo's entries: the chain links, and the ε each entry states against the RDP
+    """Replays each silo's entries (`_compose_silo`)."""
+    by_silo: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_silo[record["entry"]["silo_id"]].append(record)
+    for silo_id, silo_records in sorted(by_silo.items()):
+        _compose_silo(silo_id, silo_records, out)
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A silo's promise as its signed entries fixed it, and the ε its charges' mechanisms compose to."""
+
+    budget: float
+    delta: float
+    spec: Any  # accounting.filter.FilterSpec, or None for a silo from before filters
+    record_event: str  # the entry that fixed them: "create", or "seal" where an admin sealed the record since
+    epsilon: float  # after the silo's last entry
+
+
+def _same_epsilon(stated: float, composed: float) -> bool:
+    return (math.isinf(composed) and math.isinf(stated)) or math.isclose(composed, stated, rel_tol=EPSILON_RTOL)
+
+
+def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome) -> Composition | None:
+    """Replays one silo's entries: the chain links, and the ε each entry states against the RDP
     composition of the mechanisms of the charges reserved and not released, read as the gate reads
-    it: through the silo's filter (its create or filter entry), or its plan's ε once it declared one."""
+    it: through the silo's filter (its create or filter entry), or its plan's ε once it declared one.
+    Every approval must also fit the budget its create entry fixed. The accounting is the service's
+    own, imported in-process: the same functions, never a copy of them."""
     from dpledger.service.accounting import filter as rdp_filter
     from dpledger.service.accounting import plans, rdp
     from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
     from dpledger.wire.mechanisms import Mechanism
 
-    adapter: TypeAdapter[Any] = TypeAdapter(Mechanism)
-    by_silo: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for record in records:
-        by_silo[record["entry"]["silo_id"]].append(record)
-    for silo_id, silo_records in sorted(by_silo.items()):
-        silo_records.sort(key=lambda r: r["entry"]["seq"])
-        delta: float | None = None
-        spec: rdp_filter.FilterSpec | None = None  # none: a silo from before filters, gated on dp-accounting's ε
-        plan: plans.Plan | None = None
-        live: dict[int, np.ndarray] = {}
-        total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
-        prev_hash, seq = "0" * 64, 0
-        for record in silo_records:
-            entry, subject = record["entry"], record["subject"]
-            name = f"silo {silo_id} entry {entry['seq']}"
-            if entry["seq"] != seq + 1 or entry["prev_hash"] != prev_hash:
-                out.problems.append(f"{name} does not follow entry {seq} of its chain")
-            prev_hash, seq = entry["hash"], entry["seq"]
-            if entry["event"] == "create":
-                delta = subject["delta"]
-                spec = rdp_filter.FilterSpec.from_json(subject["filter"]) if "filter" in subject else None
-                continue
-            if entry["event"] == "filter":
+    adapter: TypeAdapter[Any] = _mechanism_adapter(Mechanism)
+    silo_records = sorted(silo_records, key=lambda r: r["entry"]["seq"])
+    budget: float | None = None
+    delta: float | None = None
+    fixed_by = "create"
+    spec: rdp_filter.FilterSpec | None = None  # none: a silo from before filters, gated on dp-accounting's ε
+    plan: plans.Plan | None = None
+    live: dict[int, np.ndarray] = {}
+    total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
+    composed = 0.0
+    prev_hash, seq = "0" * 64, 0
+    curves: dict[str, np.ndarray] = {}  # a job repeats one mechanism: parse and check it once
+    for record in silo_records:
+        entry, subject = record["entry"], record["subject"]
+        name = f"silo {silo_id} entry {entry['seq']}"
+        if entry["seq"] != seq + 1 or entry["prev_hash"] != prev_hash:
+            out.problems.append(f"{name} does not follow entry {seq} of its chain")
+        prev_hash, seq = entry["hash"], entry["seq"]
+        event = entry["event"]
+        if event in ("create", "seal"):
+            if event == "seal" and budget is not None and (subject.get("epsilon"), subject.get("delta")) != (budget, delta):
+                out.problems.append(f"{name}: an admin's seal changed the silo's promise from (ε={budget}, δ={delta}) "
+                                    f"fixed by its create entry to (ε={subject.get('epsilon')}, δ={subject.get('delta')})")
+            budget, delta, fixed_by = subject.get("epsilon"), subject["delta"], event
+            if "filter" in subject:
                 spec = rdp_filter.FilterSpec.from_json(subject["filter"])
-            elif entry["event"] == "plan":
+            if event == "seal" and subject.get("plan") is not None:
                 plan = plans.Plan.from_json(subject["plan"])
-            if delta is None:
-                out.problems.append(f"{name}: the silo's create entry is missing")
-                return
-            charge_id = entry["charge_id"]
-            if entry["event"] == "reserve":
+            if event == "create":
+                continue
+        if event == "filter":
+            spec = rdp_filter.FilterSpec.from_json(subject["filter"])
+        elif event == "plan":
+            plan = plans.Plan.from_json(subject["plan"])
+        if delta is None:
+            out.problems.append(f"{name}: the silo's create entry is missing")
+            return None
+        charge_id = entry["charge_id"]
+        if event == "reserve":
+            stored_json = subject["rdp"]
+            curve = curves.get(subject["mechanism"] + stored_json)
+            if curve is None:
                 try:
                     mechanism = adapter.validate_json(subject["mechanism"])
                 except (ValidationError, ValueError) as error:
                     out.problems.append(f"{name}: charge {charge_id}'s mechanism does not parse: {error}")
                     continue
-                stored = curve_from_json(subject["rdp"])
+                stored = curve_from_json(stored_json)
                 # Today's charges store the certified curve; charges from before it, dp-accounting's.
                 matches = [c for c in (rdp.certified_curve(mechanism), rdp.rdp_curve(mechanism))
                            if c.shape == stored.shape and np.allclose(stored, c, rtol=1e-9, equal_nan=False)]
                 if not matches:
                     out.problems.append(f"{name}: charge {charge_id}'s stored RDP curve is not its mechanism's")
-                curve = matches[0] if matches else rdp.certified_curve(mechanism)
-                live[charge_id] = curve
-                total = total.add(curve)
-            elif entry["event"] == "release" and charge_id in live:
-                total = total.subtract(live.pop(charge_id))
-            running = total.curve()
-            if plan is not None:
-                composed = 0.0 if not np.any(running) else plan.epsilon
-            elif spec is not None:
-                composed = rdp_filter.read(spec, running, delta=delta).epsilon
-            else:
-                composed, _ = rdp.epsilon(running, delta=delta)
-            stated = math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"]
-            if not (math.isinf(composed) and math.isinf(stated)) and not math.isclose(composed, stated, rel_tol=EPSILON_RTOL):
-                out.problems.append(f"{name} ({entry['event']} of charge {charge_id}) states ε={stated:.6g}, "
-                                    f"but its charges' mechanisms compose to ε={composed:.6g}")
+                    curve = rdp.certified_curve(mechanism)
+                else:
+                    curve = curves[subject["mechanism"] + stored_json] = matches[0]
+            live[charge_id] = curve
+            total = total.add(curve)
+        elif event == "release" and charge_id in live:
+            total = total.subtract(live.pop(charge_id))
+        running = total.curve()
+        if plan is not None:
+            composed = 0.0 if not np.any(running) else plan.epsilon
+        elif spec is not None:
+            composed = rdp_filter.read(spec, running, delta=delta).epsilon
+        else:
+            composed, _ = rdp.epsilon(running, delta=delta)
+        stated = math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"]
+        if not _same_epsilon(stated, composed):
+            out.problems.append(f"{name} ({event} of charge {charge_id}) states ε={stated:.6g}, "
+                                f"but its charges' mechanisms compose to ε={composed:.6g}")
+        if event == "reserve" and plan is None and budget is not None and not rdp.within_budget(composed, budget=budget):
+            out.problems.append(f"{name} (reserve of charge {charge_id}) was approved at ε={composed:.6g}, past the "
+                                f"budget ε={budget:.6g} that the silo's {fixed_by} entry fixed")
+    if delta is None or budget is None:
+        out.problems.append(f"silo {silo_id}: its create entry is missing")
+        return None
+    return Composition(budget, delta, spec, fixed_by, composed)
+
+
+@functools.lru_cache(maxsize=1)
+def _mechanism_adapter(kind: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(kind)  # building the union's validator costs more than validating many mechanisms
 
 
 # --- the commands ---------------------------------------------------------------------------------
@@ -347,7 +505,9 @@ def load_receipts(path: Path) -> list[Receipt]:
 
 def report(out: Outcome) -> int:
     for evidence in out.evidence:
-        print("PROOF OF MISBEHAVIOUR (two heads signed by the ledger's key that cannot both be honest):")
+        print("PROOF OF MISBEHAVIOUR (two heads signed by the ledger's key that cannot both be honest):" if "heads" in evidence
+              else "PROOF OF MISBEHAVIOUR (entries the ledger's key signed, in the head below, whose ε or budget "
+                   "does not recompose from their own mechanisms):")
         print(json.dumps(evidence, indent=2))
     for note in out.notes:
         print(f"ok: {note}" if out.ok else f"note: {note}")

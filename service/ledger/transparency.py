@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import and_, insert, select, update
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
@@ -118,17 +118,31 @@ def size_and_root(session: Session) -> tuple[int, str]:
 
 def _subtrees(session: Session, build: Callable[[merkle.Subtree], Any]) -> Any:
     """Runs `build` over stored subtree hashes, fetched in two queries (leaves, inner nodes)."""
-    wanted = merkle.needed_subtrees(build)
+    return _subtrees_many(session, [build])[0]
+
+
+_CHUNK = 500  # rows asked per IN list: inside every database's limit on bound parameters
+
+
+def _subtrees_many(session: Session, builds: list[Callable[[merkle.Subtree], Any]]) -> list[Any]:
+    """Runs each of `builds` over stored subtree hashes, all fetched together: a batch of proofs costs
+    a query per few hundred distinct subtrees, not two per proof."""
+    wanted = sorted({w for build in builds for w in merkle.needed_subtrees(build)})
     leaves = [start for start, width in wanted if width == 1]
-    nodes = [(width.bit_length() - 1, start // width) for start, width in wanted if width > 1]
+    nodes: dict[int, list[int]] = {}
+    for start, width in wanted:
+        if width > 1:
+            nodes.setdefault(width.bit_length() - 1, []).append(start // width)
     found: dict[tuple[int, int], bytes] = {}
-    if leaves:
-        for idx, digest in session.execute(select(LogLeaf.idx, LogLeaf.leaf_hash).where(LogLeaf.idx.in_(leaves))):
+    for i in range(0, len(leaves), _CHUNK):
+        chunk = leaves[i:i + _CHUNK]
+        for idx, digest in session.execute(select(LogLeaf.idx, LogLeaf.leaf_hash).where(LogLeaf.idx.in_(chunk))):
             found[(idx, 1)] = bytes.fromhex(digest)
-    if nodes:
-        condition = or_(*(and_(LogNode.level == level, LogNode.idx == idx) for level, idx in nodes))
-        for level, idx, digest in session.execute(select(LogNode.level, LogNode.idx, LogNode.hash).where(condition)):
-            found[(idx << level, 1 << level)] = bytes.fromhex(digest)
+    for level, indices in nodes.items():
+        for i in range(0, len(indices), _CHUNK):
+            condition = and_(LogNode.level == level, LogNode.idx.in_(indices[i:i + _CHUNK]))
+            for idx, digest in session.execute(select(LogNode.idx, LogNode.hash).where(condition)):
+                found[(idx << level, 1 << level)] = bytes.fromhex(digest)
 
     def subtree(start: int, width: int) -> bytes:
         digest = found.get((start, width))
@@ -137,7 +151,7 @@ def _subtrees(session: Session, build: Callable[[merkle.Subtree], Any]) -> Any:
             raise NotFound(f"the log has no stored subtree [{start}, {start + width}): its tables are incomplete")
         return digest
 
-    return build(subtree)
+    return [build(subtree) for build in builds]
 
 
 def _check_size(session: Session, size: int | None) -> int:
@@ -181,6 +195,43 @@ def consistency(session: Session, first: int, second: int | None = None) -> tupl
         raise InvalidRequest("first", f"must be in [0, {second}]; found {first}")
     path = _subtrees(session, lambda s: merkle.consistency_proof(first, second, s))
     return second, [p.hex() for p in path]
+
+
+def proofs(
+    session: Session, *, size: int | None, indices: list[int], firsts: list[int]
+) -> tuple[int, list[list[str]], list[list[str]]]:
+    """Inclusion proofs of `indices` and consistency proofs from each of `firsts`, all in the tree of
+    `size` leaves (default: the current one), from one fetch of the subtrees they need."""
+    size = _check_size(session, size)
+    for index in indices:
+        if not 0 <= index < size:
+            raise InvalidRequest("inclusion", f"every index must be below the tree size {size}; found {index}")
+    for first in firsts:
+        if not 0 <= first <= size:
+            raise InvalidRequest("consistency", f"every first size must be in [0, {size}]; found {first}")
+    builds: list[Callable[[merkle.Subtree], Any]] = [
+        *(lambda s, i=i: merkle.inclusion_proof(i, size, s) for i in indices),
+        *(lambda s, f=f: merkle.consistency_proof(f, size, s) for f in firsts),
+    ]
+    paths = [[p.hex() for p in path] for path in _subtrees_many(session, builds)]
+    return size, paths[:len(indices)], paths[len(indices):]
+
+
+def leaves_at(session: Session, indices: list[int]) -> list[LogLeaf]:
+    """The leaf rows at these indices (any missing is left out: `proofs` refuses an index past the size)."""
+    rows: list[LogLeaf] = []
+    unique = sorted(set(indices))
+    for i in range(0, len(unique), _CHUNK):
+        rows += session.scalars(select(LogLeaf).where(LogLeaf.idx.in_(unique[i:i + _CHUNK])))
+    return rows
+
+
+def silo_leaves(session: Session, silo_id: int, *, start: int, limit: int) -> list[LogLeaf]:
+    """The leaves of one silo's entries, in log order (a silo checks its own without paging the log)."""
+    return list(session.scalars(
+        select(LogLeaf).join(LedgerEntry, LedgerEntry.id == LogLeaf.entry_id)
+        .where(LedgerEntry.silo_id == silo_id, LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit)
+    ))
 
 
 def position_of(session: Session, entry: LedgerEntry) -> Position:

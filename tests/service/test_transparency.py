@@ -287,7 +287,11 @@ def test_an_edited_mechanism_with_every_hash_recomputed_is_found_by_the_silo_and
     assert f"{name}: the entry now reads differently" in problems(out)
     # Same size, another root: the silo's newest head and today's are a fork, printed as evidence.
     assert "FORK: two signed heads of size 12" in problems(out)
-    assert len(out.evidence) == 1 and len(out.evidence[0]["heads"]) == 2
+    # And its oldest head that the rewrite touched (size 3, just after a0's reserve) is one too.
+    assert "FORK: two signed heads of size 3 with different roots (the log before it was rewritten, and after)" in problems(out)
+    assert len(out.evidence) == 2
+    for evidence in out.evidence:
+        assert is_fork(*(SignedTreeHead(**h) for h in evidence["heads"]), bytes.fromhex(evidence["public_key"]))
     # Silo b's own entries are untouched, and still its receipts show the log was rewritten.
     out_b = verify_receipts(ledger.b.get(), ledger.b.receipts)
     assert "FORK" in problems(out_b)

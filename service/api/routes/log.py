@@ -15,7 +15,9 @@ from fastapi import APIRouter, HTTPException, Query, status
 from dpledger.service.api.deps import READERS, DbDep, PrincipalDep
 from dpledger.service.api.receipts import SignerDep
 from dpledger.service.ledger import transparency
+from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.wire.enums import Role
+from dpledger.wire.log_proofs import MAX_PROOFS, LogProofs
 from dpledger.wire.receipts import (
     ConsistencyProof,
     HeadError,
@@ -79,15 +81,59 @@ def consistency_proof(caller: PrincipalDep, db: DbDep, first: Annotated[int, Que
     return ConsistencyProof(first=first, second=tree_size, path=path)
 
 
+def _index_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidRequest(name, f"must be comma-separated log indices or sizes; found {text[:40]!r}") from None
+    if len(values) > MAX_PROOFS:
+        raise InvalidRequest(name, f"at most {MAX_PROOFS} per request; found {len(values)}")
+    return values
+
+
+@router.get("/proofs", response_model=LogProofs, name="log_proofs")
+def proofs(caller: PrincipalDep, db: DbDep, size: Size = None,
+           inclusion: Annotated[str, Query(max_length=10_000, description="comma-separated leaf indices")] = "",
+           consistency: Annotated[str, Query(max_length=10_000, description="comma-separated earlier sizes")] = "",
+           ) -> LogProofs:
+    """Inclusion proofs of many leaves and consistency proofs from many earlier sizes, all against the
+    tree of `size` leaves (default: the current one), in one answer. A silo may ask inclusion proofs
+    of its own entries only."""
+    _may_read_log(caller)
+    indices, firsts = _index_list("inclusion", inclusion), _index_list("consistency", consistency)
+    with db.read() as session:
+        rows = transparency.leaves_at(session, indices)
+        if caller.role is Role.silo and any(entry is None or entry.silo_id != caller.silo_id
+                                            for entry, _ in transparency.records_of(session, rows)):
+            raise HTTPException(status.HTTP_403_FORBIDDEN, "a silo key may ask for proofs of its own entries only")
+        tree_size, included, extended = transparency.proofs(session, size=size, indices=indices, firsts=firsts)
+    hashes = {row.idx: row.leaf_hash for row in rows}
+    missing = sorted(set(indices) - set(hashes))
+    if missing:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"log index {missing[0]} not found")
+    return LogProofs(
+        tree_size=tree_size,
+        inclusion=[InclusionProof(log_index=i, tree_size=tree_size, leaf_hash=hashes[i], path=p)
+                   for i, p in zip(indices, included, strict=True)],
+        consistency=[ConsistencyProof(first=f, second=tree_size, path=p) for f, p in zip(firsts, extended, strict=True)],
+    )
+
+
 @router.get("/leaves", response_model=list[LogLeaf], name="log_leaves")
 def leaves(caller: PrincipalDep, db: DbDep, start: Index = 0,
-           limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[LogLeaf]:
+           limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+           silo_id: Annotated[int | None, Query(ge=1, le=2**31 - 1, description="only this silo's entries")] = None,
+           ) -> list[LogLeaf]:
     """Leaf hashes in log order, each with its entry's record where the caller may read that entry
-    (recomputed from the live rows: the leaf hash must match it, or the entry was edited)."""
+    (recomputed from the live rows: the leaf hash must match it, or the entry was edited). With
+    `silo_id`, only that silo's leaves (a silo key: its own only)."""
     _may_read_log(caller)
+    if silo_id is not None and caller.role is Role.silo and silo_id != caller.silo_id:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "a silo key may list its own entries only")
     out = []
     with db.read() as session:
-        rows = transparency.leaves(session, start=start, limit=limit)
+        rows = (transparency.leaves(session, start=start, limit=limit) if silo_id is None
+                else transparency.silo_leaves(session, silo_id, start=start, limit=limit))
         for row, (entry, record) in zip(rows, transparency.records_of(session, rows), strict=True):
             visible = caller.role in READERS or (entry is not None and entry.silo_id == caller.silo_id)
             out.append(LogLeaf(log_index=row.idx, leaf_hash=row.leaf_hash, record=record if visible else None))
