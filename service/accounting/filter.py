@@ -11,7 +11,14 @@ stayed alive, the interaction coincides with the one halted by F_i, which is (α
 has hockey-stick divergence at most δ·w_i at e^ε (dp-accounting's conversion, Canonne, Kamath &
 Steinke 2020). Splitting E_P[(1 − e^{ε−L})_+] over those transcripts gives at most Σ δ·w_i = δ.
 
-Today's rule (some order of 156, each with the whole δ, chosen when checking) is that union bound
+Where the shares go (allocate, the rule since the filter of one order at 0.9 and 0.1 spread thin
+over the other 155, whose early readings cost ln(1550)/(α − 1) over the best order's): on the few
+orders that are best along the horizon's path, its prefixes from one unit to the whole horizon.
+The shares minimise the worst ratio of the filter's reading to the unproven best-order ε along that
+path, holding the path's end (where the budget binds) to 1 + END_EXCESS, with REST_WEIGHT spread
+over the other orders for workloads off the path; allocate states the rule and the bound exactly.
+
+The rule before the filter (some order of 156, each with the whole δ, chosen when checking) is that union bound
 without the split, and a two-step randomized-response interaction shows it false (README).
 Everything here is O(number of filter orders): the running sum is already kept per order.
 """
@@ -31,13 +38,25 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from dpledger.service.accounting import rdp
 from dpledger.wire.mechanisms import DpSgd
 
+# The path allocation (see allocate): REST_WEIGHT of δ is spread evenly over every order the path
+# does not use. A Poisson-sampled Gaussian's RDP jumps by orders of magnitude within a few orders
+# (q = 0.01, σ = 1: 0.04 at α = 10, 0.98 at α = 12), so a workload unlike the horizon is cheapest at
+# an order the path never suggests; the rest share bounds its price there by ln(155/0.01)/(α − 1).
+REST_WEIGHT = 0.01
+# At the horizon's end the budget binds: a reading above dp-accounting's there is budget the silo
+# loses, so the prefixes within END_SPAN of the end are held to 1 + END_EXCESS (where that fits).
+END_EXCESS = 0.02
+END_SPAN = 1.1
+# The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
+PATH_UNITS = 16
+PATH_POINTS = 48
+PATH_DEPTH = 32.0
+# The bisection on the path's worst ratio: its upper end, and when it stops.
+MAX_RATIO = 64.0
+RATIO_TOLERANCE = 1e-4
+# The filter of the rule before the path allocation (kept for the quote of a mechanism on no silo):
+# COMMITTED_WEIGHT on one order, the rest spread evenly over every other order of the grid.
 COMMITTED_WEIGHT = 0.9
-# The other 0.1 is spread over every other order of the grid. Nearby orders alone are not enough: a
-# Poisson-sampled Gaussian's RDP jumps by orders of magnitude within a few orders (q = 0.01, σ = 1:
-# 0.04 at α = 10, 0.98 at α = 12), so a workload unlike the horizon (a short job, a small spend) is
-# cheapest at an order the horizon never suggests; with only the four orders nearest the committed
-# one, one such step read ε = 2.73 where dp-accounting reads 0.96. Over the whole grid the price of a
-# workload far from the horizon is at most ln(1550)/(α − 1) above its best order's conversion.
 # The default horizon: DP-SGD at a batch of 256 with noise multiplier 1, run until
 # it spends the budget. Its best order is where a typical training run's ε is lowest.
 HORIZON_BATCH = 256
@@ -136,8 +155,8 @@ def spread_spec(committed: float, *, source: str) -> FilterSpec:
     return FilterSpec((committed, *others), (COMMITTED_WEIGHT, *([share] * len(others))), source)
 
 
-def committed_order(horizon: np.ndarray, *, epsilon: float, delta: float) -> float:
-    """The order at which `horizon` scaled to spend exactly ε at δ has its lowest ε.
+def horizon_units(horizon: np.ndarray, *, epsilon: float, delta: float) -> float:
+    """How many times `horizon` runs before it spends ε at δ (by dp-accounting's best-order conversion).
 
     Scaling a curve by m is running its workload m times; bisection on m in log space finds the m
     whose ε is the budget (a finite, positive curve's ε grows with m)."""
@@ -154,8 +173,134 @@ def committed_order(horizon: np.ndarray, *, epsilon: float, delta: float) -> flo
             lo = mid
         if hi / lo < 1 + 1e-9:
             break
-    _, order = rdp.epsilon(curve * lo, delta=delta)
+    return lo
+
+
+def committed_order(horizon: np.ndarray, *, epsilon: float, delta: float) -> float:
+    """The order at which `horizon` scaled to spend exactly ε at δ has its lowest ε."""
+    units = horizon_units(horizon, epsilon=epsilon, delta=delta)
+    _, order = rdp.epsilon(np.where(np.isfinite(horizon) & (horizon > 0), horizon, np.inf) * units, delta=delta)
     return float(order)
+
+
+def path_prefixes(units: float) -> np.ndarray:
+    """The path of a horizon of `units` units: every whole unit up to PATH_UNITS, then PATH_POINTS
+    geometric steps to `units` itself, none shorter than units/PATH_DEPTH (just `units` when it is
+    less than one)."""
+    if units <= 1:
+        return np.array([units])
+    start = max(1.0, units / PATH_DEPTH)
+    whole = np.arange(math.ceil(start), min(math.floor(units), PATH_UNITS) + 1, dtype=float)
+    steps = np.geomspace(max(start, min(PATH_UNITS, units)), units, PATH_POINTS + 1)
+    return np.unique(np.concatenate([whole, steps]))
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A path allocation and the bound it guarantees (see allocate)."""
+
+    spec: FilterSpec
+    units: float  # the horizon's length in units: where it spends the budget
+    prefixes: tuple[float, ...]  # the path's prefixes, in units
+    ratio: float  # ρ: at every prefix, the filter reads at most ρ × the best order's ε at the whole δ
+    end_ratio: float  # the same bound at the prefixes within END_SPAN of the end (≤ ρ)
+
+
+def allocate(horizon: np.ndarray, *, epsilon: float, delta: float) -> Allocation:
+    """The filter of a silo whose workload is `horizon` (one unit's curve) and whose budget is (ε, δ).
+
+    The rule. K = horizon_units (the horizon spends ε after K units); the path is path_prefixes(K);
+    E(t) is dp-accounting's conversion of t units at their best grid order with the whole δ (the
+    unproven rule's reading), and c_α(t) the conversion at order α with the whole δ. An order α
+    holding share w reads c_α(t) + ln(1/w)/(α − 1) at t, so it keeps t within a ratio r of E(t) iff
+    w ≥ need_α(t, r) = exp(−(r·E(t) − c_α(t))(α − 1)). For a target ρ the path is cut into runs
+    of consecutive prefixes, each read by one order holding the largest need of its run (the end's
+    prefixes, t ≥ K/END_SPAN, at r = min(ρ, 1 + END_EXCESS), the others at r = ρ); a dynamic
+    program finds the cut of least total share, and a bisection the least ρ whose total fits
+    1 − REST_WEIGHT (to RATIO_TOLERANCE). The orders so chosen get their shares scaled up to
+    1 − REST_WEIGHT, and REST_WEIGHT is spread evenly over every other order of the grid.
+
+    The bound. At every prefix t of the path the filter reads at most ρ·E(t), and at the end's at
+    most min(ρ, 1 + END_EXCESS)·E(t) (if even ρ = MAX_RATIO cannot hold the end to that, the end is
+    held to ρ like the rest). Between two prefixes t < t', the reading is at most ρ·E(t') ≤
+    ρ·(t'/t)·E(t) (a reading grows with t; E(c·t) ≤ c·E(t) for c ≥ 1 while δ < 1/e). A workload
+    off the path reads at most ln((N − m)/REST_WEIGHT)/(α − 1) above its best order's ε at the whole
+    δ, where α is that order, N the grid's size and m the path's orders.
+
+    Only the budget, δ and the horizon enter, never an output: the filter may be fixed before the
+    silo's first charge, or at it (its horizon taken from that charge), and stays a union bound."""
+    units = horizon_units(horizon, epsilon=epsilon, delta=delta)
+    prefixes = path_prefixes(units)
+    orders = np.array(rdp.ORDERS)
+    curve = np.where(np.isfinite(horizon), np.maximum(horizon, 0.0), np.inf)
+    full = np.full(len(orders), delta)
+    conv = np.stack([order_epsilons(orders, t * curve, full) for t in prefixes], axis=1)  # orders × prefixes
+    best = conv.min(axis=0)
+    kept = np.isfinite(best) & (best > 0)  # a prefix no order reads above 0 needs nothing
+    if not kept.any():
+        raise ValueError("the horizon reads ε = 0 or ∞ at every prefix of its path")
+    conv, best, prefixes = conv[:, kept], best[kept], prefixes[kept]
+    at_end = prefixes >= units / END_SPAN
+
+    def cover(rho: float, end: float) -> tuple[float, dict[int, float]]:
+        target = np.where(at_end, min(rho, end), rho) * best
+        with np.errstate(over="ignore", invalid="ignore"):
+            need = np.exp(-(target[None, :] - conv) * (orders[:, None] - 1))
+        need = np.where(np.isfinite(need) & (need <= 1), need, np.inf)
+        return _cheapest_cover(need)
+
+    end = 1 + END_EXCESS
+    if cover(MAX_RATIO, end)[0] > 1 - REST_WEIGHT:
+        end = MAX_RATIO  # the end cannot be held to 1 + END_EXCESS: held to ρ like every prefix
+    lo, hi = 1.0, MAX_RATIO
+    total, shares = cover(hi, end)
+    if total > 1 - REST_WEIGHT:
+        raise ValueError("no filter of the grid's orders reads this horizon's path within the largest ratio")
+    while hi - lo > RATIO_TOLERANCE:
+        mid = (lo + hi) / 2
+        found, chosen = cover(mid, end)
+        if found <= 1 - REST_WEIGHT:
+            hi, total, shares = mid, found, chosen
+        else:
+            lo = mid
+    return Allocation(_spec_of(shares, total), units, tuple(prefixes.tolist()), hi, min(hi, end))
+
+
+def _cheapest_cover(need: np.ndarray) -> tuple[float, dict[int, float]]:
+    """need[i, j]: the δ share order i needs to read prefix j within target (∞: none suffices).
+    The least total share that reads every prefix, cutting them into runs of consecutive prefixes
+    each read by one order at the largest need of its run, and the share of each order it uses."""
+    n_prefixes = need.shape[1]
+    least = np.full(n_prefixes + 1, np.inf)
+    least[0] = 0.0
+    back: list[tuple[int, int, float]] = [(0, 0, 0.0)] * (n_prefixes + 1)
+    for end in range(1, n_prefixes + 1):
+        # run[i, a] = the largest need of order i over prefixes a … end − 1
+        run = np.maximum.accumulate(need[:, end - 1 :: -1], axis=1)[:, ::-1]
+        order = np.argmin(run, axis=0)
+        share = run[order, np.arange(end)]
+        totals = least[:end] + share
+        start = int(np.argmin(totals))
+        least[end] = totals[start]
+        back[end] = (start, int(order[start]), float(share[start]))
+    shares: dict[int, float] = {}
+    end = n_prefixes
+    while end > 0 and math.isfinite(least[n_prefixes]):
+        start, order_index, share = back[end]
+        shares[order_index] = max(shares.get(order_index, 0.0), share)  # one order's share reads all its runs
+        end = start
+    return (math.fsum(shares.values()) if shares else math.inf), shares
+
+
+def _spec_of(shares: dict[int, float], total: float) -> FilterSpec:
+    # Scaled up to 1 − REST_WEIGHT (a larger share only lowers its order's reading), a hair under it
+    # and each rounded down, so that the float shares never sum past 1.
+    scale = (1 - REST_WEIGHT) * (1 - 1e-12) / total
+    chosen = sorted(shares, key=lambda i: (-shares[i], i))
+    weights = [math.nextafter(shares[i] * scale, 0.0) for i in chosen]
+    others = [a for i, a in enumerate(rdp.ORDERS) if i not in shares]
+    rest = [math.nextafter(REST_WEIGHT / len(others), 0.0)] * len(others) if others else []
+    return FilterSpec(tuple(rdp.ORDERS[i] for i in chosen) + tuple(others), tuple(weights + rest), "horizon")
 
 
 def default_horizon(dataset_size: int) -> DpSgd:
@@ -163,8 +308,8 @@ def default_horizon(dataset_size: int) -> DpSgd:
 
 
 def horizon_spec(*, epsilon: float, delta: float, horizon: np.ndarray) -> FilterSpec:
-    """The filter a silo commits to at registration: from its budget and a horizon, never outputs."""
-    return spread_spec(committed_order(horizon, epsilon=epsilon, delta=delta), source="horizon")
+    """The filter a silo commits to: from its budget and a horizon, never outputs (allocate)."""
+    return allocate(horizon, epsilon=epsilon, delta=delta).spec
 
 
 def default_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSpec:

@@ -24,9 +24,11 @@ from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.models import Silo
+from dpledger.wire.mechanisms import DpSgd
 from tests.service.accounting import anchors
 
 EPSILON, DELTA = 2.0, 1e-5
+DELTA_PATH = 1e-5
 # (loss e, log η) of M1, A and B; the policy maps M1's output (+, −, ⊥) to the second step.
 M1 = (0.2645326035902631, -6.5919329280533825)
 A = (2.1294417483480865, -9.298400897571733)
@@ -136,25 +138,75 @@ def test_the_proven_gate_never_lets_the_interaction_past_delta(name: str) -> Non
 
 def test_the_default_gate_refuses_the_branch_the_old_rule_approved_through_orders_50_to_54() -> None:
     spec = SPECS["default, 1000 rows"]
-    # Orders 50–54 are in the filter, but with δ·0.1/155 each: too little to approve branch B.
+    # Orders 50–54 are in the filter, but with δ·0.01/155 each: too little to approve branch B.
     assert spec.weights[spec.orders.index(52.0)] < 1e-3
     assert "B" not in replay(spec)
 
 
-def test_r1_costs_at_most_0_65_percent_more_than_the_unproven_rule() -> None:
+def test_r1_costs_at_most_1_percent_more_than_the_unproven_rule() -> None:
     curve = rdp.certified_curve(anchors.R1)
     today = rdp_lib.compute_epsilon(rdp.ORDERS, anchors.R1.steps * rdp_lib._compute_rdp_poisson_subsampled_gaussian(
         anchors.R1.sampling_rate, anchors.R1.noise_multiplier, rdp.ORDERS), anchors.R1_DELTA)[0]
     assert today == pytest.approx(anchors.R1_TODAY, abs=5e-5)
     budget = anchors.R1_TODAY * 1.0065
     spec = rdp_filter.default_spec(epsilon=budget, delta=anchors.R1_DELTA, dataset_size=60_000)
-    assert spec.orders[0] == 7.9 and spec.weights[0] == 0.9  # committed where the default horizon is cheapest
+    # One order reads the default horizon's whole path within its bound: it holds all of 1 − REST_WEIGHT.
+    assert spec.orders[0] == 9.1 and spec.weights[0] == pytest.approx(1 - rdp_filter.REST_WEIGHT, rel=1e-9)
     proven = rdp_filter.read(spec, curve, delta=anchors.R1_DELTA)
-    # By hand: dp-accounting's conversion at order 7.9 with δ·0.9.
-    by_hand = curve[rdp.ORDERS.index(7.9)] + math.log1p(-1 / 7.9) - math.log(0.9 * anchors.R1_DELTA * 7.9) / 6.9
+    # By hand: dp-accounting's conversion at order 9.1 with δ·0.99.
+    share = spec.weights[0]
+    by_hand = curve[rdp.ORDERS.index(9.1)] + math.log1p(-1 / 9.1) - math.log(share * anchors.R1_DELTA * 9.1) / 8.1
     assert proven.epsilon == pytest.approx(by_hand, rel=1e-12)
-    assert proven.epsilon <= budget
-    assert proven.epsilon / today - 1 == pytest.approx(0.00641, abs=5e-5)
+    assert proven.epsilon / today - 1 == pytest.approx(0.00996, abs=5e-5)
+
+
+Q_SILO, Q_CENTRAL = 16 / 135, 256 / 60_000
+
+
+def dpa_epsilon(q: float, sigma: float, steps: int, delta: float = DELTA_PATH) -> float:
+    curve = steps * rdp_lib._compute_rdp_poisson_subsampled_gaussian(q, sigma, rdp.ORDERS)
+    return float(rdp_lib.compute_epsilon(rdp.ORDERS, curve, delta)[0])
+
+
+@pytest.mark.parametrize(
+    ("unit", "horizon_units", "goals"),
+    [
+        # The federated silo of 135 records: a round is 10 steps at batch 16, σ 1.2; budgeted for 20 rounds.
+        ((Q_SILO, 1.2, 10), 20, {1: 1.15, 3: 1.10, 20: 1.02}),
+        # Central DP-SGD: q = 256/60000, σ 1, budgeted for 10,000 steps.
+        ((Q_CENTRAL, 1.0, 1), 10_000, {1_000: 1.15, 10_000: 1.02}),
+    ],
+)
+def test_the_path_allocation_meets_its_bound_at_every_prefix_and_the_issues_goals(
+    unit: tuple[float, float, int], horizon_units: int, goals: dict[int, float]
+) -> None:
+    q, sigma, steps = unit
+    horizon = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q))
+    budget = dpa_epsilon(q, sigma, steps * horizon_units)
+    allocation = rdp_filter.allocate(horizon, epsilon=budget, delta=DELTA_PATH)
+    assert allocation.units == pytest.approx(horizon_units, rel=0.01)
+    assert allocation.spec == rdp_filter.horizon_spec(epsilon=budget, delta=DELTA_PATH, horizon=horizon)
+    assert sum(map(Fraction, allocation.spec.weights)) <= 1
+    for t in allocation.prefixes:
+        # The bound, against dp-accounting's own conversion over the whole grid at the whole δ.
+        best = rdp_lib.compute_epsilon(rdp.ORDERS, t * horizon, DELTA_PATH)[0]
+        bound = allocation.end_ratio if t >= allocation.units / rdp_filter.END_SPAN else allocation.ratio
+        assert rdp_filter.read(allocation.spec, t * horizon, delta=DELTA_PATH).epsilon <= bound * best * (1 + 1e-9), t
+    assert allocation.end_ratio == 1 + rdp_filter.END_EXCESS
+    for units, goal in goals.items():  # ratios to dp-accounting's best-order ε of the same charges
+        reading = rdp_filter.read(allocation.spec, units * horizon, delta=DELTA_PATH).epsilon
+        assert reading / dpa_epsilon(q, sigma, steps * units) <= goal, units
+
+
+def test_the_shares_go_where_the_path_needs_them_not_spread_thin() -> None:
+    horizon = rdp.certified_curve(DpSgd(noise_multiplier=1.2, steps=10, sampling_rate=Q_SILO))
+    allocation = rdp_filter.allocate(horizon, epsilon=dpa_epsilon(Q_SILO, 1.2, 200), delta=DELTA_PATH)
+    spec = allocation.spec
+    path_orders = [a for a, w in zip(spec.orders, spec.weights, strict=True) if w > rdp_filter.REST_WEIGHT]
+    # Two orders: the end's (20 rounds are best at 3.1–3.2) and the early rounds' (1 round at 5.7, 3 at 4.7).
+    assert len(path_orders) == 2 and 3.0 <= path_orders[0] <= 3.3 and 4.5 <= path_orders[1] <= 5.8
+    assert math.fsum(spec.weights[:2]) == pytest.approx(1 - rdp_filter.REST_WEIGHT, rel=1e-9)
+    assert allocation.ratio < 1.14  # the worst ratio along the whole path, rounds 1 … 20
 
 
 def test_h1000_drops_by_at_least_9_percent() -> None:

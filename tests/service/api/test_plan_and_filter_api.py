@@ -112,7 +112,7 @@ def test_the_filter_is_in_the_record_the_create_entry_and_the_hash_chain(client,
     silo = make_silo(epsilon=2.6, dataset_size=60_000, horizon=None)
     detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
     assert detail["gated_on"] == "rdp_filter"
-    assert detail["filter"]["orders"][0] == 8.0 and detail["filter"]["weights"][0] == 0.9
+    assert detail["filter"]["orders"][0] == 9.1 and detail["filter"]["weights"][0] == pytest.approx(0.99, rel=1e-9)
     assert sum(detail["filter"]["weights"]) == pytest.approx(1.0)
     history = client.get(f"/v1/silos/{silo.id}/history", headers=silo.headers).json()
     assert history[0]["event"] == "create" and history[0]["subject"]["filter"]["orders"] == detail["filter"]["orders"]

@@ -107,7 +107,7 @@ def test_old_silos_get_a_proven_filter_in_a_new_entry_and_the_ledger_still_verif
     assert old["epsilon_spent"] > rdp.epsilon(rdp.rdp_curve(STEP), delta=1e-5)[0]
 
     fresh = client.get(f"/v1/silos/{ids['fresh']}", headers=ADMIN).json()
-    assert fresh["filter"]["source"] == "horizon" and fresh["filter"]["weights"][0] == 0.9
+    assert fresh["filter"]["source"] == "horizon" and fresh["filter"]["weights"][0] > 0.5
     assert [e["event"] for e in client.get(f"/v1/silos/{ids['fresh']}/history", headers=ADMIN).json()] == ["create", "filter"]
 
 
