@@ -223,12 +223,14 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float) -> Allocation
     The bound. At every prefix t of the path the filter reads at most ρ·E(t), and at the end's at
     most min(ρ, 1 + END_EXCESS)·E(t) (if even ρ = MAX_RATIO cannot hold the end to that, the end is
     held to ρ like the rest). Between two prefixes t < t', the reading is at most ρ·E(t') ≤
-    ρ·(t'/t)·E(t) (a reading grows with t; E(c·t) ≤ c·E(t) for c ≥ 1 while δ < 1/e). A workload
+    ρ·(t'/t)·E(t) (a reading grows with t; E(c·t) ≤ c·E(t) for c ≥ 1 where the conversion's constant
+    term log(1 − 1/α) − log(δα)/(α − 1) is ≥ 0, at every order of the grid for δ ≤ 1e-4). A workload
     off the path reads at most ln((N − m)/REST_WEIGHT)/(α − 1) above its best order's ε at the whole
     δ, where α is that order, N the grid's size and m the path's orders.
 
-    Only the budget, δ and the horizon enter, never an output: the filter may be fixed before the
-    silo's first charge, or at it (its horizon taken from that charge), and stays a union bound."""
+    The bounds hold up to the rounding of the shares (each rounded down, so that they never sum past
+    1). Only the budget, δ and the horizon enter, never an output, so the filter is fixed before the
+    silo's first charge and the gate stays the union bound above."""
     units = horizon_units(horizon, epsilon=epsilon, delta=delta)
     prefixes = path_prefixes(units)
     orders = np.array(rdp.ORDERS)
