@@ -7,38 +7,59 @@
   `--entries` leaves on SQLite: two queries for O(log n) rows;
 * the bytes a receipt adds to an approval's answer (JSON, as sent).
 
-The approval's own latency under load is bench/approvals.py's (run it before and after). Prints a
-table, then one JSON line.
+The approval's own latency under load is bench/approvals.py's (run it before and after).
 
-    python bench/receipts.py            # ~20 s
+And what checking costs, against a real server (`dpledger serve` in a child process) on a SQLite log
+of `--audit-entries` entries (default 100,000: silos of DP-SGD charges, each reserved and committed,
+seeded through the ledger's own append), with the commands' own code over HTTP:
+
+* `verify_receipts_s`: a silo's `dpledger verify --receipts` over `--receipts` receipts (default 100;
+  goal ≤ 2 s): every distinct head, every entry of the silo, ε recomposed;
+* `audit_s`: an auditor's first `dpledger audit` of the whole log (goal ≤ 10 s): every leaf against
+  the root, every silo's ε recomposed from its mechanisms.
+
+Prints a table, then one JSON line.
+
+    python bench/receipts.py                              # ~3 min (seeding 100,000 entries is most of it)
+    python bench/receipts.py --audit-entries 10000        # ~30 s
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
+from pydantic import TypeAdapter
 from sqlalchemy import select
 
+from dpledger.harness import running_server
+from dpledger.service import transparency_cli
+from dpledger.service.accounting import rdp
+from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger import transparency
+from dpledger.service.ledger import charges, gate, silos, transparency
 from dpledger.service.ledger.db import Database, migrate
-from dpledger.service.ledger.models import LedgerEntry, LogLeaf
+from dpledger.service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, LogLeaf
 from dpledger.service.ledger.signer import TreeHeadSigner
 from dpledger.service.settings import Settings
 from dpledger.wire import merkle
-from dpledger.wire.receipts import verify_head
+from dpledger.wire.mechanisms import Mechanism
+from dpledger.wire.receipts import Receipt, verify_head
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 STEP = {"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.1, "steps": 1}
@@ -63,8 +84,11 @@ def frontier_of(size: int) -> list[bytes]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entries", type=int, default=20_000, help="log size for the database proofs (default 20000)")
+    parser.add_argument("--audit-entries", type=int, default=100_000, help="log size for the audit (default 100000)")
+    parser.add_argument("--receipts", type=int, default=100, help="receipts a silo verifies (default 100)")
     args = parser.parse_args()
     figures: dict[str, float] = {}
+    verification(figures, entries=args.audit_entries, receipts=args.receipts)
 
     signer = TreeHeadSigner(Ed25519PrivateKey.generate())
     root = merkle.leaf_hash(b"root").hex()
@@ -113,8 +137,95 @@ def main() -> None:
 
     print(f"{'figure':28} value")
     for name, value in figures.items():
-        print(f"{name:28} {value:.4g}")
+        goal = f"  (goal ≤ {GOALS[name]:g} s: {'met' if value <= GOALS[name] else 'MISSED'})" if name in GOALS else ""
+        print(f"{name:28} {value:.4g}{goal}")
     print(json.dumps(figures))
+
+
+SILO_CHARGES = 5_000  # per seeded silo: two entries each (reserve, commit)
+GOALS = {"verify_receipts_s": 2.0, "audit_s": 10.0}
+
+
+def verification(figures: dict[str, float], *, entries: int, receipts: int) -> None:
+    """Times `verify --receipts` and `audit` against a real server on a log of `entries` entries."""
+    with tempfile.TemporaryDirectory() as folder:
+        url = f"sqlite:///{folder}/verify.db"
+        migrate(url)
+        key_file = Path(folder) / "log-key.pem"
+        key_file.write_bytes(Ed25519PrivateKey.generate().private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        os.environ["DPLEDGER_SIGNING_KEY_FILE"] = str(key_file)
+        start = time.perf_counter()
+        db = Database.connect(url)
+        remaining, number = entries - (receipts + 1), 0
+        while remaining > 0:
+            charges_here = min(SILO_CHARGES, max(1, remaining // 2))
+            _seed_silo(db, f"seeded-{number}", charges_here)
+            remaining -= 2 * charges_here + 1
+            number += 1
+        db.engine.dispose()
+        figures["seed_s"] = time.perf_counter() - start
+        with running_server(database_url=url, admin_key=ADMIN_KEY) as server, httpx.Client(base_url=server, timeout=120) as http:
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            silo = http.post("/v1/silos", headers=admin, json={"name": "checked", "epsilon": 1e4, "delta": 1e-5,
+                                                                "dataset_size": 1000}).json()
+            headers = {"Authorization": f"Bearer {silo['api_key']}"}
+            held = []
+            for i in range(receipts // 2):
+                answer = http.post(f"/v1/silos/{silo['id']}/charges", headers=headers,
+                                   json={"mechanism": STEP_SMALL, "idempotency_key": f"r{i}"}).json()
+                held.append(Receipt(**answer["receipt"]))
+                held.append(Receipt(**http.post(f"/v1/charges/{answer['charge_id']}/commit", headers=headers).json()["receipt"]))
+            auditor = http.post("/v1/keys", headers=admin, json={"role": "auditor"}).json()["api_key"]
+            os.environ["DPLEDGER_URL"] = server
+            os.environ["DPLEDGER_KEY"] = silo["api_key"]
+            start = time.perf_counter()
+            out = transparency_cli.verify_receipts(transparency_cli.http_get, held)
+            figures["verify_receipts_s"] = time.perf_counter() - start
+            assert out.ok, out.problems
+            os.environ["DPLEDGER_KEY"] = auditor
+            start = time.perf_counter()
+            out = transparency_cli.audit(transparency_cli.http_get, None)
+            figures["audit_s"] = time.perf_counter() - start
+            assert out.ok, out.problems[:5]
+            assert out.head is not None
+            figures["audit_entries"] = out.head.tree_size
+            figures["verified_receipts"] = len(held)
+        for name in ("DPLEDGER_SIGNING_KEY_FILE", "DPLEDGER_URL", "DPLEDGER_KEY"):  # the key file is gone with the folder
+            os.environ.pop(name, None)
+
+
+STEP_SMALL = {"type": "dpsgd", "batch_size": 16, "noise_multiplier": 1.1, "steps": 10}
+
+
+def _seed_silo(db: Database, name: str, count: int) -> None:
+    """A silo with `count` DP-SGD charges, each reserved then committed, written as reserve and
+    _settle write them (the same rows, the ledger's own append), in one transaction: the audit then
+    recomposes each entry's ε, so a seeding that differs from the ledger's would fail it."""
+    silo, _ = silos.register(db, name=name, epsilon=1e6, delta=1e-5, dataset_size=1000)
+    with db.read() as session:
+        priced = charges.price(TypeAdapter(Mechanism).validate_python(STEP_SMALL), silo=silos.get(session, silo.id), charged=True)
+    with db.write() as session:
+        row = silos.lock(session, silo.id)
+        spent = RunningSum.from_json(row.rdp_spent)
+        committed = RunningSum.from_json(row.rdp_committed)
+        now = datetime.now(UTC)
+        for i in range(count):
+            spent = spent.add(priced.curve)
+            epsilon = gate.reading(row, spent).epsilon
+            charge = Charge(
+                silo_id=row.id, idempotency_key=f"seed-{i}", request_hash="0" * 64,
+                mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,
+                conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.committed, job_id="seed", round=i,
+                epsilon_spent_after=epsilon, created_at=now,
+            )
+            session.add(charge)
+            session.flush()
+            row.rdp_spent = spent.to_json()
+            silos.append_entry(session, row, event=EntryEvent.reserve, charge=charge, epsilon_spent=epsilon, now=now)
+            committed = committed.add(priced.curve)
+            row.rdp_committed = committed.to_json()
+            silos.append_entry(session, row, event=EntryEvent.commit, charge=charge, epsilon_spent=epsilon, now=now)
 
 
 def _append_copy(session: Any, template: LedgerEntry, subject: dict[str, Any]) -> None:

@@ -19,12 +19,15 @@ import argparse
 import functools
 import json
 import math
+import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
@@ -47,7 +50,7 @@ from dpledger.wire.receipts import (
 
 _DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, when the environment is final
 Get = Callable[[str, dict[str, Any] | None], Any]  # path, query → the JSON body; raises on an error status
-PAGE = 1000
+PAGE = 10_000  # leaves per request: the most /v1/log/leaves gives (an audit of 100,000 entries asks 10 pages)
 SILO_PAGE = 10_000  # a silo's own leaves per request (the most /v1/log/leaves gives)
 EPSILON_RTOL = 1e-6  # the ledger's running sum and a fresh sum of the same curves differ by rounding only
 
@@ -333,26 +336,41 @@ def audit(get: Get, held: dict[str, Any] | None) -> Outcome:
 
 def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> list[dict[str, Any]] | None:
     leaves: list[LogLeaf] = []
-    while len(leaves) < head.tree_size:
-        page = [LogLeaf(**leaf) for leaf in get("/v1/log/leaves", {"start": len(leaves), "limit": PAGE})]
-        if not page:
-            break
-        leaves += page
-    leaves = leaves[:head.tree_size]
+    records = []
+    for page in _pages(get, head.tree_size):
+        for leaf in page:  # checked as each page arrives, while the ledger serves the next
+            if leaf.log_index >= head.tree_size:
+                break
+            leaves.append(leaf)
+            if leaf.record is None:
+                out.problems.append(f"log index {leaf.log_index}: no entry behind the leaf (it was deleted)")
+                continue
+            if record_leaf_hash(leaf.record) != leaf.leaf_hash:
+                out.problems.append(f"log index {leaf.log_index}: the entry no longer matches its leaf "
+                                    "(edited after it was logged)")
+            records.append(json.loads(leaf.record))
     if [leaf.log_index for leaf in leaves] != list(range(head.tree_size)):
         out.problems.append(f"the log serves {len(leaves)} leaves, not the {head.tree_size} its head signs")
         return None
     if merkle.root(_hex([leaf.leaf_hash for leaf in leaves])).hex() != head.root_hash:
         out.problems.append("the leaves the log serves do not make the root its head signs")
-    records = []
-    for leaf in leaves:
-        if leaf.record is None:
-            out.problems.append(f"log index {leaf.log_index}: no entry behind the leaf (it was deleted)")
-            continue
-        if record_leaf_hash(leaf.record) != leaf.leaf_hash:
-            out.problems.append(f"log index {leaf.log_index}: the entry no longer matches its leaf (edited after it was logged)")
-        records.append(json.loads(leaf.record))
     return records
+
+
+def _pages(get: Get, size: int) -> Iterator[list[LogLeaf]]:
+    """The log's leaves below `size`, page by page, each next page asked for while the caller checks
+    this one: the ledger's serving and the auditor's checking overlap instead of taking turns."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        def fetch(start: int) -> list[LogLeaf]:
+            return [LogLeaf(**leaf) for leaf in get("/v1/log/leaves", {"start": start, "limit": PAGE})]
+
+        start = 0
+        pending: Future[list[LogLeaf]] | None = pool.submit(fetch, start)
+        while pending is not None:
+            page = pending.result()
+            start += len(page)
+            pending = pool.submit(fetch, start) if len(page) == PAGE and start < size else None
+            yield page
 
 
 def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
@@ -399,7 +417,7 @@ def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome
     plan: plans.Plan | None = None
     live: dict[int, np.ndarray] = {}
     total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
-    composed = 0.0
+    composed, read = 0.0, False
     prev_hash, seq = "0" * 64, 0
     curves: dict[str, np.ndarray] = {}  # a job repeats one mechanism: parse and check it once
     for record in silo_records:
@@ -450,13 +468,16 @@ def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome
             total = total.add(curve)
         elif event == "release" and charge_id in live:
             total = total.subtract(live.pop(charge_id))
-        running = total.curve()
-        if plan is not None:
-            composed = 0.0 if not np.any(running) else plan.epsilon
-        elif spec is not None:
-            composed = rdp_filter.read(spec, running, delta=delta).epsilon
-        else:
-            composed, _ = rdp.epsilon(running, delta=delta)
+        if event in ("reserve", "release", "filter", "plan", "seal") or not read:
+            # A commit leaves the sum as it was: its ε is the entry's before it, read once (half the reads).
+            running = total.curve()
+            if plan is not None:
+                composed = 0.0 if not np.any(running) else plan.epsilon
+            elif spec is not None:
+                composed = rdp_filter.read(spec, running, delta=delta).epsilon
+            else:
+                composed, _ = rdp.epsilon(running, delta=delta)
+            read = True
         stated = math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"]
         if not _same_epsilon(stated, composed):
             out.problems.append(f"{name} ({event} of charge {charge_id}) states ε={stated:.6g}, "
@@ -478,12 +499,30 @@ def _mechanism_adapter(kind: Any) -> TypeAdapter[Any]:
 # --- the commands ---------------------------------------------------------------------------------
 
 def http_get(path: str, params: dict[str, Any] | None) -> Any:
+    """GET over one kept-alive connection, with `dpledger`'s errors: a check makes tens of requests, and
+    a fresh client each (people_cli's) spends ~30 ms per request building its TLS context alone."""
+    url = os.environ.get("DPLEDGER_URL", people_cli.DEFAULT_URL).rstrip("/")
+    key = os.environ.get("DPLEDGER_KEY")
+    if not key:
+        raise people_cli.CliError("DPLEDGER_KEY is not set: export an admin, auditor or silo API key")
     try:
-        return people_cli._get(path, params).json()
-    except people_cli.CliError as error:
-        if str(error).startswith(("403", "HTTP 4")):
-            raise RefusedError(str(error)) from None
-        raise
+        response = _client(url, key).get(path, params=params)
+    except httpx.HTTPError as error:
+        raise people_cli.CliError(f"cannot reach the ledger at {url} (DPLEDGER_URL): {error}") from None
+    if response.status_code == 401:
+        raise people_cli.CliError(f"401 unauthorized: DPLEDGER_KEY was refused ({people_cli._detail(response)})")
+    if response.status_code == 403:
+        raise RefusedError(f"403 forbidden: this key may not read {path} ({people_cli._detail(response)})")
+    if 400 <= response.status_code < 500:
+        raise RefusedError(f"HTTP {response.status_code} from {path}: {people_cli._detail(response)}")
+    if response.status_code >= 500:
+        raise people_cli.CliError(f"HTTP {response.status_code} from {path}: {people_cli._detail(response)}")
+    return response.json()
+
+
+@functools.lru_cache(maxsize=4)
+def _client(url: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120.0)
 
 
 def load_receipts(path: Path) -> list[Receipt]:
