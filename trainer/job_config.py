@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # The names of trainer.federated.registry.standalone(), written out so that a job file is checked
 # without importing torch; tests/trainer/test_train.py keeps the two equal.
-ALGORITHMS: tuple[str, ...] = ("ditto", "fedavg", "finetune", "ifca", "ifca_mrmtl", "local", "mrmtl", "ppsgd")
+ALGORITHMS: tuple[str, ...] = ("ditto", "fedavg", "finetune", "ifca", "ifca_mrmtl", "local", "mrmtl", "pmtl", "ppsgd")
 
 
 class JobFileError(Exception):

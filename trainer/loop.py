@@ -122,7 +122,7 @@ def run_gated(
         result = algorithm.run_round(round_index, approved)
         try:
             for k, permit in permits.items():
-                if int(result.steps[k]) > 0:
+                if bool(result.trained[k]):  # any query of its data: spent
                     permit.touch()
                 permit.settle()  # released when the silo was approved but took no step
         except (Unreachable, Rejected) as error:

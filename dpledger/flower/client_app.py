@@ -1,36 +1,32 @@
-"""The silo's ClientApp: DP-SGD on the silo's own data, run only under the approval that
-`gate.ledger_gate` wrote into the silo's state for this very round.
+"""The silo's ClientApp: the silo half of the run's algorithm (`trainer.federated.registry`), run
+on the silo's own data only under the approval that `gate.ledger_gate` wrote into the silo's state
+for this very round.
 
-FedAvg, PFA, FedHDP: start from the global model, send the trained model back. MR-MTL: the personal model stays
-in the silo's state; it trains towards the server's mean and sends its personal model, which the
-server averages into the next mean (already-private outputs: post-processing)."""
+Every algorithm of the registry runs here the same way: build the silo half from the train
+message's public settings, check that what it will query is what the gate had approved, train over
+this one silo, keep its personal state in the silo's own Context.state, and send the upload (the
+already-private models or updates the server half aggregates: post-processing)."""
 
 from __future__ import annotations
 
-import math
+import json
 import time
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from dpledger.flower import records
+from dpledger.flower import family, records
 from dpledger.flower.gate import ledger_gate
-from dpledger.flower.local import accuracy, dp_sgd, load_silo_file, template
-from dpledger.flower.settings import ALGORITHMS, SiloSettings
+from dpledger.flower.local import accuracy, load_silo_file, template
+from dpledger.flower.settings import SiloSettings
 
 app = ClientApp(mods=[ledger_gate])
 
 
-def _config(message: Message) -> ConfigRecord:
-    return message.content.config_records[records.CONFIG]
-
-
-def _number(config: ConfigRecord, key: str) -> float:
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"train config {key!r} must be a finite number. Found {value!r}.")
-    return float(value)
+def _config(message: Message) -> dict[str, object]:
+    record = message.content.config_records[records.CONFIG]
+    return {key: record[key] for key in record}
 
 
 @app.train()
@@ -42,52 +38,38 @@ def train(message: Message, context: Context) -> Message:
         raise RuntimeError("no ledger approval for this round")
     silo = SiloSettings.of_node(context.node_config)
     data = load_silo_file(silo.data_path)
-    algorithm = config.get("algorithm")
-    model = template(seed=int(_number(config, "seed")))
-    received = records.from_record(message.content.array_records[records.ARRAYS])
-    if received.shape != (model.size,):
-        raise ValueError(f"the server's model has {received.shape[0]} parameters, this model {model.size}")
-    anchor: torch.Tensor | None = None
-    if algorithm in ("mrmtl", "pmtl"):
-        personal = context.state.array_records.get(records.PERSONAL)
-        start = records.from_record(personal) if personal is not None else received
-        anchor = received  # the server's mean of the personal models
-    elif algorithm in ("fedavg", "pfa", "fedhdp"):
-        start = received  # the global model; PFA and FedHDP differ from FedAvg only at the server
-    else:
-        raise ValueError(f"train config 'algorithm' must be one of {list(ALGORITHMS)}. Found {algorithm!r}.")
+    planned = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier)
+    if json.dumps(planned.mechanism(), sort_keys=True) != approval.get("mechanism"):
+        raise RuntimeError("the round would query other than what the ledger approved")
+    received = family.from_record(message.content.array_records[records.ARRAYS])
+    stored = context.state.array_records.get(records.SILO_STATE)
+    state = family.from_record(stored) if stored is not None else planned.halves.silo.start(planned.model.initial(), 1)
 
     # A tiny model: one thread trains it as fast as many, and leaves the site's other cores alone.
     torch.set_num_threads(1)
     started = time.perf_counter()
-    steps, batch_size, sigma = approval["steps"], approval["batch-size"], approval["noise-multiplier"]
-    assert isinstance(steps, int) and isinstance(batch_size, int) and isinstance(sigma, float)  # written by the gate
-    trained = dp_sgd(model, data, start, steps=steps, batch_size=batch_size, noise_multiplier=sigma,
-                     clip_norm=_number(config, "clip-norm"), lr=_number(config, "lr"), anchor=anchor,
-                     lam=_number(config, "lam") if anchor is not None else 0.0)
+    planned.engine.meter.start()
+    trained = planned.halves.silo.train(planned.round_index, planned.engine, torch.tensor([0]), received, state)
+    planned.plan().check(torch.tensor([True]), planned.engine.meter.since_start())  # ran exactly what was approved
     train_seconds = time.perf_counter() - started
-    if algorithm in ("mrmtl", "pmtl"):
-        context.state.array_records[records.PERSONAL] = records.to_record(trained)
+    context.state.array_records[records.SILO_STATE] = family.to_record(state)
     # The norm goes to the ledger through the gate with the silo's key, never into the reply.
-    context.state.config_records[records.OUTCOME] = ConfigRecord(
-        {"update-norm": float(torch.linalg.vector_norm(trained - start))}
-    )
-    return records.trained_reply(message, trained, {"train-seconds": train_seconds})
+    context.state.config_records[records.OUTCOME] = ConfigRecord({"update-norm": float(trained.norms[0])})
+    return records.trained_reply(message, family.to_record(trained.upload), {"train-seconds": train_seconds})
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    """Test accuracy of the model this silo deploys (the global one, or its personal one)."""
+    """Test accuracy of the model this silo deploys (the global one, its cluster's, or its own)."""
     silo = SiloSettings.of_node(context.node_config)
     data = load_silo_file(silo.data_path)
     config = _config(message)
-    model = template(seed=int(_number(config, "seed")))
-    personal = context.state.array_records.get(records.PERSONAL)
-    if config.get("algorithm") in ("mrmtl", "pmtl") and personal is not None:
-        params = records.from_record(personal)
-    else:
-        params = records.from_record(message.content.array_records[records.ARRAYS])
-    return Message(RecordDict({records.METRICS: MetricRecord({"accuracy": accuracy(model, params, data)})}),
+    built = family.halves(config, noise_multiplier=silo.noise_multiplier)
+    model = template(seed=built.silo.config.seed)
+    stored = context.state.array_records.get(records.SILO_STATE)
+    state = family.from_record(stored) if stored is not None else built.silo.start(model.initial(), 1)
+    deployed = built.silo.deployed(family.from_record(message.content.array_records[records.ARRAYS]), state)[0]
+    return Message(RecordDict({records.METRICS: MetricRecord({"accuracy": accuracy(model, deployed, data)})}),
                    reply_to=message)
 
 

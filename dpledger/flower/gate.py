@@ -13,15 +13,15 @@ why, with the refusal's numbers.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
-from dpledger.flower import records
-from dpledger.flower.local import load_silo_file, round_mechanism
-from dpledger.flower.pmtl import record_level_mechanism
+from dpledger.flower import family, records
+from dpledger.flower.local import load_silo_file
 from dpledger.flower.settings import SettingsError, SiloSettings
 from dpledger.trainer.client import Denied, LedgerClient, LedgerError
 from dpledger.trainer.rounds import NotOwned, Permit, open_round, refusal_line
@@ -34,29 +34,19 @@ def ledger_job(job_id: int) -> str:
     return f"flower-job-{job_id}"
 
 
-def _order(message: Message) -> tuple[int, int, int, int]:
-    """(job id, round, local steps, batch size) of a train message; ValueError names what is wrong."""
+def _order(message: Message) -> tuple[int, int, dict[str, object]]:
+    """(job id, round, the public config) of a train message; ValueError names what is wrong."""
     if records.CONFIG not in message.content.config_records:
         raise ValueError("train message without a config record")
-    config = message.content.config_records[records.CONFIG]
+    record = message.content.config_records[records.CONFIG]
+    config: dict[str, object] = {key: record[key] for key in record}
     values = []
-    for key in ("job-id", "round", "local-steps", "batch-size"):
+    for key in ("job-id", "round"):
         value = config.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "round" else 1):
             raise ValueError(f"train config {key!r} must be a non-negative integer. Found {value!r}.")
         values.append(value)
-    return values[0], values[1], values[2], values[3]
-
-
-def _pmtl_noise(message: Message) -> float | None:
-    """The server's noise multiplier when the round is PMTL's (the server noises the aggregate), else None."""
-    config = message.content.config_records[records.CONFIG]
-    if config.get("algorithm") != "pmtl":
-        return None
-    z = config.get("server-noise")
-    if isinstance(z, bool) or not isinstance(z, int | float) or not z > 0:
-        raise ValueError(f"train config 'server-noise' must be a number > 0. Found {z!r}.")
-    return float(z)
+    return values[0], values[1], config
 
 
 def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -64,9 +54,12 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         return call_next(message, context)
     try:
         silo = SiloSettings.of_node(context.node_config)
-        job_id, round_index, steps, batch_size = _order(message)
-        server_noise = _pmtl_noise(message)
-        dataset_size = load_silo_file(silo.data_path).size
+        job_id, round_index, config = _order(message)
+        data = load_silo_file(silo.data_path)
+        # What the run's algorithm will query of this silo's data this round, from its silo half
+        # (the same one the ClientApp then runs): a DP-SGD round, IFCA's selection composed with it,
+        # PMTL's record-level share of the server's Gaussian…
+        mechanism = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier).mechanism()
         key = silo.api_key()
     except (SettingsError, ValueError) as error:
         log.error("round not run: %s", error)
@@ -76,23 +69,12 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         started = time.perf_counter()
         try:
             registered = ledger.silo(silo.silo_id).dataset_size
-            if dataset_size < registered:
+            if data.size < registered:
                 # The ledger computes q from the registered size: sampling from fewer records would
                 # make the real q larger than the one charged.
                 log.error("round not run: %s holds %d records, fewer than the %d registered", silo.data_path,
-                          dataset_size, registered)
+                          data.size, registered)
                 return records.status_reply(message, records.FAILED)
-            if server_noise is None:
-                mechanism = round_mechanism(dataset_size=dataset_size, batch_size=batch_size,
-                                            noise_multiplier=silo.noise_multiplier, steps=steps)
-            else:
-                # PMTL (Hu et al., "Private Multi-Task Learning", Alg. 1): the silo trains without
-                # noise and the trusted server adds N(0, z²γ²) to the sum of clipped updates. Every
-                # silo the server asks takes part (no amplification from client sampling, which the
-                # ledger cannot verify), and one record can move a clipped update by up to 2γ: the
-                # Gaussian with multiplier z/2 (`pmtl.record_level_mechanism`), the safe side of the
-                # client-level z.
-                mechanism = record_level_mechanism(server_noise=server_noise)
             permit = open_round(ledger, silo_id=silo.silo_id, job_id=ledger_job(job_id), round=round_index,
                                 mechanism=mechanism)
         except Denied as denied:
@@ -105,8 +87,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
             log.error("round %d not run: %s", round_index + 1, error)
             return records.status_reply(message, records.FAILED)
         ledger_seconds = time.perf_counter() - started
-        reply = _train(permit, message, context, call_next, job_id=job_id, steps=steps, batch_size=batch_size,
-                       noise_multiplier=silo.noise_multiplier if server_noise is None else 0.0)
+        reply = _train(permit, message, context, call_next, job_id=job_id, mechanism=mechanism)
 
         started = time.perf_counter()
         try:
@@ -128,11 +109,10 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
 
 
 def _train(permit: Permit, message: Message, context: Context, call_next: ClientAppCallable, *, job_id: int,
-           steps: int, batch_size: int, noise_multiplier: float) -> Message:
+           mechanism: dict[str, object]) -> Message:
     """call_next under the permit's approval, written into the silo's state for this round only."""
     context.state.config_records[records.APPROVAL] = ConfigRecord({
-        "job-id": job_id, "round": permit.round, "steps": steps,
-        "batch-size": batch_size, "noise-multiplier": noise_multiplier,
+        "job-id": job_id, "round": permit.round, "mechanism": json.dumps(mechanism, sort_keys=True),
     })
     context.state.config_records.pop(records.OUTCOME, None)
     permit.touch()  # from here the ClientApp may read the data
@@ -140,7 +120,7 @@ def _train(permit: Permit, message: Message, context: Context, call_next: Client
         return call_next(message, context)
     except Exception:
         log.exception("round %d failed after approval; its charge is committed (it may have touched the data)",
-                      permit.round)
+                      permit.round + 1)
         return records.status_reply(message, records.FAILED)
     finally:
         del context.state.config_records[records.APPROVAL]

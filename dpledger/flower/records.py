@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Final
 
-import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 TRAINED: Final = "trained"
@@ -26,21 +24,10 @@ STATUS: Final = "status"
 METRICS: Final = "metrics"
 
 # Keys in a silo's own Context.state (never sent): the mod's approval for the round in progress,
-# what the round reports back to the mod, and MR-MTL's personal model.
+# what the round reports back to the mod, and the silo half's own state (its personal model…).
 APPROVAL: Final = "dpledger-approval"
 OUTCOME: Final = "dpledger-outcome"
-PERSONAL: Final = "dpledger-personal"
-
-
-def to_record(flat: torch.Tensor) -> ArrayRecord:
-    return ArrayRecord([flat.detach().cpu().numpy().astype(np.float32)])
-
-
-def from_record(record: ArrayRecord) -> torch.Tensor:
-    arrays = record.to_numpy_ndarrays()
-    if len(arrays) != 1 or arrays[0].ndim != 1:
-        raise ValueError(f"expected one flat parameter vector. Found shapes {[a.shape for a in arrays]}.")
-    return torch.as_tensor(np.array(arrays[0], dtype=np.float32))
+SILO_STATE: Final = "dpledger-silo-state"
 
 
 def status_reply(message: Message, status: str) -> Message:
@@ -58,8 +45,8 @@ def reply_status(message: Message) -> str:
     return status if isinstance(status, str) and status in STATUSES else FAILED
 
 
-def trained_reply(message: Message, flat: torch.Tensor, metrics: dict[str, float]) -> Message:
+def trained_reply(message: Message, upload: ArrayRecord, metrics: dict[str, float]) -> Message:
     return Message(
-        RecordDict({STATUS: ConfigRecord({STATUS: TRAINED}), ARRAYS: to_record(flat), METRICS: MetricRecord(dict(metrics))}),
+        RecordDict({STATUS: ConfigRecord({STATUS: TRAINED}), ARRAYS: upload, METRICS: MetricRecord(dict(metrics))}),
         reply_to=message,
     )

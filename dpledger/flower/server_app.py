@@ -1,7 +1,10 @@
-"""The ServerApp: one ledger job per run, FedAvg, MR-MTL, PMTL, PFA or FedHDP over the silos still training.
+"""The ServerApp: one ledger job per run, any algorithm of the registry over the silos still training.
 
-PFA and FedHDP (`grouped`): a charged warm-start round, then the groups the ledger clusters from
-that round's norms, read once with the coordinator key and kept for the rest of the run.
+The algorithm's server half runs inside `LedgerStrategy`, a Flower strategy (`configure_train` /
+`aggregate_train`, driven by Flower's own `Strategy.start` loop): it broadcasts what the server half
+says, and folds the uploads of the silos that trained into it. PFA and FedHDP (coordinated): a
+charged warm-start round, then the groups the ledger clusters from that round's norms, read once
+with the coordinator key and kept for the rest of the run.
 
 It holds a coordinator key only (create the job; read groups), so nothing it could log or forward
 holds a budget, an ε or a norm: silos answer "declined" when they stop, and report their norms to
@@ -17,17 +20,22 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore.run import Run
 
-from dpledger.flower import grouped, records
+from dpledger.flower import family, grouped, records
 from dpledger.flower.local import template
-from dpledger.flower.pmtl import server_step
 from dpledger.flower.settings import RunSettings
 from dpledger.trainer.client import LedgerClient
+from dpledger.trainer.federated.config import STREAM_INIT, derive_seed
+from dpledger.trainer.federated.halves import ServerHalf, ServerStart
+from dpledger.trainer.federated.pfa import GroupServer
 
 # Under "flwr", so the lines reach the SuperLink log and `flwr run --stream` like Flower's own.
 log = logging.getLogger("flwr.dpledger.server")
@@ -68,7 +76,7 @@ def _wait_for_nodes(grid: Grid, count: int) -> list[int]:
 REPLY_POLL_SECONDS = 0.1
 
 
-def _exchange(grid: Grid, messages: list[Message], timeout: float) -> list[Message]:
+def _exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
     """Grid.send_and_receive, pulling every 0.1 s: Flower 1.41's own pulls every 3 s, which rounds
     every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py)."""
     pending = set(grid.push_messages(messages))
@@ -128,6 +136,135 @@ def _current_nodes(grid: Grid, silos: dict[int, int], job_silos: list[int], time
     return {silo: node for node, silo in silos.items() if node in connected}
 
 
+class FastGrid(Grid):
+    """The run's grid, with replies pulled every 0.1 s (`_exchange`) in Strategy.start's loop."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+
+    @property
+    def run(self) -> Run:
+        return self.grid.run
+
+    def set_run(self, run: Run) -> None:
+        self.grid.set_run(run)
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return _exchange(self.grid, messages, 3600.0 if timeout is None else timeout)
+
+
+class LedgerStrategy(Strategy):
+    """A Flower strategy around an algorithm's server half, over the job's silos (by ledger silo id,
+    in id order: position k of the server half is the k-th). It asks every silo that has not
+    declined (and that the server half asks this round), on whichever node answers for it now."""
+
+    def __init__(self, settings: RunSettings, server: ServerHalf, run: RunLog, asked_nodes: dict[int, int]) -> None:
+        self.settings = settings
+        self.server = server
+        self.run = run
+        self.job_silos = sorted(run.silos.values())
+        self.active = set(self.job_silos)  # every silo that has not declined
+        self.asked_nodes = asked_nodes
+        self._asked: list[int] = []
+        self._node_of: dict[int, int] = {}
+        self._started = 0.0
+
+    def summary(self) -> None:
+        log.info("job %d: %s over %d silos, %d rounds", self.run.job_id, self.settings.algorithm,
+                 len(self.job_silos), self.settings.rounds)
+
+    def _round_config(self, round_index: int) -> ConfigRecord:
+        s = self.settings
+        return ConfigRecord({"job-id": self.run.job_id, "round": round_index, "algorithm": s.algorithm, "seed": s.seed,
+                             "local-steps": s.local_steps, "batch-size": s.batch_size, "lr": s.lr,
+                             "clip-norm": s.clip_norm, **s.options})
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        round_index = server_round - 1
+        if not self.active:
+            log.info("round %d: no silo left to train", server_round)
+            self._asked = []
+            return []
+        node_of = self._node_of = _current_nodes(grid, self.run.silos, self.job_silos, self.settings.round_timeout,
+                                                 self.asked_nodes)
+        asks = self.server.asks(round_index).tolist()
+        self._asked = [silo for k, silo in enumerate(self.job_silos) if silo in self.active and asks[k]]
+        content = family.to_record(self.server.broadcast(round_index))
+        round_config = self._round_config(round_index)
+        self._started = time.perf_counter()
+        return [Message(RecordDict({records.ARRAYS: content, records.CONFIG: round_config}), node_of[silo],
+                        MessageType.TRAIN, group_id=str(round_index))
+                for silo in self._asked if silo in node_of]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        round_index = server_round - 1
+        if not self._asked:
+            return None, None
+        by_silo = {self.run.silos.get(reply.metadata.src_node_id): reply for reply in replies}
+        entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - self._started, train_seconds={},
+                         ledger_seconds={})
+        uploads: list[dict[str, torch.Tensor]] = []
+        members: list[int] = []
+        for silo in self._asked:
+            reply = by_silo.get(silo)
+            status = records.reply_status(reply) if reply is not None else ("no reply" if silo in self._node_of else "no node")
+            entry.status[silo] = status
+            if reply is None:
+                continue
+            self.run.reply_records.append(_public_values(reply))
+            if status == records.TRAINED:
+                uploads.append(family.from_record(reply.content.array_records[records.ARRAYS]))
+                members.append(self.job_silos.index(silo))
+                metrics = reply.content.metric_records[records.METRICS]
+                entry.train_seconds[silo] = float(metrics["train-seconds"])  # type: ignore[arg-type]  # a float the silo wrote
+                entry.ledger_seconds[silo] = float(metrics["ledger-seconds"])  # type: ignore[arg-type]  # idem
+            elif status == records.DECLINED:
+                self.active.discard(silo)  # over its budget: final, the silo spends no more
+        if members:
+            self.server.aggregate(round_index, torch.tensor(members), family.stack(uploads))
+        if isinstance(self.server, GroupServer) and round_index == grouped.WARM_START_ROUND:
+            # Liu et al. 2023 §4.1: the warm-start round only collects; every silo reported its norm to
+            # the ledger before replying, so the groups are complete now. Read once, never again.
+            with LedgerClient(self.settings.ledger_url, self.settings.coordinator_key()) as ledger:
+                service_groups = ledger.groups(self.run.job_id, round_index)
+            self.run.groups = grouped.fixed_groups(service_groups, self.job_silos)
+            self.server.set_groups([self.run.groups[silo] for silo in self.job_silos])
+            log.info("job %d: privacy groups %s", self.run.job_id, self.run.groups)
+        self.run.rounds.append(entry)
+        counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
+        log.info("round %d: %s in %.2f s", server_round, counts, entry.seconds)
+        return None, MetricRecord({status: count for status, count in counts.items()})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+        if server_round != self.settings.rounds:
+            return []  # one evaluation, after the last round
+        content = family.to_record(self.server.broadcast(server_round))
+        evaluate_config = self._round_config(server_round)
+        nodes = _current_nodes(grid, self.run.silos, self.job_silos, self.settings.round_timeout, self.asked_nodes)
+        return [Message(RecordDict({records.ARRAYS: content, records.CONFIG: evaluate_config}), node,
+                        MessageType.EVALUATE, group_id="evaluate") for node in sorted(nodes.values())]
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        for reply in replies:
+            if not reply.has_error() and records.METRICS in reply.content.metric_records:
+                accuracy = reply.content.metric_records[records.METRICS]["accuracy"]
+                self.run.accuracy[self.run.silos[reply.metadata.src_node_id]] = float(accuracy)  # type: ignore[arg-type]  # a float the silo wrote
+        return None
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = RunSettings.from_run_config(context.run_config)
@@ -138,90 +275,22 @@ def main(grid: Grid, context: Context) -> None:
     with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
         job_id = ledger.create_job(name=f"flower-run-{context.run_id}", silo_ids=sorted(silos.values()))
     run = RunLog(job_id=job_id, algorithm=settings.algorithm, silos=silos)
-    log.info("job %d: %s over %d silos, %d rounds", job_id, settings.algorithm, len(silos), settings.rounds)
 
     model = template(seed=settings.seed)
-    shared = model.initial()  # FedAvg: the global model; MR-MTL: the mean of the personal models
-    job_silos = sorted(silos.values())
-    latest = {silo: shared.clone() for silo in job_silos}  # MR-MTL: each silo's last personal model
-    active = set(job_silos)  # every silo that has not declined
+    server = settings.halves.server(ServerStart(
+        initial=model.initial(), num_silos=len(silos),
+        fresh_model=lambda j: template(seed=derive_seed(settings.seed, STREAM_INIT, j)).initial(),
+        # A server query of the silos' data is charged by each silo's gate, from its own silo half.
+        record=lambda kind, members, mechanism: None,
+        # The server's own noise (PMTL's) from OS randomness no silo can predict.
+        noise=torch.Generator().manual_seed(secrets.randbits(63)),
+    ))
     # Asked once already at the start; those that answered are never asked again.
     asked_nodes = {node: 1 for node in nodes} | {node: SILO_ID_ASKS for node in silos}
-    for round_index in range(settings.rounds):
-        if not active:
-            log.info("round %d: no silo left to train", round_index + 1)
-            break
-        node_of = _current_nodes(grid, silos, job_silos, settings.round_timeout, asked_nodes)
-        config = ConfigRecord({
-            "job-id": job_id, "round": round_index, "algorithm": settings.algorithm, "seed": settings.seed,
-            "local-steps": settings.local_steps, "batch-size": settings.batch_size, "lr": settings.lr,
-            "clip-norm": settings.clip_norm, "lam": settings.lam, "server-noise": settings.server_noise,
-        })
-        asked = sorted(active)  # PMTL averages over the silos asked, a fixed count (see pmtl.server_step)
-        messages = [
-            Message(RecordDict({records.ARRAYS: records.to_record(shared), records.CONFIG: config}), node_of[silo],
-                    MessageType.TRAIN, group_id=str(round_index))
-            for silo in asked if silo in node_of
-        ]
-        started = time.perf_counter()
-        replies = {silos.get(reply.metadata.src_node_id): reply
-                   for reply in _exchange(grid, messages, settings.round_timeout)}
-        entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - started, train_seconds={}, ledger_seconds={})
-        trained: list[torch.Tensor] = []
-        trained_silos: list[int] = []
-        for silo in asked:
-            reply = replies.get(silo)
-            status = (records.reply_status(reply) if reply is not None
-                      else "no reply" if silo in node_of else "no node")
-            entry.status[silo] = status
-            if reply is not None:
-                run.reply_records.append(_public_values(reply))
-            if reply is not None and status == records.TRAINED:
-                params = records.from_record(reply.content.array_records[records.ARRAYS])
-                trained.append(params)
-                trained_silos.append(silo)
-                latest[silo] = params
-                metrics = reply.content.metric_records[records.METRICS]
-                entry.train_seconds[silo] = float(metrics["train-seconds"])  # type: ignore[arg-type]  # a float the silo wrote
-                entry.ledger_seconds[silo] = float(metrics["ledger-seconds"])  # type: ignore[arg-type]  # idem
-            elif status == records.DECLINED:
-                active.discard(silo)  # over its budget: final, the silo spends no more
-        if settings.algorithm == "fedavg" and trained:
-            shared = torch.stack(trained).mean(0)
-        elif settings.algorithm in grouped.GROUPED and round_index == grouped.WARM_START_ROUND:
-            # Liu et al. 2023 §4.1: the warm-start round only collects; every silo reported its norm to
-            # the ledger before replying, so the groups are complete now. Read once, never again.
-            with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
-                service_groups = ledger.groups(job_id, round_index)
-            run.groups = grouped.fixed_groups(service_groups, sorted(silos.values()))
-            log.info("job %d: privacy groups %s", job_id, run.groups)
-        elif settings.algorithm in grouped.GROUPED and trained:
-            updates = torch.stack(trained) - shared
-            shared = shared + grouped.aggregate(settings.algorithm, updates, [run.groups[s] for s in trained_silos])
-        elif settings.algorithm == "mrmtl":
-            # The mean of all personal models, a stopped silo's frozen one included (post-processing).
-            shared = torch.stack([latest[silo] for silo in job_silos]).mean(0)
-        elif settings.algorithm == "pmtl":
-            # Hu et al., "Private Multi-Task Learning", Alg. 1 line 8: clip each asked silo's update,
-            # sum those that trained, add N(0, z²γ²), divide by the number asked. The noise is drawn
-            # whatever answered, from OS randomness no silo can predict.
-            took_part = torch.tensor([entry.status[silo] == records.TRAINED for silo in asked])
-            shared = server_step(shared, torch.stack([latest[silo] for silo in asked]), took_part,
-                                 update_clip=settings.update_clip, server_noise=settings.server_noise,
-                                 generator=torch.Generator().manual_seed(secrets.randbits(63)))
-        run.rounds.append(entry)
-        counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
-        log.info("round %d: %s in %.2f s", round_index + 1, counts, entry.seconds)
+    strategy = LedgerStrategy(settings, server, run, asked_nodes)
+    strategy.start(grid=FastGrid(grid), initial_arrays=family.to_record(server.broadcast(0)), num_rounds=settings.rounds,
+                   timeout=settings.round_timeout)
 
-    evaluations = [
-        Message(RecordDict({records.ARRAYS: records.to_record(shared),
-                            records.CONFIG: ConfigRecord({"algorithm": settings.algorithm, "seed": settings.seed})}),
-                node, MessageType.EVALUATE, group_id="evaluate")
-        for node in sorted(_current_nodes(grid, silos, job_silos, settings.round_timeout, asked_nodes).values())
-    ]
-    for reply in _exchange(grid, evaluations, settings.round_timeout):
-        if not reply.has_error() and records.METRICS in reply.content.metric_records:
-            run.accuracy[silos[reply.metadata.src_node_id]] = float(reply.content.metric_records[records.METRICS]["accuracy"])  # type: ignore[arg-type]  # a float the silo wrote
     log.info("accuracy per silo: %s", {k: round(v, 3) for k, v in run.accuracy.items()})
     # The outcome, said once: "complete" (every silo trained every round), "partial", or "nothing
     # trained" (every silo declined, failed or was silent from round 0: the run learned nothing and fails).
@@ -234,5 +303,5 @@ def main(grid: Grid, context: Context) -> None:
         settings.out.write_text(json.dumps({"outcome": outcome, **asdict(run)}, indent=1, default=str))
     if outcome == "nothing trained":
         statuses = sorted({e.status[s] for e in run.rounds[:1] for s in e.status})
-        raise RuntimeError(f"job {job_id}: no silo trained any round (round 0: {', '.join(statuses) or 'no round'}); "
+        raise RuntimeError(f"job {job_id}: no silo trained any round (round 1: {', '.join(statuses) or 'no round'}); "
                            "the run failed")

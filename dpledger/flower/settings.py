@@ -18,11 +18,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+
+from dpledger.flower import family
+from dpledger.trainer.federated.halves import Halves
 
 ConfigValue = bool | float | int | str
-Algorithm = Literal["fedavg", "mrmtl", "pmtl", "pfa", "fedhdp"]
-ALGORITHMS: tuple[Algorithm, ...] = ("fedavg", "mrmtl", "pmtl", "pfa", "fedhdp")
 SIMULATION_NODES_ENV = "DPLEDGER_SIMULATION_NODES"
 PARTITION_ID = "partition-id"  # what Flower's simulation engine puts in a virtual node's node config
 
@@ -110,19 +110,18 @@ class SiloSettings:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The run config (`[tool.flwr.app.config]`, overridden with `flwr run -c`): public training
-    hyperparameters and the coordinator's own ledger access. Nothing in it is a silo's secret."""
+    """The run config (`[tool.flwr.app.config]`, overridden with `flwr run -c`): the algorithm (any
+    of the registry's), its options, public training hyperparameters and the coordinator's own
+    ledger access. Nothing in it is a silo's secret."""
 
-    algorithm: Algorithm
+    algorithm: str
+    halves: Halves
+    options: dict[str, ConfigValue]  # the algorithm's own options, copied into every train message
     rounds: int
     local_steps: int
     batch_size: int
     lr: float
     clip_norm: float
-    lam: float
-    # PMTL: the server's noise multiplier z on the sum of clipped model updates (clip norm `update-clip`).
-    server_noise: float
-    update_clip: float
     seed: int
     min_nodes: int
     round_timeout: float
@@ -134,21 +133,23 @@ class RunSettings:
     def from_run_config(cls, config: Mapping[str, ConfigValue]) -> RunSettings:
         where = "run config"
         algorithm = _text(config, "algorithm", where)
-        if algorithm not in ALGORITHMS:
-            raise SettingsError(f"{where}: 'algorithm' must be one of {list(ALGORITHMS)}. Found {algorithm!r}.")
         out = config.get("out", "")
         if not isinstance(out, str):
             raise SettingsError(f"{where}: 'out' must be a path or ''. Found {out!r}.")
+        try:
+            # Built here once, so that a bad option fails the run before any silo is asked.
+            halves = family.halves(config)
+        except family.FamilyError as error:
+            raise SettingsError(f"{where}: {error}") from None
         return cls(
-            algorithm=algorithm,  # narrowed to the Literal by the membership test above
+            algorithm=algorithm,
+            halves=halves,
+            options={key: value for key, value in family.public_options(config).items() if isinstance(value, ConfigValue)},
             rounds=_int(config, "rounds", where, minimum=1),
             local_steps=_int(config, "local-steps", where, minimum=1),
             batch_size=_int(config, "batch-size", where, minimum=1),
             lr=_float(config, "lr", where, positive=True),
             clip_norm=_float(config, "clip-norm", where, positive=True),
-            lam=_float(config, "lam", where, positive=False),
-            server_noise=_float(config, "server-noise", where, positive=True),
-            update_clip=_float(config, "update-clip", where, positive=True),
             seed=_int(config, "seed", where, minimum=0),
             min_nodes=_int(config, "min-nodes", where, minimum=1),
             round_timeout=_float(config, "round-timeout", where, positive=True),

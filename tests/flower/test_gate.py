@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 from dp_accounting import dp_event as de  # noqa: E402
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 
-from dpledger.flower import records  # noqa: E402
+from dpledger.flower import family, records  # noqa: E402
 from dpledger.flower.client_app import train  # noqa: E402
 from dpledger.flower.gate import ledger_gate  # noqa: E402
 from dpledger.flower.local import template  # noqa: E402
@@ -78,7 +78,8 @@ def silo_context(ledger: str, folder: Path, *, budget: float) -> tuple[int, Cont
 def train_message(job_id: int, round_index: int, *, algorithm: str = "fedavg", server_noise: float = 1.0) -> Message:
     config = ConfigRecord({"job-id": job_id, "round": round_index, "algorithm": algorithm, "seed": 0, "local-steps": STEPS,
                            "batch-size": BATCH, "lr": 0.5, "clip-norm": 1.0, "lam": 0.5, "server-noise": server_noise})
-    content = RecordDict({records.ARRAYS: records.to_record(template(seed=0).initial()), records.CONFIG: config})
+    broadcast = {"mean" if algorithm == "pmtl" else "global": template(seed=0).initial()}
+    content = RecordDict({records.ARRAYS: family.to_record(broadcast), records.CONFIG: config})
     return Message(content, 7, MessageType.TRAIN, group_id=str(round_index))
 
 
@@ -146,7 +147,7 @@ def test_a_pmtl_round_charges_the_servers_gaussian_at_record_level(ledger: str, 
     for round_index in range(2):
         reply = ledger_gate(train_message(job_id, round_index, algorithm="pmtl", server_noise=3.0), context, trainer)
         assert records.reply_status(reply) == records.TRAINED
-    assert records.PERSONAL in context.state.array_records  # the personal model stays at the silo
+    assert "personal" in context.state.array_records[records.SILO_STATE]  # the personal model stays at the silo
     charged = gate_oracle.event_curve(de.SelfComposedDpEvent(de.GaussianDpEvent(1.5), 2))
     with LedgerClient(ledger, ADMIN) as admin:
         detail = admin.silo(int(context.node_config["silo-id"]))

@@ -57,7 +57,8 @@ def test_a_run_config_parses_and_refuses_an_unknown_algorithm() -> None:
     with pytest.raises(SettingsError) as raised:
         RunSettings.from_run_config({**RUN, "algorithm": "fedprox"})
     assert str(raised.value) == (
-        "run config: 'algorithm' must be one of ['fedavg', 'mrmtl', 'pmtl', 'pfa', 'fedhdp']. Found 'fedprox'."
+        "run config: 'algorithm' must be one of ditto, fedavg, fedhdp, finetune, ifca, ifca_mrmtl, local, mrmtl, pfa, "
+        "pmtl, ppsgd. Found 'fedprox'."
     )
 
 
@@ -115,3 +116,34 @@ def test_a_key_file_holding_anything_else_is_refused_in_one_line_that_shows_no_k
     with pytest.raises(SettingsError) as raised:
         SiloSettings.from_node_config({**NODE, "key-file": str(path)}).api_key()
     assert str(raised.value) == f"node config: 'key-file' {str(path)!r} {reason}"
+
+
+def test_an_algorithms_options_come_from_its_own_keys_and_a_bad_one_is_named() -> None:
+    """Each registered algorithm reads its options from flat keys named after them; the run copies
+    exactly those into its train messages, and a bad or missing one fails the run before any silo is asked."""
+    ifca = RunSettings.from_run_config({**RUN, "algorithm": "ifca", "clusters": 3, "selection-noise-multiplier": 2.5})
+    assert ifca.options == {"clusters": 3, "selection-noise-multiplier": 2.5}
+    assert ifca.halves.silo.selection.noise_multiplier == 2.5  # type: ignore[attr-defined]
+    with pytest.raises(SettingsError) as raised:
+        RunSettings.from_run_config({**RUN, "algorithm": "ifca_mrmtl", "clusters": 2})
+    assert str(raised.value) == "run config: ifca_mrmtl needs selection-rounds."
+    with pytest.raises(SettingsError) as raised:
+        RunSettings.from_run_config({**RUN, "algorithm": "ditto", "lam": 0.5, "personal-steps": 0})
+    assert str(raised.value) == "run config: ditto: personal_steps must be positive. Found 0."
+
+
+def test_the_app_declares_every_option_of_every_algorithm() -> None:
+    """Flower accepts a run-config override only for a key the app declares: every algorithm's
+    option keys are there, and the declared defaults build every algorithm but ifca_mrmtl (which
+    must be told when its warm start ends)."""
+    import tomllib
+
+    from dpledger.flower import family
+    from dpledger.trainer.federated import registry
+
+    app = Path(family.__file__).parent / "app" / "pyproject.toml"
+    declared = tomllib.loads(app.read_text())["tool"]["flwr"]["app"]["config"]
+    for name, cls in registry.algorithms().items():
+        assert set(family.option_keys(cls)) <= set(declared), name
+        if name != "ifca_mrmtl":
+            RunSettings.from_run_config({**declared, "algorithm": name, "coordinator-key-file": "/c"})

@@ -31,6 +31,7 @@ def named_subclasses(cls: type[FederatedAlgorithm]) -> set[type[FederatedAlgorit
 def test_the_registry_is_every_class_that_names_itself() -> None:
     assert {cls.__name__ for cls in registry.algorithms().values()} == {
         "LocalTraining", "FedAvg", "MRMTL", "Ditto", "PPSGD", "Finetuning", "IFCA", "ClusteredMRMTL", "PFA", "FedHDP",
+        "PMTL",
     }
     assert set(registry.algorithms().values()) == named_subclasses(FederatedAlgorithm)
     assert all(name == cls.name for name, cls in registry.algorithms().items())

@@ -113,7 +113,7 @@ def test_every_mistake_in_the_job_file_is_one_line_before_torch_loads(tmp_path: 
     done = run_cli(["train", str(bad)], env={"PATH": "/usr/bin"})
     assert done.returncode == 2 and done.stdout == "False\n"  # torch was never imported
     assert sorted(done.stderr.splitlines()) == sorted([
-        f"dpledger train: {bad}: algorithm: must be one of ditto, fedavg, finetune, ifca, ifca_mrmtl, local, mrmtl, ppsgd;"
+        f"dpledger train: {bad}: algorithm: must be one of ditto, fedavg, finetune, ifca, ifca_mrmtl, local, mrmtl, pmtl, ppsgd;"
         " found 'fedvag' (did you mean fedavg?)",
         f"dpledger train: {bad}: round: unknown key (did you mean rounds?)",
         f"dpledger train: {bad}: dpsgd.noise_multplier: unknown key (did you mean dpsgd.noise_multiplier?)",

@@ -34,12 +34,14 @@ from dpledger.trainer.federated.models import (
 )
 from dpledger.trainer.federated.mrmtl import MRMTL
 from dpledger.trainer.federated.pfa import PFA, GroupAggregated
+from dpledger.trainer.federated.pmtl import PMTL
 from dpledger.trainer.federated.ppsgd import PPSGD
 
 __all__ = [
     "IFCA",
     "MRMTL",
     "PFA",
+    "PMTL",
     "PPSGD",
     "AdaptiveClip",
     "AlgorithmArgs",

@@ -44,6 +44,7 @@ REGISTERED: dict[str, type[FederatedAlgorithm]] = {}
 # enabling selection never shifts DP-SGD's draws.
 STREAM_SELECTION_SAMPLER = 5
 STREAM_SELECTION_NOISE = 6
+STREAM_SERVER_NOISE = 7  # a server that noises what it releases (PMTL)
 _STREAM_IDS = {streams.SAMPLER: STREAM_SAMPLER, streams.NOISE: STREAM_NOISE,
                streams.SELECTION_SAMPLER: STREAM_SELECTION_SAMPLER, streams.SELECTION_NOISE: STREAM_SELECTION_NOISE}
 
@@ -162,6 +163,7 @@ class FederatedAlgorithm(ABC):
             initial=self.initial, num_silos=self.num_silos,
             fresh_model=lambda j: template(derive_seed(config.seed, STREAM_INIT, j)).initial(),
             record=self._record_server_query,
+            noise=make_generator(derive_seed(config.seed, STREAM_SERVER_NOISE), torch.device("cpu")),
         ))
         self._plan: RoundPlan | None = None
         self._last_round = -1
@@ -245,8 +247,10 @@ class FederatedAlgorithm(ABC):
             norms[silos.cpu()] = trained.norms.detach().cpu().to(torch.float64)
         ran = self.meter.since_start()
         plan.check(active, ran)  # raises unless exactly the approved plan ran
-        steps = ran.counts.get(STEPS, torch.zeros(self.num_silos, dtype=torch.int64))
-        return RoundResult(round_index=round_index, update_norms=norms, steps=steps)
+        zeros = torch.zeros(self.num_silos, dtype=torch.int64)
+        steps = ran.counts.get(STEPS, zeros)
+        queries = sum(ran.counts.values(), zeros)
+        return RoundResult(round_index=round_index, update_norms=norms, steps=steps, queries=queries)
 
     def _check_round(self, round_index: int) -> None:
         """Raise before any silo touches its data if round `round_index` cannot run (none by default)."""

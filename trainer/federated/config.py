@@ -69,16 +69,18 @@ class RoundResult:
     `update_norms[k]` is the L2 norm of the noisy update silo k shares with the server this round
     (nan where silo k did not train); the coordinator clusters these norms. `steps[k]` is the number
     of DP-SGD steps silo k actually ran on its data, which equals the `steps` of the mechanism it
-    declared, or 0.
+    declared, or 0. `queries[k]` counts every query of silo k's data of any kind (DP-SGD steps,
+    selections, server-noised steps): a silo with queries > 0 touched its data, so its charge is spent.
     """
 
     round_index: int
     update_norms: torch.Tensor
     steps: torch.Tensor
+    queries: torch.Tensor
 
     @property
     def trained(self) -> torch.Tensor:
-        return self.steps > 0
+        return self.queries > 0
 
 
 # Independent random streams derived from one seed, so that e.g. a silo's noise never depends on

@@ -66,28 +66,31 @@ class SiloEngine:
         """`steps` DP-SGD steps of row `row`, as the sampler that runs them declares them."""
         return self.samplers[row].mechanism(noise_multiplier=self.noise_multipliers[row], steps=steps)
 
-    def dp_gradient(self, params: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def dp_gradient(self, params: torch.Tensor, rows: torch.Tensor, *, noised: bool = True,
+                    kind: str = STEPS) -> torch.Tensor:
         """One noisy clipped gradient per row in `rows` at its parameters `params` ([A, P]): one
-        Poisson-sampled Gaussian query of each of those silos' data."""
+        Poisson-sampled Gaussian query of each of those silos' data, metered as `kind`. `noised=False`
+        clips without noise: only for an algorithm whose server noises the aggregate (PMTL), whose
+        silos are charged that noise instead."""
         row_list = rows.tolist()
         idx, mask = pad_batches([self.samplers[k].sample() for k in row_list], device=self.device)
         at = rows.unsqueeze(1)
-        self.meter.record(STEPS, rows)
+        self.meter.record(kind, rows)
         return noisy_clipped_gradient(
             self.model, params, self.train.x[at, idx], self.train.y[at, idx], mask,
-            clip_norm=self.config.clip_norm, noise_multipliers=self._noise[rows],
+            clip_norm=self.config.clip_norm, noise_multipliers=self._noise[rows] if noised else 0.0,
             expected_batch_sizes=self._expected_batch[rows], generators=[self.noise_generators[k] for k in row_list],
         )
 
     def dp_sgd(self, params: torch.Tensor, rows: torch.Tensor, *, steps: int, anchor: torch.Tensor | None = None,
-               lam: float = 0.0) -> torch.Tensor:
+               lam: float = 0.0, noised: bool = True, kind: str = STEPS) -> torch.Tensor:
         """`steps` DP-SGD steps from `params` ([A, P]); with an anchor, the objective gains
         λ/2‖w − anchor‖² (Liu et al. 2022 §5 / Alg. A1; Ditto's personal objective, Liu et al. 2022 §4).
 
         The regulariser's gradient λ(w − anchor) is not a function of the data beyond already-private
         quantities, so it is added after clipping and noise (post-processing) and costs nothing."""
         for _ in range(steps):
-            update = self.dp_gradient(params, rows)
+            update = self.dp_gradient(params, rows, noised=noised, kind=kind)
             # Skipped at λ = 0 rather than adding 0·(w − anchor): adding +0.0 turns -0.0 into +0.0,
             # and λ = 0 must reproduce local training bit for bit.
             if anchor is not None and lam != 0.0:

@@ -77,7 +77,8 @@ class SiloHalf(ABC):
 @dataclass(frozen=True)
 class ServerStart:
     """What a server half starts from: the initial model every silo shares, the number of silos in
-    the job, a fresh initial model per index (IFCA's extra cluster models) and `record`, through
+    the job, a fresh initial model per index (IFCA's extra cluster models), the server's own noise
+generator, and `record`, through
     which a server that runs a query on the silos' data (FedHDP's quantile query) reports it: the
     simulator meters it against what each silo was charged; over Flower the silo's gate charged it."""
 
@@ -85,6 +86,7 @@ class ServerStart:
     num_silos: int
     fresh_model: Callable[[int], torch.Tensor]
     record: Callable[[str, torch.Tensor, Mechanism], None]
+    noise: torch.Generator  # the server's own noise (PMTL's): seeded in the simulator, OS randomness over Flower
 
 
 class ServerHalf(ABC):

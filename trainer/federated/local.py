@@ -10,16 +10,18 @@ from dpledger.trainer.federated.base import FederatedAlgorithm, update_norms
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.federated.engine import SiloEngine
 from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, SiloHalf, Trained
+from dpledger.trainer.federated.plan import STEPS
 
 PERSONAL = "personal"
 
 
 def train_personal(engine: SiloEngine, state: Arrays, rows: torch.Tensor, *, steps: int,
-                   anchor: torch.Tensor | None = None, lam: float = 0.0) -> torch.Tensor:
+                   anchor: torch.Tensor | None = None, lam: float = 0.0, noised: bool = True,
+                   kind: str = STEPS) -> torch.Tensor:
     """`steps` DP-SGD steps on each row's own model (state["personal"], updated in place), pulled
     towards `anchor` ([A, P] or [P]) with weight λ if given; returns the update norms."""
     start = state[PERSONAL][rows]
-    trained = engine.dp_sgd(start, rows, steps=steps, anchor=anchor, lam=lam)
+    trained = engine.dp_sgd(start, rows, steps=steps, anchor=anchor, lam=lam, noised=noised, kind=kind)
     state[PERSONAL][rows] = trained
     return update_norms(trained - start)
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from dpledger.flower.pmtl import record_level_mechanism, server_step
+from dpledger.trainer.federated.pmtl import record_level_mechanism, server_step
 
 
 def test_the_step_clips_sums_noises_and_divides_by_the_silos_asked() -> None:
