@@ -19,20 +19,19 @@ import argparse
 import functools
 import json
 import math
-import os
-from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from dpledger.service import people_cli
 from dpledger.wire import merkle
+from dpledger.wire.client import LedgerClient, Retry
+from dpledger.wire.errors import LedgerError, Rejected
 from dpledger.wire.log_proofs import MAX_PROOFS, LogProofs
 from dpledger.wire.receipts import (
     ConsistencyProof,
@@ -52,6 +51,7 @@ _DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, 
 Get = Callable[[str, dict[str, Any] | None], Any]  # path, query → the JSON body; raises on an error status
 PAGE = 10_000  # leaves per request: the most /v1/log/leaves gives (an audit of 100,000 entries asks 10 pages)
 SILO_PAGE = 10_000  # a silo's own leaves per request (the most /v1/log/leaves gives)
+T = TypeVar("T")
 EPSILON_RTOL = 1e-6  # the ledger's running sum and a fresh sum of the same curves differ by rounding only
 
 
@@ -327,16 +327,15 @@ def audit(get: Get, held: dict[str, Any] | None) -> Outcome:
         return out
     if previous is not None:
         check_extends(get, previous, head, key, out)
-    records = _check_leaves(get, head, out)
-    if records is not None:
-        _check_compositions(records, out)
+    _check_leaves(get, head, out)
     out.notes.append(f"head of size {head.tree_size}, root {head.root_hash[:16]}…")
     return out
 
 
-def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> list[dict[str, Any]] | None:
+def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> None:
+    """Every leaf the head signs, each record its leaf's, and every silo's ε recomposed (`_replay`)."""
     leaves: list[LogLeaf] = []
-    records = []
+    replays = _Replays(out)
     for page in _pages(get, head.tree_size):
         for leaf in page:  # checked as each page arrives, while the ledger serves the next
             if leaf.log_index >= head.tree_size:
@@ -348,13 +347,14 @@ def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> list[dict[str
             if record_leaf_hash(leaf.record) != leaf.leaf_hash:
                 out.problems.append(f"log index {leaf.log_index}: the entry no longer matches its leaf "
                                     "(edited after it was logged)")
-            records.append(json.loads(leaf.record))
+            record = json.loads(leaf.record)
+            replays.feed(record, record["entry"]["silo_id"])
     if [leaf.log_index for leaf in leaves] != list(range(head.tree_size)):
         out.problems.append(f"the log serves {len(leaves)} leaves, not the {head.tree_size} its head signs")
-        return None
+        return
     if merkle.root(_hex([leaf.leaf_hash for leaf in leaves])).hex() != head.root_hash:
         out.problems.append("the leaves the log serves do not make the root its head signs")
-    return records
+    replays.finish()
 
 
 def _pages(get: Get, size: int) -> Iterator[list[LogLeaf]]:
@@ -373,13 +373,29 @@ def _pages(get: Get, size: int) -> Iterator[list[LogLeaf]]:
             yield page
 
 
-def _check_compositions(records: list[dict[str, Any]], out: Outcome) -> None:
-    """Replays each silo's entries (`_compose_silo`)."""
-    by_silo: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for record in records:
-        by_silo[record["entry"]["silo_id"]].append(record)
-    for silo_id, silo_records in sorted(by_silo.items()):
-        _compose_silo(silo_id, silo_records, out)
+class _Replays:
+    """One `_replay` per silo, fed each record as its page of the log arrives."""
+
+    def __init__(self, out: Outcome) -> None:
+        self.out = out
+        self.running: dict[int, Generator[None, dict[str, Any] | None, Composition | None]] = {}
+        self.ended: set[int] = set()
+
+    def feed(self, record: dict[str, Any] | None, silo_id: int) -> None:
+        if silo_id in self.ended:
+            return
+        replay = self.running.get(silo_id)
+        if replay is None:
+            replay = self.running[silo_id] = _replay(silo_id, self.out)
+            next(replay)
+        try:
+            replay.send(record)
+        except StopIteration:
+            self.ended.add(silo_id)
+
+    def finish(self) -> None:
+        for silo_id in list(self.running):
+            self.feed(None, silo_id)
 
 
 @dataclass(frozen=True)
@@ -398,7 +414,22 @@ def _same_epsilon(stated: float, composed: float) -> bool:
 
 
 def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome) -> Composition | None:
-    """Replays one silo's entries: the chain links, and the ε each entry states against the RDP
+    """Replays one silo's entries, in the order of their seq (`_replay`)."""
+    replay = _replay(silo_id, out)
+    next(replay)
+    try:
+        for record in sorted(silo_records, key=lambda r: r["entry"]["seq"]):
+            replay.send(record)
+        replay.send(None)
+    except StopIteration as stop:
+        composed: Composition | None = stop.value
+        return composed
+    raise AssertionError("a replay ends when it is sent None")
+
+
+def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None, Composition | None]:
+    """Replays one silo's entries, sent one at a time (None ends it), so that an audit replays each
+    page of the log while the ledger serves the next: the chain links, and the ε each entry states against the RDP
     composition of the mechanisms of the charges reserved and not released, read as the gate reads
     it: through the silo's filter (its create or filter entry), or its plan's ε once it declared one.
     Every approval must also fit the budget its create entry fixed. The accounting is the service's
@@ -409,7 +440,6 @@ def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome
     from dpledger.wire.mechanisms import Mechanism
 
     adapter: TypeAdapter[Any] = _mechanism_adapter(Mechanism)
-    silo_records = sorted(silo_records, key=lambda r: r["entry"]["seq"])
     budget: float | None = None
     delta: float | None = None
     fixed_by = "create"
@@ -420,7 +450,7 @@ def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome
     composed, read = 0.0, False
     prev_hash, seq = "0" * 64, 0
     curves: dict[str, np.ndarray] = {}  # a job repeats one mechanism: parse and check it once
-    for record in silo_records:
+    while (record := (yield)) is not None:
         entry, subject = record["entry"], record["subject"]
         name = f"silo {silo_id} entry {entry['seq']}"
         if entry["seq"] != seq + 1 or entry["prev_hash"] != prev_hash:
@@ -499,30 +529,28 @@ def _mechanism_adapter(kind: Any) -> TypeAdapter[Any]:
 # --- the commands ---------------------------------------------------------------------------------
 
 def http_get(path: str, params: dict[str, Any] | None) -> Any:
-    """GET over one kept-alive connection, with `dpledger`'s errors: a check makes tens of requests, and
-    a fresh client each (people_cli's) spends ~30 ms per request building its TLS context alone."""
-    url = os.environ.get("DPLEDGER_URL", people_cli.DEFAULT_URL).rstrip("/")
-    key = os.environ.get("DPLEDGER_KEY")
-    if not key:
-        raise people_cli.CliError("DPLEDGER_KEY is not set: export an admin, auditor or silo API key")
+    """The checker's `Get` over the ledger's typed client, one kept-alive connection for the whole
+    check: a check makes tens of requests, and a fresh connection each spends ~30 ms building its
+    TLS context alone."""
+    return _ask(lambda client: client.read(path, params))
+
+
+def _ask(call: Callable[[LedgerClient], T]) -> T:
+    """`call` on the cached client, its errors as `dpledger`'s: a 4xx other than 401 is a refusal
+    (RefusedError, a finding where a proof was asked for), the rest could-not-ask (CliError)."""
     try:
-        response = _client(url, key).get(path, params=params)
-    except httpx.HTTPError as error:
-        raise people_cli.CliError(f"cannot reach the ledger at {url} (DPLEDGER_URL): {error}") from None
-    if response.status_code == 401:
-        raise people_cli.CliError(f"401 unauthorized: DPLEDGER_KEY was refused ({people_cli._detail(response)})")
-    if response.status_code == 403:
-        raise RefusedError(f"403 forbidden: this key may not read {path} ({people_cli._detail(response)})")
-    if 400 <= response.status_code < 500:
-        raise RefusedError(f"HTTP {response.status_code} from {path}: {people_cli._detail(response)}")
-    if response.status_code >= 500:
-        raise people_cli.CliError(f"HTTP {response.status_code} from {path}: {people_cli._detail(response)}")
-    return response.json()
+        return call(_client(people_cli.ledger_url(), people_cli.ledger_key()))
+    except Rejected as error:
+        if error.status_code == 401:
+            raise people_cli.CliError(people_cli.said(error)) from None
+        raise RefusedError(people_cli.said(error)) from None
+    except LedgerError as error:
+        raise people_cli.CliError(people_cli.said(error)) from None
 
 
 @functools.lru_cache(maxsize=4)
-def _client(url: str, key: str) -> httpx.Client:
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120.0)
+def _client(url: str, key: str) -> LedgerClient:
+    return LedgerClient(url, key, retry=Retry(window=0), timeout=120.0, receipts=False)
 
 
 def load_receipts(path: Path) -> list[Receipt]:
@@ -578,11 +606,12 @@ def audit_command(args: argparse.Namespace) -> int:
     out = audit(_guarded(http_get), held)
     code = report(out)
     if out.ok and out.head is not None:
-        key = held["public_key"] if held is not None else PublicKey(**http_get("/v1/log/public-key", None)).public_key
+        key = held["public_key"] if held is not None else _ask(LedgerClient.log_public_key).public_key
         args.since.write_text(json.dumps({"public_key": key, "head": out.head.model_dump()}, indent=2) + "\n")
         print(f"saved the head of size {out.head.tree_size} to {args.since}")
         try:
-            people_cli._post("/v1/log/verified", out.head.model_dump())
+            head = out.head
+            _ask(lambda client: client.record_verified(head))
         except people_cli.CliError as error:  # the record on the dashboard is a courtesy, the file is the proof
             print(f"note: the ledger did not record this verification: {error}")
     return code
@@ -590,7 +619,7 @@ def audit_command(args: argparse.Namespace) -> int:
 
 @people_cli._reports_errors
 def pubkey_command(args: argparse.Namespace) -> int:
-    key = PublicKey(**http_get("/v1/log/public-key", None))
+    key = _ask(LedgerClient.log_public_key)
     print(json.dumps(key.model_dump(), indent=2) if args.json else f"{key.algorithm} {key.public_key}  key id {key.key_id}")
     return 0
 
