@@ -211,18 +211,25 @@ def _seed_silo(db: Database, name: str, count: int) -> None:
         committed = RunningSum.from_json(row.rdp_committed)
         now = datetime.now(UTC)
         for i in range(count):
-            spent = spent.add(priced.curve)
-            epsilon = gate.reading(row, spent).epsilon
-            charge = Charge(
-                silo_id=row.id, idempotency_key=f"seed-{i}", request_hash="0" * 64,
-                mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,
-                conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.committed, job_id="seed", round=i,
-                epsilon_spent_after=epsilon, created_at=now,
-            )
-            session.add(charge)
-            session.flush()
-            row.rdp_spent = spent.to_json()
-            silos.append_entry(session, row, event=EntryEvent.reserve, charge=charge, epsilon_spent=epsilon, now=now)
+            if i == 0:  # the first through reserve itself: whatever a first charge does besides (fix a filter), it does
+                first = charges.reserve_locked(session, silo_id=row.id, priced=priced, digest="0" * 64,
+                                               idempotency_key="seed-0", job_id="seed", round=0)
+                charge, epsilon = first.charge, first.epsilon_spent
+                charge.status = ChargeStatus.committed
+                spent = RunningSum.from_json(row.rdp_spent)
+            else:
+                spent = spent.add(priced.curve)
+                epsilon = gate.reading(row, spent).epsilon
+                charge = Charge(
+                    silo_id=row.id, idempotency_key=f"seed-{i}", request_hash="0" * 64,
+                    mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve),
+                    order_grid=rdp.ORDER_GRID_ID, conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.committed,
+                    job_id="seed", round=i, epsilon_spent_after=epsilon, created_at=now,
+                )
+                session.add(charge)
+                session.flush()
+                row.rdp_spent = spent.to_json()
+                silos.append_entry(session, row, event=EntryEvent.reserve, charge=charge, epsilon_spent=epsilon, now=now)
             committed = committed.add(priced.curve)
             row.rdp_committed = committed.to_json()
             silos.append_entry(session, row, event=EntryEvent.commit, charge=charge, epsilon_spent=epsilon, now=now)
