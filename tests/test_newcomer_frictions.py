@@ -102,8 +102,9 @@ def test_a_refusal_names_its_round_counted_from_1() -> None:
 def test_the_readmes_postgresql_block_starts_a_production_ledger(tmp_path: Path) -> None:
     """The block as written, with the placeholders filled (a SQLite file stands in for the server
     unless DPLEDGER_TEST_POSTGRES_URL names one) and the serve line in the background."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Running on PostgreSQL with several workers\n\n```\n", 1)[1].split("```", 1)[0]
+    readme = (ROOT / "docs" / "guides" / "operator.md").read_text()
+    heading = "## Running on PostgreSQL with several workers\n\n<!-- runs-in: tests/test_newcomer_frictions.py -->\n```\n"
+    block = readme.split(heading, 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if not line.startswith("pip install")]  # installed already
     port = free_port()
     database = os.environ.get("DPLEDGER_TEST_POSTGRES_URL") or f"sqlite:///{tmp_path}/ledger.db"
