@@ -47,7 +47,6 @@ import numpy as np
 import torch
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.budgets import MIXGAUSS_TABLE, BudgetDraw, draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
@@ -61,6 +60,7 @@ from dpledger.trainer.federated import (
 )
 from dpledger.trainer.grouped import issue_coordinator_key, run_grouped
 from dpledger.trainer.loop import GatedSilo, JobRun, run_gated
+from dpledger.wire.client import LedgerClient
 
 MIXTURE = "MixGauss1"
 DELTA = 1e-5

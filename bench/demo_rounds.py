@@ -62,11 +62,11 @@ import torch
 
 from dpledger.demo import DemoConfig
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.budgets import draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig, LocalTraining
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
+from dpledger.wire.client import LedgerClient
 
 from _harness import OtherLoad, log
 

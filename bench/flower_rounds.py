@@ -42,10 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpledger.flower.local import tiny_cnn
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.federated import FedAvg
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.loop import GatedSilo, run_gated
+from dpledger.wire.client import LedgerClient
 from tests.flower.federation import DELTA, ISOLATION, SUPEREXEC_POLL_SECONDS, Federation, federation
 
 SIGMA, BATCH, LR = 1.0, 16, 0.5

@@ -48,7 +48,6 @@ import numpy as np
 import torch
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
@@ -65,6 +64,7 @@ from dpledger.trainer.federated import (
     clustering_rounds,
 )
 from dpledger.trainer.loop import GatedSilo, run_gated
+from dpledger.wire.client import LedgerClient
 
 DELTA = 1e-5
 CLUSTERS = 4  # the four rotation groups

@@ -30,7 +30,6 @@ import numpy as np
 from tqdm import tqdm
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.budgets import draw_budgets
 from dpledger.trainer.data.digits import make_rotated_masked_digits
@@ -42,6 +41,7 @@ from dpledger.trainer.federated import (
 from dpledger.trainer.job import algorithm_args
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 from dpledger.trainer.report import DemoSettings, write_report
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.schemas import SiloCreated
 

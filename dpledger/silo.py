@@ -12,19 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dpledger.trainer.client import (
-    Denied,
-    LedgerClient,
-    LedgerError,
-    Rejected,
-    Reservation,
-    Retry,
-    Unreachable,
-)
 from dpledger.trainer.dpsgd.engine import DPSGDEngine
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.gate import OpenRound, RoundGate, RoundResult, StepNotCovered
-from dpledger.trainer.rounds import NotOwned, Permit, open_round, refusal_line, round_key
+from dpledger.trainer.rounds import Permit, open_round, refusal_line, round_key
+from dpledger.wire.client import LedgerClient, Reservation, Retry
+from dpledger.wire.errors import Denied, LedgerError, NotOwned, Rejected, Unreachable
 
 if TYPE_CHECKING:
     from dpledger.trainer.opacus_gate import OpacusGate

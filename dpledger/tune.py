@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpledger.trainer.client import Denied, LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
+from dpledger.wire.client import LedgerClient
+from dpledger.wire.errors import Denied
 from dpledger.wire.searches import DistributionKind, SearchStarted
 
 

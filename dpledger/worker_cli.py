@@ -178,9 +178,10 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
 
 def _ledger_after(job: Any, silos: list[Any]) -> list[Any]:
     """Each silo as the ledger shows it now, for the summary; None where the ledger is silent."""
-    from dpledger.trainer.client import LedgerClient, LedgerError
     from dpledger.trainer.job_config import silo_key
     from dpledger.trainer.preflight import PREFLIGHT_RETRY, LedgerSilo, ledger_silo
+    from dpledger.wire.client import LedgerClient
+    from dpledger.wire.errors import LedgerError
 
     after: list[LedgerSilo | None] = []
     for silo, entry in zip(silos, job.silos, strict=True):
@@ -206,9 +207,10 @@ def _summary_table(run: Any, silos: list[Any], after: list[Any]) -> str:
 
 
 def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int:
-    from dpledger.trainer.client import LedgerClient, LedgerError
     from dpledger.trainer.job_config import silo_key
     from dpledger.trainer.preflight import format_plan, plan_silo, sigma_up
+    from dpledger.wire.client import LedgerClient
+    from dpledger.wire.errors import LedgerError
 
     horizon = max(job.rounds, PLAN_HORIZON)
     declared = [algorithm.round_mechanisms(r) for r in range(horizon)]

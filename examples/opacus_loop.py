@@ -13,8 +13,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.opacus_gate import ACCOUNTANT, OpacusGate
+from dpledger.wire.client import LedgerClient
 
 digits = load_digits()
 data = TensorDataset(torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1), torch.tensor(digits.target))

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.dpsgd.engine import DPSGDEngine
 from dpledger.trainer.gate import RoundGate
+from dpledger.wire.client import LedgerClient
 
 digits, device = load_digits(), "cuda" if torch.cuda.is_available() else "cpu"
 x, y = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1), torch.tensor(digits.target)

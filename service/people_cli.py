@@ -1,8 +1,9 @@
 """`dpledger silos|history|verify|charges`: the ledger read over HTTP by a person at a terminal.
 
-Only httpx and the standard library: it runs wherever the service is reachable, with any reader's
-key (admin or auditor; a silo key for its own silo). Every failure is one line on stderr and exit
-code 2, so scripts can tell "the chain is broken" (1) from "could not ask" (2).
+Over the ledger's one typed client (`dpledger.wire.client`, httpx and pydantic, no torch): it runs
+wherever the service is reachable, with any reader's key (admin or auditor; a silo key for its own
+silo). Every failure is one line on stderr and exit code 2, so scripts can tell "the chain is
+broken" (1) from "could not ask" (2).
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
-import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dpledger.service.safe_text import visible
+from dpledger.wire.client import LedgerClient, Retry
+from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.errors import LedgerError, Rejected, Unreachable
+from dpledger.wire.schemas import SiloSummary
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 PAGE = 10_000  # the API's default page of history entries
@@ -30,44 +36,49 @@ class CliError(Exception):
     """Said to the person on one line; never a traceback."""
 
 
-def _detail(response: httpx.Response) -> str:
-    try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        return response.text.strip()[:200]
-    if isinstance(detail, list) and all(isinstance(d, dict) and "loc" in d for d in detail):
-        # FastAPI's validation errors: the field and the reason, not the JSON
-        return "; ".join(f"{'.'.join(str(p) for p in d['loc'] if p != 'body')}: {d.get('msg', '')}" for d in detail)
-    return detail if isinstance(detail, str) else json.dumps(detail)
+def ledger_url() -> str:
+    return os.environ.get("DPLEDGER_URL", DEFAULT_URL).rstrip("/")
 
 
-def _get(path: str, params: dict[str, Any] | None = None) -> httpx.Response:
-    return _request("GET", path, params=params)
-
-
-def _post(path: str, body: Any) -> httpx.Response:
-    return _request("POST", path, body=body)
-
-
-def _request(method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None) -> httpx.Response:
-    url = os.environ.get("DPLEDGER_URL", DEFAULT_URL).rstrip("/")
+def ledger_key() -> str:
     key = os.environ.get("DPLEDGER_KEY")
     if not key:
         raise CliError("DPLEDGER_KEY is not set: export an admin, auditor or silo API key")
-    try:
-        response = httpx.request(
-            method, f"{url}{path}", params=params, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30.0
-        )
-    except httpx.HTTPError as error:
-        raise CliError(f"cannot reach the ledger at {url} (DPLEDGER_URL): {error}") from None
-    verb = "read" if method == "GET" else "write"
-    if response.status_code == 401:
-        raise CliError(f"401 unauthorized: DPLEDGER_KEY was refused ({_detail(response)})")
-    if response.status_code == 403:
-        raise CliError(f"403 forbidden: this key may not {verb} {path} ({_detail(response)})")
-    if response.status_code >= 400:
-        raise CliError(f"HTTP {response.status_code} from {path}: {_detail(response)}")
-    return response
+    return key
+
+
+def ledger(*, timeout: float = 30.0) -> LedgerClient:
+    """The typed client over $DPLEDGER_URL with $DPLEDGER_KEY. One attempt per request (a person at
+    a terminal asks again; a worker's retries would only delay the answer), and no receipts kept:
+    the receipts of a silo's charges are its worker's."""
+    return LedgerClient(ledger_url(), ledger_key(), retry=Retry(window=0), timeout=timeout, receipts=False)
+
+
+def detail(body: Any) -> str:
+    """The reason an error answer gives: FastAPI's `detail`, its validation errors as field: reason."""
+    if not isinstance(body, dict):
+        return (body if isinstance(body, str) else json.dumps(body)).strip()[:200]
+    found = body.get("detail")
+    if isinstance(found, list) and all(isinstance(d, dict) and "loc" in d for d in found):
+        # FastAPI's validation errors: the field and the reason, not the JSON
+        return "; ".join(f"{'.'.join(str(p) for p in d['loc'] if p != 'body')}: {d.get('msg', '')}" for d in found)
+    return found if isinstance(found, str) else json.dumps(found)
+
+
+def said(error: LedgerError) -> str:
+    """The one line a person reads for an error of the client's tree."""
+    if isinstance(error, Unreachable):
+        if error.status_code is None:
+            return f"cannot reach the ledger at {ledger_url()} (DPLEDGER_URL): {error.last}"
+        return f"HTTP {error.status_code} from {error.path}: {detail(error.body)}"
+    if isinstance(error, Rejected):
+        if error.status_code == 401:
+            return f"401 unauthorized: DPLEDGER_KEY was refused ({detail(error.body)})"
+        if error.status_code == 403:
+            verb = "read" if error.method == "GET" else "write"
+            return f"403 forbidden: this key may not {verb} {error.path} ({detail(error.body)})"
+        return f"HTTP {error.status_code} from {error.path}: {detail(error.body)}"
+    return str(error)
 
 
 def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -75,6 +86,9 @@ def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[a
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
+        except LedgerError as error:
+            print(f"dpledger: {visible(said(error))}", file=sys.stderr)
+            return EXIT_FAILED
         except CliError as error:
             print(f"dpledger: {visible(str(error))}", file=sys.stderr)
             return EXIT_FAILED
@@ -82,14 +96,21 @@ def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[a
     return run
 
 
+def as_json(answer: BaseModel | Sequence[BaseModel]) -> str:
+    """The API's JSON of a typed answer, as the API wrote it."""
+    if isinstance(answer, BaseModel):
+        return json.dumps(answer.model_dump(mode="json"), indent=2)
+    return json.dumps([item.model_dump(mode="json") for item in answer], indent=2)
+
+
 def number(value: float | None) -> str:
     """How the tables print ε and δ; None is the API's way of saying infinite (beyond the RDP orders)."""
     return "inf" if value is None else f"{value:.6g}"
 
 
-def remaining(silo: dict[str, Any]) -> float:
-    spent = silo["epsilon_spent"]
-    return 0.0 if spent is None else max(0.0, silo["epsilon"] - spent)
+def remaining(silo: SiloSummary) -> float:
+    spent = silo.epsilon_spent
+    return 0.0 if spent is None else max(0.0, silo.epsilon - spent)
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -105,12 +126,13 @@ SILO_HEADER = ("id", "name", "ε budget", "δ", "ε spent", "remaining")
 
 @_reports_errors
 def silos_list(args: argparse.Namespace) -> int:
-    silos: list[dict[str, Any]] = _get("/v1/silos").json()
+    with ledger() as client:
+        silos = client.silos()
     if args.json:
-        print(json.dumps(silos, indent=2))
+        print(as_json(silos))
         return 0
     rows = [
-        (str(s["id"]), s["name"], number(s["epsilon"]), number(s["delta"]), number(s["epsilon_spent"]), number(remaining(s)))
+        (str(s.id), s.name, number(s.epsilon), number(s.delta), number(s.epsilon_spent), number(remaining(s)))
         for s in silos
     ]
     print(table(SILO_HEADER, rows))
@@ -126,23 +148,28 @@ DETAIL_FIELDS = (
 
 @_reports_errors
 def silos_create(args: argparse.Namespace) -> int:
-    body: dict[str, Any] = {"name": args.name, "epsilon": args.epsilon, "delta": args.delta, "dataset_size": args.dataset_size}
     if (args.horizon_batch is None) != (args.horizon_noise is None):
         print("dpledger: --horizon-batch and --horizon-noise go together (the DP-SGD the silo expects to run)",
               file=sys.stderr)
         return 2
+    horizon = None
     if args.horizon_batch is not None:
         # Its step count does not matter: the ledger scales the horizon until it spends the budget.
-        body["horizon"] = {"type": "dpsgd", "batch_size": args.horizon_batch, "noise_multiplier": args.horizon_noise,
-                           "steps": 1}
-    silo: dict[str, Any] = _request("POST", "/v1/silos", body=body).json()
+        horizon = {"type": "dpsgd", "batch_size": args.horizon_batch, "noise_multiplier": args.horizon_noise, "steps": 1}
+    try:
+        with ledger() as client:
+            silo = client.create_silo(name=args.name, epsilon=args.epsilon, delta=args.delta,
+                                      dataset_size=args.dataset_size, horizon=horizon)
+    except ValidationError as error:  # the horizon is validated before it is sent
+        problem = error.errors()[0]
+        raise CliError(f"--horizon-batch/--horizon-noise: {'.'.join(map(str, problem['loc']))}: {problem['msg']}") from None
     if args.json:
-        print(json.dumps(silo, indent=2))
+        print(as_json(silo))
         return 0
-    print(silo["api_key"])  # alone on stdout, so that `export SILO1_KEY=$(dpledger silos create …)` works
+    print(silo.api_key)  # alone on stdout, so that `export SILO1_KEY=$(dpledger silos create …)` works
     print(
-        f"silo {silo['id']} {silo['name']!r} created: ε = {number(silo['epsilon'])}, δ = {number(silo['delta'])}, "
-        f"dataset_size = {silo['dataset_size']}; its key (above, on stdout) is shown once",
+        f"silo {silo.id} {silo.name!r} created: ε = {number(silo.epsilon)}, δ = {number(silo.delta)}, "
+        f"dataset_size = {silo.dataset_size}; its key (above, on stdout) is shown once",
         file=sys.stderr,
     )
     return 0
@@ -150,31 +177,36 @@ def silos_create(args: argparse.Namespace) -> int:
 
 @_reports_errors
 def silos_show(args: argparse.Namespace) -> int:
-    silo: dict[str, Any] = _get(f"/v1/silos/{args.silo_id}").json()
+    with ledger() as client:
+        silo = client.silo(args.silo_id)
     if args.json:
-        print(json.dumps(silo, indent=2))
+        print(as_json(silo))
         return 0
     width = max(len(label) for label, _ in DETAIL_FIELDS)
     for label, field in DETAIL_FIELDS:
-        value = silo.get(field)
+        value = getattr(silo, field)
         shown = str(value) if field in {"id", "name", "dataset_size"} else number(value)
         print(f"{label.ljust(width)}  {shown}")
     return 0
 
 
-def _history_pages(silo_id: int, fmt: str) -> list[httpx.Response]:
+def _csv_pages(client: LedgerClient, silo_id: int) -> list[str]:
     # Paged by seq, so an auditor's export of a long ledger is complete, not the first page only.
     pages, after = [], 0
     while True:
-        page = _get(f"/v1/silos/{silo_id}/history", {"format": fmt, "after_seq": after, "limit": PAGE})
+        page = client.history_csv_page(silo_id, after_seq=after, limit=PAGE)
         pages.append(page)
-        if fmt == "csv":
-            seqs = [int(row["seq"]) for row in csv.DictReader(io.StringIO(page.text))]
-        else:
-            seqs = [entry["seq"] for entry in page.json()]
+        seqs = [int(row["seq"]) for row in csv.DictReader(io.StringIO(page))]
         if len(seqs) < PAGE:
             return pages
         after = seqs[-1]
+
+
+_TIME: TypeAdapter[datetime] = TypeAdapter(datetime)
+
+
+def _timestamp(at: datetime) -> str:
+    return str(_TIME.dump_python(at, mode="json"))  # as the API wrote it (pydantic's ISO 8601 on both ends)
 
 
 HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after", "at")
@@ -182,15 +214,21 @@ HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after", "a
 
 @_reports_errors
 def history(args: argparse.Namespace) -> int:
-    if args.csv:
-        pages = _history_pages(args.silo_id, "csv")
-        first, *rest = [page.text.splitlines(keepends=True) for page in pages]
-        sys.stdout.write("".join(first + [line for lines in rest for line in lines[1:]]))  # one header
-        return 0
-    entries = [e for page in _history_pages(args.silo_id, "json") for e in page.json()]
+    with ledger() as client:
+        if args.csv:
+            first, *rest = [page.splitlines(keepends=True) for page in _csv_pages(client, args.silo_id)]
+            sys.stdout.write("".join(first + [line for lines in rest for line in lines[1:]]))  # one header
+            return 0
+        entries, after = [], 0
+        while True:  # every page, as the CSV export
+            page = client.history_page(args.silo_id, after_seq=after, limit=PAGE)
+            entries += page
+            if len(page) < PAGE:
+                break
+            after = page[-1].seq
     rows = [
-        (str(e["seq"]), e["event"], "" if e["charge_id"] is None else str(e["charge_id"]), e["job_id"] or "",
-         "" if e["round"] is None else str(e["round"]), number(e["epsilon_spent"]), e["created_at"])
+        (str(e.seq), e.event.value, "" if e.charge_id is None else str(e.charge_id), e.job_id or "",
+         "" if e.round is None else str(e.round), number(e.epsilon_spent), _timestamp(e.created_at))
         for e in entries
     ]
     print(table(HISTORY_HEADER, rows))
@@ -203,15 +241,16 @@ def verify(args: argparse.Namespace) -> int:
         from dpledger.service import transparency_cli
 
         return transparency_cli.verify_receipts_command(args)
-    report: dict[str, Any] = _get("/v1/audit/verify").json()
-    if report["ok"]:
-        print(f"ok: {report['entries']} entries, every hash recomputes")
+    with ledger() as client:
+        report = client.verify_chain()
+    if report.ok:
+        print(f"ok: {report.entries} entries, every hash recomputes")
         return 0
     print(
-        f"BROKEN: {report['entries']} entries; first bad entry seq {report['first_bad_seq']} "
-        f"of silo {report['first_bad_silo_id']}; edited charges {report['bad_charge_ids']}"
+        f"BROKEN: {report.entries} entries; first bad entry seq {report.first_bad_seq} "
+        f"of silo {report.first_bad_silo_id}; edited charges {report.bad_charge_ids}"
     )
-    for problem in report["problems"]:
+    for problem in report.problems:
         print(f"  - {problem}")
     return EXIT_BROKEN
 
@@ -223,14 +262,14 @@ CHARGE_HEADER = ("charge", "status", "job", "round", "attempt", "ε of charge", 
 
 @_reports_errors
 def charges_list(args: argparse.Namespace) -> int:
-    params = {"status": "reserved"} if args.open else None
-    found: list[dict[str, Any]] = _get(f"/v1/silos/{args.silo_id}/charges", params).json()
+    with ledger() as client:
+        found = client.charges(args.silo_id, status=ChargeStatus.reserved if args.open else None)
     if args.json:
-        print(json.dumps(found, indent=2))
+        print(as_json(found))
         return 0
     rows = [
-        (str(c["charge_id"]), c["status"], c["job_id"] or "", "" if c["round"] is None else str(c["round"]),
-         (c.get("attempt_id") or "")[:8], number(c["epsilon"]), number(c["epsilon_spent"]))
+        (str(c.charge_id), c.status.value, c.job_id or "", "" if c.round is None else str(c.round),
+         (c.attempt_id or "")[:8], number(c.epsilon), number(c.epsilon_spent))
         for c in found
     ]
     print(table(CHARGE_HEADER, rows))
@@ -240,8 +279,9 @@ def charges_list(args: argparse.Namespace) -> int:
 @_reports_errors
 def charges_release(args: argparse.Namespace) -> int:
     """Hands back a stranded reservation; the ledger refuses (409) one whose round reported any output."""
-    settled = _request("POST", f"/v1/charges/{args.charge_id}/release").json()
-    print(f"charge {settled['charge_id']} {settled['status']}; silo ε spent now {number(settled['epsilon_spent'])}")
+    with ledger() as client:
+        settled = client.settle_charge(args.charge_id, "release")
+    print(f"charge {settled.charge_id} {settled.status.value}; silo ε spent now {number(settled.epsilon_spent)}")
     return 0
 
 

@@ -134,7 +134,7 @@ def probe_budget(
     from dpledger.service.api.app import create_app
     from dpledger.service.ledger.db import migrate
     from dpledger.service.settings import Settings
-    from dpledger.trainer.client import LedgerClient
+    from dpledger.wire.client import LedgerClient
 
     key = "gate-oracle-probe-admin-key-0123456789"
     with tempfile.TemporaryDirectory() as folder:

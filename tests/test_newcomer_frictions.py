@@ -17,8 +17,9 @@ import pytest
 
 from dpledger.cli import EXIT_CLOSED_PIPE, main
 from dpledger.harness import free_port, running_server
-from dpledger.trainer.client import Denied, LedgerClient
 from dpledger.trainer.rounds import refusal_line
+from dpledger.wire.client import LedgerClient
+from dpledger.wire.errors import Denied
 from tests.conftest import ADMIN, ADMIN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent

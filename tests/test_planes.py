@@ -14,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSITION = {"cli.py", "worker_cli.py", "demo.py", "tune.py", "harness.py"}
-# Top-level modules that face one plane only: a silo's public names, re-exported from the trainer.
+# Top-level modules that face one plane only: a silo's public names, re-exported from the trainer
+# (and from the wire contract: the typed client and its errors, which the service's commands share).
 FACADES = {"silo.py": "dpledger.service"}
 
 # Imports the given modules, then every submodule of the given packages, and prints sys.modules. A
@@ -59,6 +60,20 @@ def test_no_module_of_the_worker_loads_the_service() -> None:
     loaded = loaded_after(packages=("dpledger.trainer",))
     assert {"dpledger.trainer.federated", "dpledger.trainer.dpsgd", "torch"} <= set(loaded)
     assert [m for m in loaded if _is(m, "dpledger.service")] == []
+
+
+def test_the_typed_client_and_the_people_and_audit_commands_load_no_torch() -> None:
+    """One client for the worker and the service's commands, so it lives in the wire contract: no
+    torch, nothing of either plane. The commands load it and still nothing of the worker."""
+    client = loaded_after(modules=("dpledger.wire.client", "dpledger.wire.errors"))
+    assert {"dpledger.wire.client", "httpx"} <= set(client)
+    assert [m for m in client if _is(m, "torch") or _is(m, "dpledger.trainer") or _is(m, "dpledger.service")] == []
+    commands = loaded_after(modules=("dpledger.service.people_cli", "dpledger.service.transparency_cli"))
+    assert {"dpledger.service.transparency_cli", "dpledger.wire.client"} <= set(commands)
+    assert [m for m in commands if _is(m, "torch") or _is(m, "dpledger.trainer")] == []
+    # Their HTTP goes through the client alone: neither imports httpx itself.
+    for command in ("people_cli.py", "transparency_cli.py"):
+        assert "httpx" not in _imported(ROOT / "service" / command), command
 
 
 def _imported(path: Path) -> set[str]:

@@ -29,9 +29,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from dpledger.trainer.client import Denied, LedgerClient
 from dpledger.trainer.rounds import Permit, open_round, round_key
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.errors import Denied
 from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.schemas import SiloCalibration, SiloDetail
 

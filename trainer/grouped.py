@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.federated.pfa import GroupAggregated
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import Role
 
 GroupSource = Literal["norms", "explicit"]

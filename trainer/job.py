@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data import FederatedDataset
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.data.npz import load_npz_folder
@@ -32,6 +31,7 @@ from dpledger.trainer.federated import (
 from dpledger.trainer.job_config import DataConfig, DpSgdSettings, JobConfig, SiloKey, silo_key
 from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
 from dpledger.trainer.preflight import LedgerSilo
+from dpledger.wire.client import LedgerClient
 
 __all__ = ["JOB_FIELDS", "DataConfig", "DpSgdSettings", "JobConfig", "SiloKey", "build", "load_data", "run_job"]
 

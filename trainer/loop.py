@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dpledger.trainer.client import Denied, LedgerClient, LedgerError, Rejected, Unreachable
 from dpledger.trainer.federated import FederatedAlgorithm
-from dpledger.trainer.rounds import NotOwned, Permit, open_round
+from dpledger.trainer.rounds import Permit, open_round
+from dpledger.wire.client import LedgerClient
+from dpledger.wire.errors import Denied, LedgerError, NotOwned, Rejected, Unreachable
 
 
 @dataclass(frozen=True)

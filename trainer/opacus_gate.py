@@ -37,8 +37,8 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.gate import OpenRound, RoundGate, StepNotCovered
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.mechanisms import DpSgd
 
 ACCOUNTANT = "dpledger"

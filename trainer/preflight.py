@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dpledger.trainer.client import LedgerClient, Rejected, Retry, Unreachable
 from dpledger.trainer.job_config import JobConfig, SiloKey, silo_key
+from dpledger.wire.client import LedgerClient, Retry
+from dpledger.wire.errors import Rejected, Unreachable
 from dpledger.wire.schemas import SiloDetail
 
 PREFLIGHT_RETRY = Retry(window=1.0, first_delay=0.2)  # a ledger that is down is said in ~1 s, not ~6

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from dpledger.trainer.client import Denied, LedgerClient, LedgerError, Rejected, Reservation
+from dpledger.wire.client import LedgerClient, Reservation
 from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.errors import Denied, LedgerError, NotOwned, Rejected
 from dpledger.wire.mechanisms import AnyMechanism
 
 
@@ -40,19 +41,6 @@ def refusal_line(denied: Denied, *, round: int) -> str:
     need = "?" if denied.epsilon_if_approved is None else f"{denied.epsilon_if_approved:.2f}"
     spent = "?" if denied.epsilon_spent is None else f"{denied.epsilon_spent:.2f}"
     return f"round {round + 1} refused: it needs ε {need} in all; the budget is {denied.epsilon:.2f} and {spent} is spent"
-
-
-class NotOwned(LedgerError):
-    """The round's key names a charge this attempt did not make (another delivery's reservation, or a
-    settled charge): the body never runs, and the charge stays as it is."""
-
-    def __init__(self, reservation: Reservation, *, round: int) -> None:
-        held = "another attempt" if reservation.attempt_id else "an attempt that sent no id"
-        super().__init__(
-            f"round {round + 1}: charge {reservation.charge_id} ({reservation.status.value}) was reserved before by {held}; "
-            "this attempt does not train on it"
-        )
-        self.reservation = reservation
 
 
 @dataclass

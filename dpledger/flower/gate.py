@@ -23,8 +23,9 @@ from flwr.clientapp.typing import ClientAppCallable
 from dpledger.flower import family, records
 from dpledger.flower.local import load_silo_file
 from dpledger.flower.settings import SettingsError, SiloSettings
-from dpledger.trainer.client import Denied, LedgerClient, LedgerError
-from dpledger.trainer.rounds import NotOwned, Permit, open_round, refusal_line
+from dpledger.trainer.rounds import Permit, open_round, refusal_line
+from dpledger.wire.client import LedgerClient
+from dpledger.wire.errors import Denied, LedgerError, NotOwned
 
 log = logging.getLogger("flwr.dpledger.silo")
 

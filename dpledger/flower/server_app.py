@@ -32,10 +32,10 @@ from flwr.supercore.run import Run
 from dpledger.flower import family, grouped, records
 from dpledger.flower.local import template
 from dpledger.flower.settings import RunSettings
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.federated.config import STREAM_INIT, derive_seed
 from dpledger.trainer.federated.halves import ServerHalf, ServerStart
 from dpledger.trainer.federated.pfa import GroupServer
+from dpledger.wire.client import LedgerClient
 
 # Under "flwr", so the lines reach the SuperLink log and `flwr run --stream` like Flower's own.
 log = logging.getLogger("flwr.dpledger.server")

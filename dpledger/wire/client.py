@@ -1,13 +1,12 @@
-"""The worker's only way to the ledger: a typed httpx client over the wire contract (`dpledger.wire`).
+"""The one typed client of the ledger: the worker's, the Flower apps', and the people and audit
+commands' (`dpledger silos|history|charges|verify|audit|pubkey`). httpx and pydantic only, no torch,
+so that the service's commands import it as the worker does.
 
 Requests are the wire's pydantic models (a mechanism given as a plain mapping is validated into one
-before it is sent); answers are parsed into the wire's response models. Errors form one tree:
-
-- `Denied`: over budget. Final, never retried; carries the refusal's numbers.
-- `Rejected`: any other 4xx (bad request, wrong key, a conflict): a bug or a policy on our side,
-  never retried.
-- `Unreachable`: connection errors, timeouts and 5xx, retried with exponential backoff up to a bound;
-  then the caller stops without spending more.
+before it is sent); answers are parsed into the wire's response models. Errors form one tree
+(`dpledger.wire.errors`): `Denied` (over budget, final), `Rejected` (any other 4xx, never retried),
+`Unreachable` (connection errors, timeouts and 5xx, retried with exponential backoff up to a bound;
+then the caller stops without spending more), and the round protocol's `NotOwned`.
 
 Retrying a reservation is safe because it carries an idempotency key; the answer then says whether
 it replayed an earlier request (`Reservation.replayed`). Each call to `reserve` also sends a random
@@ -29,14 +28,16 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from dpledger.wire.enums import ChargeStatus, Role
+from dpledger.wire.errors import Denied, LedgerError, Rejected, Unreachable
+from dpledger.wire.log_proofs import LogProofs
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
-from dpledger.wire.receipts import Receipt, default_receipts_dir
+from dpledger.wire.receipts import LogLeaf, PublicKey, Receipt, SignedTreeHead, default_receipts_dir
 from dpledger.wire.schemas import (
     CalibrateResponse,
     ChargeReserved,
@@ -52,45 +53,18 @@ from dpledger.wire.schemas import (
     SiloCalibration,
     SiloCreated,
     SiloDetail,
+    SiloSummary,
+    VerifyResponse,
 )
 from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted
 
 _MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
 _HISTORY: TypeAdapter[list[HistoryEntry]] = TypeAdapter(list[HistoryEntry])
+_SILOS: TypeAdapter[list[SiloSummary]] = TypeAdapter(list[SiloSummary])
+_CHARGES: TypeAdapter[list[ChargeReserved]] = TypeAdapter(list[ChargeReserved])
+_LEAVES: TypeAdapter[list[LogLeaf]] = TypeAdapter(list[LogLeaf])
 ModelT = TypeVar("ModelT", bound=BaseModel)
 RECEIPTS_FILE = "receipts.jsonl"
-
-
-class LedgerError(Exception):
-    """Anything the ledger said or failed to say."""
-
-
-class Denied(LedgerError):
-    """Over budget: final. The silo stops spending."""
-
-    def __init__(self, *, epsilon: float, epsilon_spent: float | None, epsilon_if_approved: float | None, detail: str) -> None:
-        super().__init__(detail)
-        self.epsilon = epsilon
-        self.epsilon_spent = epsilon_spent
-        self.epsilon_if_approved = epsilon_if_approved
-
-    @classmethod
-    def from_response(cls, refusal: OverBudgetResponse) -> Denied:
-        return cls(epsilon=refusal.epsilon, epsilon_spent=refusal.epsilon_spent,
-                   epsilon_if_approved=refusal.epsilon_if_approved, detail=refusal.detail)
-
-
-class Rejected(LedgerError):
-    """A 4xx other than a denial (bad request, wrong key, conflict): never retried."""
-
-    def __init__(self, status_code: int, body: Any) -> None:
-        super().__init__(f"{status_code}: {body}")
-        self.status_code = status_code
-        self.body = body
-
-
-class Unreachable(LedgerError):
-    """The service did not answer within the retry bound: stop without spending."""
 
 
 @dataclass(frozen=True)
@@ -147,9 +121,27 @@ class Retry:
     max_delay: float = 5.0
 
 
+def _body(response: httpx.Response) -> Any:
+    if response.headers.get("content-type", "").startswith("application/json"):
+        return response.json()
+    return response.text
+
+
 @dataclass(frozen=True)
 class _Answer:
     response: httpx.Response
+    method: str
+    path: str
+
+    def rejected(self, body: Any = None) -> Rejected:
+        """The answer as the error it is (a 4xx other than a denial), naming the request it answers."""
+        return Rejected(self.response.status_code, _body(self.response) if body is None else body,
+                        method=self.method, path=self.path)
+
+    def expect(self, *ok: int) -> httpx.Response:
+        if self.response.status_code not in ok:
+            raise self.rejected()
+        return self.response
 
 
 def as_mechanism(mechanism: AnyMechanism | Mapping[str, Any]) -> AnyMechanism:
@@ -196,48 +188,45 @@ class LedgerClient:
         self.close()
 
     # --- transport --------------------------------------------------------------------------------
-    def _send(self, method: str, path: str, body: BaseModel | Mapping[str, Any] | None = None) -> _Answer:
+    def _send(self, method: str, path: str, body: BaseModel | Mapping[str, Any] | None = None, *,
+              params: Mapping[str, Any] | None = None) -> _Answer:
         payload = body.model_dump(mode="json", exclude_none=True) if isinstance(body, BaseModel) else body
         delay, attempts = self._retry.first_delay, 0
         deadline = time.monotonic() + self._retry.window
         while True:
             attempts += 1
+            last: httpx.Response | None = None
             try:
-                response = self._http.request(method, path, json=payload, headers=self._headers)
+                response = self._http.request(method, path, params=params, json=payload, headers=self._headers)
             except httpx.TransportError as error:
                 failure: str = f"{type(error).__name__}: {error}"
             else:
                 if response.status_code < 500:
-                    return _Answer(response)
-                failure = f"HTTP {response.status_code}"
+                    return _Answer(response, method, path)
+                failure, last = f"HTTP {response.status_code}", response
             if time.monotonic() + delay > deadline:
                 raise Unreachable(
-                    f"{method} {path} failed {attempts} times in {self._retry.window:g} s; last: {failure}"
+                    f"{method} {path} failed {attempts} times in {self._retry.window:g} s; last: {failure}",
+                    last=failure, status_code=None if last is None else last.status_code,
+                    body=None if last is None else _body(last), path=path,
                 )
             time.sleep(delay)
             delay = min(delay * self._retry.factor, self._retry.max_delay)
 
     @staticmethod
-    def _body(response: httpx.Response) -> Any:
-        if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
-        return response.text
+    def _expect(answer: _Answer, model: type[ModelT], *ok: int) -> ModelT:
+        return model.model_validate_json(answer.expect(*ok).content)
 
-    def _expect(self, answer: _Answer, model: type[ModelT], *ok: int) -> ModelT:
-        response = answer.response
-        if response.status_code not in ok:
-            raise Rejected(response.status_code, self._body(response))
-        return model.model_validate_json(response.content)
-
-    def _denied_or_rejected(self, response: httpx.Response) -> LedgerError:
+    @staticmethod
+    def _denied_or_rejected(answer: _Answer) -> LedgerError:
         """A 409 is a denial when it carries the refusal's numbers, else a conflict (Rejected)."""
-        body = self._body(response)
-        if response.status_code == 409:
+        body = _body(answer.response)
+        if answer.response.status_code == 409:
             try:
                 return Denied.from_response(OverBudgetResponse.model_validate(body))
             except ValidationError:
                 pass
-        return Rejected(response.status_code, body)
+        return answer.rejected(body)
 
     # --- admin -----------------------------------------------------------------------------------
     def create_silo(self, *, name: str, epsilon: float, delta: float, dataset_size: int,
@@ -257,19 +246,14 @@ class LedgerClient:
         return self._expect(self._send("POST", "/v1/keys", body), KeyCreated, 201)
 
     def revoke_key(self, key_id: int) -> None:
-        response = self._send("DELETE", f"/v1/keys/{key_id}").response
-        if response.status_code != 204:
-            raise Rejected(response.status_code, self._body(response))
+        self._send("DELETE", f"/v1/keys/{key_id}").expect(204)
 
     # --- a silo's own ------------------------------------------------------------------------------
     def silo(self, silo_id: int) -> SiloDetail:
         return self._expect(self._send("GET", f"/v1/silos/{silo_id}"), SiloDetail, 200)
 
     def history(self, silo_id: int) -> list[HistoryEntry]:
-        answer = self._send("GET", f"/v1/silos/{silo_id}/history")
-        if answer.response.status_code != 200:
-            raise Rejected(answer.response.status_code, self._body(answer.response))
-        return _HISTORY.validate_json(answer.response.content)
+        return _HISTORY.validate_json(self._send("GET", f"/v1/silos/{silo_id}/history").expect(200).content)
 
     def reserve(self, silo_id: int, *, mechanism: AnyMechanism | Mapping[str, Any], idempotency_key: str,
                 job_id: str | None = None, round: int | None = None) -> Reservation:
@@ -279,7 +263,7 @@ class LedgerClient:
         answer = self._send("POST", f"/v1/silos/{silo_id}/charges", body)
         response = answer.response
         if response.status_code not in (200, 201):
-            raise self._denied_or_rejected(response)
+            raise self._denied_or_rejected(answer)
         data = ChargeReserved.model_validate_json(response.content)
         self._keep(data.receipt)
         replayed = data.replayed or response.status_code == 200
@@ -296,19 +280,21 @@ class LedgerClient:
     def release(self, charge_id: int) -> float | None:
         return self._settle(charge_id, "release", done=ChargeStatus.released)
 
-    def _settle(self, charge_id: int, action: str, *, done: ChargeStatus) -> float | None:
+    def _settle(self, charge_id: int, action: Literal["commit", "release"], *, done: ChargeStatus) -> float | None:
         """The silo's ε after the settlement, or None when an earlier attempt had landed already."""
-        response = self._send("POST", f"/v1/charges/{charge_id}/{action}").response
-        if response.status_code == 409:
-            body = self._body(response)
-            if isinstance(body, dict) and body.get("charge_status") == done.value:
+        try:
+            return self.settle_charge(charge_id, action).epsilon_spent
+        except Rejected as error:
+            if error.status_code == 409 and isinstance(error.body, dict) and error.body.get("charge_status") == done.value:
                 return None  # an earlier attempt landed and only its answer was lost
-            raise Rejected(409, body)
-        if response.status_code != 200:
-            raise Rejected(response.status_code, self._body(response))
-        settled = ChargeSettled.model_validate_json(response.content)
+            raise
+
+    def settle_charge(self, charge_id: int, action: Literal["commit", "release"]) -> ChargeSettled:
+        """The settlement as the ledger answers it; any refusal (a 409 included) raises Rejected. A
+        person releasing a stranded reservation (`dpledger charges release`) sees it as it is."""
+        settled = self._expect(self._send("POST", f"/v1/charges/{charge_id}/{action}"), ChargeSettled, 200)
         self._keep(settled.receipt)
-        return settled.epsilon_spent
+        return settled
 
     def calibrate_silo(self, silo_id: int, *, batch_size: int, steps_per_round: int, rounds: int) -> SiloCalibration:
         """σ such that `rounds` more rounds fit what this silo has left (its key or an admin's)."""
@@ -323,10 +309,10 @@ class LedgerClient:
             law["shape"] = shape
         body = {"trial": as_mechanism(trial).model_dump(mode="json", exclude_none=True), "mean_trials": mean_trials,
                 "distribution": law, "idempotency_key": idempotency_key}
-        response = self._send("POST", f"/v1/silos/{silo_id}/searches", body).response
-        if response.status_code != 201:
-            raise self._denied_or_rejected(response)
-        started = SearchStarted.model_validate_json(response.content)
+        answer = self._send("POST", f"/v1/silos/{silo_id}/searches", body)
+        if answer.response.status_code != 201:
+            raise self._denied_or_rejected(answer)
+        started = SearchStarted.model_validate_json(answer.response.content)
         self._keep(started.receipt)
         return started
 
@@ -338,9 +324,7 @@ class LedgerClient:
         return self._expect(self._send("POST", "/v1/jobs", {"name": name, "silo_ids": silo_ids}), JobCreated, 201).job_id
 
     def report_norm(self, job_id: int, round: int, *, silo_id: int, l2_norm: float) -> None:
-        answer = self._send("POST", f"/v1/jobs/{job_id}/rounds/{round}/norms", {"silo_id": silo_id, "l2_norm": l2_norm})
-        if answer.response.status_code != 201:
-            raise Rejected(answer.response.status_code, self._body(answer.response))
+        self._send("POST", f"/v1/jobs/{job_id}/rounds/{round}/norms", {"silo_id": silo_id, "l2_norm": l2_norm}).expect(201)
 
     def groups(self, job_id: int, round: int) -> dict[int, int]:
         """Silo id → privacy group (0 = least noisy), from the norms alone."""
@@ -352,10 +336,13 @@ class LedgerClient:
         return self._expect(self._send("GET", "/v1/keys/me"), KeyInfo, 200)
 
     def history_page(self, silo_id: int, *, after_seq: int, limit: int) -> list[HistoryEntry]:
-        answer = self._send("GET", f"/v1/silos/{silo_id}/history?after_seq={after_seq}&limit={limit}")
-        if answer.response.status_code != 200:
-            raise Rejected(answer.response.status_code, self._body(answer.response))
-        return _HISTORY.validate_json(answer.response.content)
+        answer = self._send("GET", f"/v1/silos/{silo_id}/history", params={"after_seq": after_seq, "limit": limit})
+        return _HISTORY.validate_json(answer.expect(200).content)
+
+    def history_csv_page(self, silo_id: int, *, after_seq: int, limit: int) -> str:
+        """The same page as the API's CSV export (with its header row)."""
+        params = {"format": "csv", "after_seq": after_seq, "limit": limit}
+        return self._send("GET", f"/v1/silos/{silo_id}/history", params=params).expect(200).text
 
     def quote(self, mechanism: AnyMechanism | Mapping[str, Any], *, silo_id: int | None = None,
               delta: float | None = None) -> QuoteResponse:
@@ -382,3 +369,46 @@ class LedgerClient:
     def calibrate(self, *, epsilon: float, delta: float, sampling_rate: float, steps: int) -> float:
         body = {"epsilon": epsilon, "delta": delta, "sampling_rate": sampling_rate, "steps": steps}
         return self._expect(self._send("POST", "/v1/calibrate", body), CalibrateResponse, 200).noise_multiplier
+
+    # --- readers: the people and audit commands ---------------------------------------------------
+    def silos(self) -> list[SiloSummary]:
+        """Every silo the key may see, with its budget and ε spent (GET /v1/silos)."""
+        return _SILOS.validate_json(self._send("GET", "/v1/silos").expect(200).content)
+
+    def charges(self, silo_id: int, *, status: ChargeStatus | None = None) -> list[ChargeReserved]:
+        """A silo's charges as they stand, or only those of one status (reserved: the open ones)."""
+        params = None if status is None else {"status": status.value}
+        return _CHARGES.validate_json(self._send("GET", f"/v1/silos/{silo_id}/charges", params=params).expect(200).content)
+
+    def verify_chain(self) -> VerifyResponse:
+        """The ledger recomputes every hash of its chain (GET /v1/audit/verify)."""
+        return self._expect(self._send("GET", "/v1/audit/verify"), VerifyResponse, 200)
+
+    def log_public_key(self) -> PublicKey:
+        """The Ed25519 key that signs the transparency log's tree heads."""
+        return self._expect(self._send("GET", "/v1/log/public-key"), PublicKey, 200)
+
+    def log_head(self) -> SignedTreeHead:
+        return self._expect(self._send("GET", "/v1/log/head"), SignedTreeHead, 200)
+
+    def log_leaves(self, *, start: int, limit: int, silo_id: int | None = None) -> list[LogLeaf]:
+        """The log's leaves from `start` (only `silo_id`'s, when given), each with the record behind it."""
+        params: dict[str, Any] = {"start": start, "limit": limit}
+        if silo_id is not None:
+            params["silo_id"] = silo_id
+        return _LEAVES.validate_json(self._send("GET", "/v1/log/leaves", params=params).expect(200).content)
+
+    def log_proofs(self, *, size: int, inclusion: Sequence[int], consistency: Sequence[int]) -> LogProofs:
+        """Inclusion paths of `inclusion` and consistency paths from `consistency`, to the tree of `size`."""
+        params = {"size": size, "inclusion": ",".join(map(str, inclusion)), "consistency": ",".join(map(str, consistency))}
+        return self._expect(self._send("GET", "/v1/log/proofs", params=params), LogProofs, 200)
+
+    def record_verified(self, head: SignedTreeHead) -> SignedTreeHead:
+        """Tells the ledger (its dashboard) that this auditor verified `head`."""
+        return self._expect(self._send("POST", "/v1/log/verified", head), SignedTreeHead, 201)
+
+    def read(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
+        """A GET's JSON body, unparsed, with this client's errors: the transparency checker's one seam
+        (path → JSON, see `dpledger.service.transparency_cli.Get`), which validates each answer into
+        the wire's models itself, so that its tests can drive it from an in-process app."""
+        return self._send("GET", path, params=params).expect(200).json()

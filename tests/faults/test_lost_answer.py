@@ -29,7 +29,7 @@ from flwr.app import Context, RecordDict
 from dpledger.flower import records
 from dpledger.flower.gate import ledger_gate, ledger_job
 from dpledger.flower.local import round_mechanism
-from dpledger.trainer.client import LedgerClient
+from dpledger.wire.client import LedgerClient
 from tests.faults.conftest import BIN, LedgerServer, listed_charges, stop_tree
 from tests.faults.proxy import Proxy
 from tests.flower.federation import DELTA, expected_epsilon, write_silo_files
@@ -115,7 +115,8 @@ def assert_one_round_committed(ledger: LedgerServer, silo_id: int) -> None:
 
 # --- through open_round -----------------------------------------------------------------------------
 def test_a_redelivery_whose_answer_is_lost_never_trains(ledger: LedgerServer, proxy: Proxy, tmp_path: Path) -> None:
-    from dpledger.trainer.rounds import NotOwned, open_round
+    from dpledger.trainer.rounds import open_round
+    from dpledger.wire.errors import NotOwned
 
     silo_id, job_id, node = new_silo(ledger, tmp_path, ledger_url=proxy.url)
     key = Path(node["key-file"]).read_text()

@@ -27,8 +27,8 @@ from dp_accounting import dp_event as de
 
 from dpledger.flower.settings import SIMULATION_NODES_ENV
 from dpledger.harness import free_port
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits_files import write_digits_silo_files
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import Role
 from tests import gate_oracle
 

@@ -18,7 +18,7 @@ from dpledger.flower.client_app import train  # noqa: E402
 from dpledger.flower.gate import ledger_gate  # noqa: E402
 from dpledger.flower.local import template  # noqa: E402
 from dpledger.harness import running_server  # noqa: E402
-from dpledger.trainer.client import LedgerClient  # noqa: E402
+from dpledger.wire.client import LedgerClient  # noqa: E402
 from dpledger.wire.schemas import SiloDetail  # noqa: E402
 from tests import gate_oracle  # noqa: E402
 from tests.flower.federation import DELTA, write_silo_files  # noqa: E402

@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.budgets import MIXGAUSS_TABLE, draw_budgets
+from dpledger.wire.client import LedgerClient
 from tests.flower.federation import Federation, access_log, assert_budget_blind, expected_epsilon, federation
 
 SILOS, TRAIN, TEST, STEPS, BATCH, ROUNDS = 4, 120, 40, 2, 16, 3  # ROUNDS: the warm start and two grouped rounds

@@ -40,8 +40,8 @@ from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode
 from dpledger.service.ledger.signer import SigningKeyError
 from dpledger.service.settings import Settings
 from dpledger.service.transparency_cli import Get, RefusedError, audit, verify_receipts
-from dpledger.trainer.client import LedgerClient
 from dpledger.wire import merkle
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import EntryEvent
 from dpledger.wire.mechanisms import Mechanism
 from dpledger.wire.receipts import PublicKey, Receipt, SignedTreeHead, check_receipt, is_fork

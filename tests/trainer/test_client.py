@@ -9,7 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from dpledger.harness import free_port, running_server
-from dpledger.trainer.client import RETRY_WINDOW_ENV, Denied, LedgerClient, Rejected, Retry, Unreachable
+from dpledger.wire.client import RETRY_WINDOW_ENV, LedgerClient, Retry
+from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.errors import Denied, Rejected, Unreachable
 from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.schemas import SiloDetail
 from tests.conftest import ADMIN_KEY
@@ -103,6 +105,55 @@ def test_a_bad_request_is_rejected_not_retried(server: str, silo) -> None:  # ty
         with pytest.raises(Rejected) as rejected:  # well-formed, but larger than the registered 1000 records
             client.reserve(silo.id, mechanism={**STEP, "batch_size": 5000}, idempotency_key="bad")
     assert rejected.value.status_code == 422 and "batch_size" in str(rejected.value.body) and transport.calls == 1
+    assert (rejected.value.method, rejected.value.path) == ("POST", f"/v1/silos/{silo.id}/charges")
+
+
+class FailingTransport(httpx.BaseTransport):
+    """Answers every request with a 503 and a JSON reason, as a proxy in front of a dead ledger does."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"detail": "ledger restarting"})
+
+
+def test_a_5xx_after_the_bound_carries_its_status_body_and_path() -> None:
+    with LedgerClient("http://ledger", "key", transport=FailingTransport(), retry=Retry(window=0), receipts=False) as client:
+        with pytest.raises(Unreachable) as unreachable:
+            client.silo(7)
+    error = unreachable.value
+    assert (error.status_code, error.body, error.path) == (503, {"detail": "ledger restarting"}, "/v1/silos/7")
+    assert error.last == "HTTP 503"
+
+
+def test_the_readers_answer_the_wire_models(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    """The people and audit commands' reads, typed: the same numbers as the silo's own view."""
+    with LedgerClient(server, silo.api_key, receipts=False) as client:
+        first = client.reserve(silo.id, mechanism=STEP, idempotency_key="read-0", job_id="j", round=0)
+        second = client.reserve(silo.id, mechanism=STEP, idempotency_key="read-1", job_id="j", round=1)
+        client.commit(first.charge_id)
+    with LedgerClient(server, ADMIN_KEY, receipts=False) as admin:
+        (listed,) = [s for s in admin.silos() if s.id == silo.id]
+        assert listed.epsilon_spent == admin.silo(silo.id).epsilon_spent == second.epsilon_spent
+        charges = admin.charges(silo.id)
+        assert [(c.charge_id, c.status) for c in charges] == [
+            (first.charge_id, ChargeStatus.committed), (second.charge_id, ChargeStatus.reserved)]
+        assert [c.charge_id for c in admin.charges(silo.id, status=ChargeStatus.reserved)] == [second.charge_id]
+        settled = admin.settle_charge(second.charge_id, "release")
+        assert (settled.charge_id, settled.status) == (second.charge_id, ChargeStatus.released)
+        with pytest.raises(Rejected) as again:  # a person sees the refusal itself, not a quiet None
+            admin.settle_charge(second.charge_id, "release")
+        assert again.value.status_code == 409 and again.value.body["charge_status"] == "released"
+        assert admin.release(second.charge_id) is None  # the worker's settle: an earlier attempt landed
+        history = admin.history_page(silo.id, after_seq=0, limit=100)
+        csv_rows = admin.history_csv_page(silo.id, after_seq=0, limit=100).splitlines()
+        assert len(csv_rows) == 1 + len(history) and csv_rows[-1].startswith(f"{history[-1].seq},")
+        assert [e.seq for e in admin.history_page(silo.id, after_seq=history[0].seq, limit=1)] == [history[1].seq]
+        assert admin.verify_chain().ok
+        head, key = admin.log_head(), admin.log_public_key()
+        leaves = admin.log_leaves(start=0, limit=head.tree_size, silo_id=silo.id)
+        assert leaves and all(leaf.log_index < head.tree_size for leaf in leaves)
+        proofs = admin.log_proofs(size=head.tree_size, inclusion=[leaves[0].log_index], consistency=[])
+        assert [p.log_index for p in proofs.inclusion] == [leaves[0].log_index]
+        assert admin.record_verified(head) == head and key.key_id == head.key_id
 
 
 def test_a_reservation_says_whether_it_is_owned(server: str, silo) -> None:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
+from dpledger.wire.client import LedgerClient
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import dpsgd_epsilon
 

@@ -15,11 +15,11 @@ from fastapi.testclient import TestClient
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
-from dpledger.trainer.client import Denied, LedgerClient
 from dpledger.trainer.dpsgd.engine import DPSGDEngine
 from dpledger.trainer.gate import RoundGate, StepNotCovered
-from dpledger.trainer.rounds import NotOwned
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.errors import Denied, NotOwned
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import dpsgd_epsilon
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient, Rejected
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
     PFA,
@@ -23,6 +22,8 @@ from dpledger.trainer.federated import (
 )
 from dpledger.trainer.grouped import GroupedRun, issue_coordinator_key, run_grouped
 from dpledger.trainer.loop import GatedSilo, RoundRecord
+from dpledger.wire.client import LedgerClient
+from dpledger.wire.errors import Rejected
 from tests.conftest import ADMIN_KEY
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=2, seed=5)

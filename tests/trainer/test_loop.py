@@ -14,10 +14,10 @@ import torch
 
 from dpledger.demo import DemoConfig, run_demo
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
+from dpledger.wire.client import LedgerClient
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import budget_admitting, dpsgd_epsilon
 

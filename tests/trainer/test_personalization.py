@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import (
     IFCA,
@@ -28,6 +27,7 @@ from dpledger.trainer.federated.halves import Arrays, Halves, Trained
 from dpledger.trainer.federated.ifca import ClusterSilo
 from dpledger.trainer.federated.plan import SELECTIONS
 from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
+from dpledger.wire.client import LedgerClient
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import budget_admitting, dpsgd_epsilon
 

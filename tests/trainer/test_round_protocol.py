@@ -21,14 +21,15 @@ import pytest
 import torch
 
 from dpledger.harness import running_server
-from dpledger.trainer.client import LedgerClient
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
 from dpledger.trainer.gate import RoundGate
 from dpledger.trainer.loop import GatedSilo, run_gated
-from dpledger.trainer.rounds import NotOwned, round_key
+from dpledger.trainer.rounds import round_key
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
+from dpledger.wire.errors import NotOwned
 from tests.conftest import ADMIN_KEY
 
 DELTA, SIGMA, STEPS, BATCH = 1e-5, 1.0, 2, 12

@@ -297,7 +297,7 @@ def test_a_ledger_that_dies_mid_run_is_exit_3_with_what_ran_written_out(
     from dpledger import worker_cli as cli
     from dpledger.harness import ServerProcess
     from dpledger.trainer import job as job_module
-    from dpledger.trainer.client import RETRY_WINDOW_ENV
+    from dpledger.wire.client import RETRY_WINDOW_ENV
 
     monkeypatch.setenv(RETRY_WINDOW_ENV, "3")  # the default 60 s rides out a restart; this ledger stays dead
     with ServerProcess(database_url=f"sqlite:///{tmp_path}/dies.db", admin_key=ADMIN_KEY) as server:
