@@ -85,9 +85,9 @@ def run_algorithm(fed: Federation, charged: dict[int, list[np.ndarray]], name: s
         **options})
     for silo in fed.silos:  # charged whether or not the run then went well: a round that ran is spent
         charged.setdefault(silo.silo_id, []).append(cost())
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    assert finished.returncode == 0 and out.exists(), finished.stdout[-3000:] + finished.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["outcome"] == "complete", result["rounds"]
+    assert result["outcome"] == "complete", (result["rounds"], finished.stdout[-6000:])
     assert sorted(int(s) for s in result["accuracy"]) == sorted(s.silo_id for s in fed.silos)
     with fed.ledger() as admin:
         for silo in fed.silos:
