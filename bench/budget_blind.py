@@ -161,7 +161,7 @@ class SeedBench:
             record(f"FedHDP r={r:g}", self.grouped(f"hdp-{r}", FedHDP(ratio=r, **self._args()), None)[0])
         blind = FedHDP(ratio="budget_blind", **self._args())
         record("FedHDP, budget-blind r", self.grouped("hdp-blind", blind, None)[0])
-        blind_ratios.extend(r for rs in blind.ratio_history for r in rs[1:])
+        blind_ratios.extend(r for rs in blind.server.ratio_history for r in rs[1:])  # type: ignore[attr-defined]  # FedHDPServer
         return norm_groups
 
 
