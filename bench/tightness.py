@@ -7,8 +7,11 @@ Workloads (δ = 1e-5; "budgeted for N" = the budget is dp-accounting's RDP ε of
 
 - a federated silo of 135 records (batch 16, σ 1.2, 10 steps a round) budgeted for 20 rounds, with
   its horizon declared (one round), with none, and with a declared 20-round plan;
-- central DP-SGD (q = 256/60000, σ 1.0) budgeted for 10,000 steps, no horizon declared (the default
-  horizon is that same step), and the same silo charged σ 1.5 steps instead.
+- central DP-SGD (q = 256/60000, σ 1.0) budgeted for 10,000 steps, no horizon declared, charged one
+  step at a time, and the same silo charged σ 1.5 steps instead.
+
+A silo with no declared horizon has its filter fixed by its first charge (gate.pending; "before",
+the default horizon's filter: DP-SGD at q = min(0.01, 256/size), σ 1).
 
 Both columns go through the service's own code: the silo's filter from ledger/silos.py (filter_for,
 as registration chooses it) and the reading from ledger/gate.py (reading, as every approval makes
@@ -64,14 +67,18 @@ Rule = Callable[..., rdp_filter.FilterSpec]
 
 
 def silo_row(spec: rdp_filter.FilterSpec, *, epsilon: float, plan: plans.Plan | None = None) -> Silo:
-    return Silo(id=1, epsilon=epsilon, delta=DELTA, filter_spec=spec.to_json(), filter_seq=1,
+    # A pending filter (no horizon declared, today's rule) is fixed by the silo's first charge.
+    return Silo(id=1, epsilon=epsilon, delta=DELTA, filter_spec=spec.to_json(),
+                filter_seq=gate.PENDING_SEQ if spec.source == "pending" else 1,
                 plan=None if plan is None else plan.to_json(), plan_used=0)
 
 
-def ratio(silo: Silo, q: float, sigma: float, steps: int) -> float:
-    """The gate's reading of `steps` DP-SGD steps charged to `silo`, ÷ dp-accounting's ε of them."""
+def ratio(silo: Silo, q: float, sigma: float, steps: int, *, unit: int) -> float:
+    """The gate's reading of `steps` DP-SGD steps charged to `silo` `unit` steps a charge, ÷
+    dp-accounting's ε of them (the first charge fixes a pending silo's filter, as reserve does)."""
     running = RunningSum.empty(len(rdp.ORDERS)).add(rdp.certified_curve(dpsgd(q, sigma, steps)))
-    return gate.reading(silo, running).epsilon / dp_accounting_epsilon(q, sigma, steps)
+    first = rdp.certified_curve(dpsgd(q, sigma, unit)) if gate.pending(silo) else None
+    return gate.reading(silo, running, first=first).epsilon / dp_accounting_epsilon(q, sigma, steps)
 
 
 def declared_plan(q: float, sigma: float, steps: int) -> plans.Plan:
@@ -93,13 +100,13 @@ def rows(rule: Rule) -> list[tuple[str, list[float]]]:
     central = silo_row(rule(epsilon=central_budget, dataset_size=CENTRAL_SIZE, horizon=None), epsilon=central_budget)
     return [
         ("silo, horizon one round: after 1 / 3 / 20 rounds",
-         [ratio(declared, q, SILO_SIGMA, r * ROUND_STEPS) for r in (1, 3, 20)]),
+         [ratio(declared, q, SILO_SIGMA, r * ROUND_STEPS, unit=ROUND_STEPS) for r in (1, 3, 20)]),
         ("silo, no horizon: after 1 / 3 / 20 rounds",
-         [ratio(undeclared, q, SILO_SIGMA, r * ROUND_STEPS) for r in (1, 3, 20)]),
+         [ratio(undeclared, q, SILO_SIGMA, r * ROUND_STEPS, unit=ROUND_STEPS) for r in (1, 3, 20)]),
         ("silo, 20-round plan: after 1 / 3 / 20 rounds",
-         [ratio(planned, q, SILO_SIGMA, r * ROUND_STEPS) for r in (1, 3, 20)]),
-        ("central σ 1.0: after 1,000 / 10,000 steps", [ratio(central, qc, CENTRAL_SIGMA, n) for n in (1_000, 10_000)]),
-        ("central, σ 1.5 steps: after 1 / 10 / 100", [ratio(central, qc, 1.5, n) for n in (1, 10, 100)]),
+         [ratio(planned, q, SILO_SIGMA, r * ROUND_STEPS, unit=ROUND_STEPS) for r in (1, 3, 20)]),
+        ("central σ 1.0: after 1,000 / 10,000 steps", [ratio(central, qc, CENTRAL_SIGMA, n, unit=1) for n in (1_000, 10_000)]),
+        ("central, σ 1.5 steps: after 1 / 10 / 100", [ratio(central, qc, 1.5, n, unit=1) for n in (1, 10, 100)]),
     ]
 
 

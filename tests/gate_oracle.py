@@ -5,7 +5,8 @@ is min over those orders of dp-accounting's RDP → (ε, δ) conversion at that 
 (compute_epsilon on one order; the product rounded one ulp down, so that the shares never sum past
 δ). The curves are dp-accounting's, except that a Poisson-sampled Gaussian's fractional orders take
 the certified value where it is lower, as the ledger's do: those values are checked against a
-40-digit integration in tests/service/accounting/test_fractional.py.
+40-digit integration in tests/service/accounting/test_fractional.py. A silo registered without a
+horizon publishes its filter once its first charge fixed it (first_charge_pairs, for before then).
 """
 
 from __future__ import annotations
@@ -56,18 +57,50 @@ def proven_epsilon(filter_pairs: list[tuple[float, float]], curve: np.ndarray, *
     )
 
 
-def filter_pairs(silo: Any) -> list[tuple[float, float]]:
+Run = tuple[float, float, int]
+
+
+def filter_pairs(silo: Any, *, first: Run | None = None) -> list[tuple[float, float]]:
     """The (order, δ share) pairs of a silo's published filter: a GET /v1/silos/{id} body, or the
-    typed client's SiloDetail."""
+    typed client's SiloDetail. A silo registered without a horizon publishes none until its first
+    charge fixes it: `first` names that charge, a DP-SGD run (q, σ, steps)."""
+    published = silo.get("filter") if isinstance(silo, Mapping) else silo.filter
+    if published is None:
+        assert first is not None, "the silo publishes no filter yet (its first charge fixes it): name that charge"
+        return first_charge_pairs(silo, first)
     if isinstance(silo, Mapping):
         return filter_of(silo)
-    assert silo.filter is not None, "the silo publishes no filter"
     return list(zip(silo.filter.orders, silo.filter.weights, strict=True))
 
 
-def dpsgd_epsilon(silo: Any, runs: Iterable[tuple[float, float, int]], *, delta: float) -> float:
-    """The ε the gate reads for DP-SGD runs (q, σ, steps) on this silo, by dp-accounting's curves."""
-    return proven_epsilon(filter_pairs(silo), dpsgd_curve(runs), delta=delta)
+def first_charge_pairs(silo: Any, first: Run) -> list[tuple[float, float]]:
+    """The filter a silo with none yet will fix at a first charge of DP-SGD run `first`: the ledger's
+    allocation rule (a choice of orders and shares, which the silo then publishes like any filter;
+    its bound is tested in tests/service/accounting/test_filter.py), on the ledger's curve of that
+    charge. Only the choice is the ledger's: every ε read through it here stays dp-accounting's."""
+    from dpledger.service.accounting import filter as rdp_filter
+    from dpledger.service.accounting import rdp
+    from dpledger.wire.mechanisms import DpSgd
+
+    epsilon, delta = (silo["epsilon"], silo["delta"]) if isinstance(silo, Mapping) else (silo.epsilon, silo.delta)
+    q, sigma, steps = first
+    curve = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q))
+    spec = rdp_filter.first_charge_spec(epsilon=epsilon, delta=delta, first=curve)
+    return list(zip(spec.orders, spec.weights, strict=True))
+
+
+def dpsgd_epsilon(silo: Any, runs: Iterable[Run], *, delta: float, first: Run | None = None) -> float:
+    """The ε the gate reads for DP-SGD runs (q, σ, steps) on this silo, by dp-accounting's curves
+    (`first`: its first charge, where the silo publishes no filter yet)."""
+    return proven_epsilon(filter_pairs(silo, first=first), dpsgd_curve(runs), delta=delta)
+
+
+def one_more_round(fits: list[Run], overflows: list[Run]) -> Run | None:
+    """The round by which `overflows` exceeds `fits`, where both are one run of the same (q, σ): a job
+    charged a round at a time, whose first round fixes a silo's filter where it declared no horizon."""
+    if len(fits) == len(overflows) == 1 and fits[0][:2] == overflows[0][:2] and overflows[0][2] > fits[0][2]:
+        return (fits[0][0], fits[0][1], overflows[0][2] - fits[0][2])
+    return None
 
 
 def budget_admitting(
@@ -81,10 +114,12 @@ def budget_admitting(
     bisect for the smallest budget b whose silo reads ε(fits) ≤ b, starting from the old rule's ε
     (a filter never reads less), then check that silo refuses `overflows`."""
     fits, overflows = list(fits), list(overflows)
+    # A silo registered without a horizon has its filter fixed by its first charge: here, one round.
+    first = one_more_round(fits, overflows)
 
     def admits(budget: float) -> tuple[bool, Any]:
         silo = create(budget)
-        return dpsgd_epsilon(silo, fits, delta=delta) <= budget, silo
+        return dpsgd_epsilon(silo, fits, delta=delta, first=first) <= budget, silo
 
     low = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(fits), delta)[0])
     if low == 0:
@@ -92,7 +127,7 @@ def budget_admitting(
         # since a filter never reads less than the old rule.
         budget = float(rdp_lib.compute_epsilon(ORDERS, dpsgd_curve(overflows), delta)[0]) / 2
         silo = create(budget)
-        assert dpsgd_epsilon(silo, overflows, delta=delta) > budget
+        assert dpsgd_epsilon(silo, overflows, delta=delta, first=first) > budget
         return silo
     high = 2 * low
     ok, silo = admits(high)
@@ -107,7 +142,7 @@ def budget_admitting(
         else:
             low = middle
     budget = high
-    assert dpsgd_epsilon(silo, overflows, delta=delta) > budget, (
+    assert dpsgd_epsilon(silo, overflows, delta=delta, first=first) > budget, (
         f"the smallest budget that admits {fits}, {budget!r}, admits {overflows} too"
     )
     return silo

@@ -117,7 +117,8 @@ class SiloSummary(_SiloFields):
 class FilterView(BaseModel):
     orders: list[float] = Field(description="the Rényi orders of the silo's filter, fixed before its first charge")
     weights: list[float] = Field(description="each order's share of δ (union bound)")
-    source: str = Field(description="horizon (from the budget and a horizon at registration) or legacy")
+    source: str = Field(description="horizon (from the budget and a horizon at registration), first_charge (a silo "
+                        "registered without a horizon: from its budget and its first charge), or legacy")
 
 
 class PlanView(BaseModel):
@@ -133,7 +134,8 @@ class SiloDetail(SiloSummary):
     epsilon_remaining: float
     rho: float | None
     order: float
-    filter: FilterView | None = None
+    filter: FilterView | None = Field(None, description="the gate's filter; none until the first charge of a silo "
+                                      "registered without a horizon, which fixes it from that charge")
     plan: PlanView | None = None
     gated_on: Literal["rdp_filter", "plan"] = "rdp_filter"
 

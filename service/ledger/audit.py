@@ -115,8 +115,9 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
         prev_hash, expected_seq = entry.hash, entry.seq + 1
     if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:
         report.flag(silo.id, expected_seq, "the silo's chain head is not the last entry (an entry was removed)")
-    if silo.filter_seq != 1 and filter_entries != [silo.filter_seq]:
-        # Seq 1 is the create entry, whose hash covers the filter; otherwise exactly one filter entry must.
+    if silo.filter_seq != 1 and filter_entries != ([] if silo.filter_seq == 0 else [silo.filter_seq]):
+        # Seq 1 is the create entry, whose hash covers the filter; 0, a filter its first charge is still
+        # to fix (none may cover it); otherwise exactly one filter entry must.
         report.flag(silo.id, None, f"the silo's filter (entry {silo.filter_seq}) is covered by no filter entry of its chain")
     _verify_charges(silo, charges, status_from_log, report)
 

@@ -122,11 +122,13 @@ def price(mechanism: AnyMechanism, *, silo: Silo | None, charged: bool, path: st
 
 def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False) -> BudgetCheck:
     """The gate: the silo's Rényi filter, fixed before its first charge (ledger/gate.py; O(orders)),
-    approves only when its proven ε(spent + curve) ≤ the silo's ε. A silo on a declared plan is
+    approves only when its proven ε(spent + curve) ≤ the silo's ε (a pending silo: under the filter
+    this charge, its first, would fix). A silo on a declared plan is
     checked by gate.follow_plan instead (the plan's PLD ε fit the budget when it was declared)."""
     spent = RunningSum.from_json(silo.rdp_spent)
     candidate = spent.add(curve)
-    eps_candidate = gate.reading(silo, candidate).epsilon
+    # A silo with no declared horizon is pending until its first charge, which fixes its filter.
+    eps_candidate = gate.reading(silo, candidate, first=curve if gate.pending(silo) else None).epsilon
     fits = silo.plan is not None or rdp.within_budget(eps_candidate, budget=silo.epsilon)
     eps_now = gate.reading(silo, spent).epsilon if with_spent or not fits else None
     return BudgetCheck(candidate, eps_now, eps_candidate, fits)
@@ -211,6 +213,8 @@ def reserve_locked(
             budget=silo.epsilon, epsilon_spent=decision.epsilon_spent, epsilon_if_approved=decision.epsilon_if_approved
         )
     now = datetime.now(UTC)
+    if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it
+        silos.fix_filter(session, silo, priced.curve, now=now)
     charge = Charge(
         silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
         mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,

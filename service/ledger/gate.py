@@ -5,6 +5,11 @@ of accounting/filter.py over the orders and δ shares in its record), or, once i
 by the plan alone (accounting/plans.py: exactly the plan's units, priced by its PLD ε). Both read only
 the silo row: O(orders), never O(history). The decision itself is charges.check_budget, shared by
 reserve and quote.
+
+A silo registered without a horizon holds no filter until its first charge (filter_seq 0, its
+create entry covers none): that charge fixes it from its own curve (filter.first_charge_spec, where
+why that is sound is written), and until then every price it is quoted is read under the filter
+that charge would fix. The charge's reservation writes the filter entry that covers it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,19 @@ class PlanDeviation(Conflict):
     """A charge that is not the next part of the silo's declared plan."""
 
 
-def spec(silo: Silo) -> rdp_filter.FilterSpec:
+# filter_seq of a silo whose filter its first charge fixes (chain.create_fields covers no filter then).
+PENDING_SEQ = 0
+
+
+def pending(silo: Silo) -> bool:
+    """Whether the silo's filter is still to be fixed by its first charge."""
+    return silo.filter_seq == PENDING_SEQ
+
+
+def spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpec:
+    """The silo's filter; on a pending silo, the one its first charge (of curve `first`) would fix."""
+    if pending(silo) and first is not None:
+        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first)
     return rdp_filter.FilterSpec.from_json(silo.filter_spec)
 
 
@@ -35,9 +52,10 @@ def _is_empty(running: RunningSum) -> bool:
     return not np.any(running.finite) and not np.any(running.infinite)
 
 
-def reading(silo: Silo, running: RunningSum) -> rdp_filter.Reading:
-    """The proven ε of a running sum of this silo (spent, committed, or a candidate)."""
-    by_filter = rdp_filter.read(spec(silo), running.curve(), delta=silo.delta)
+def reading(silo: Silo, running: RunningSum, *, first: np.ndarray | None = None) -> rdp_filter.Reading:
+    """The proven ε of a running sum of this silo (spent, committed, or a candidate); `first`: the
+    curve of the silo's first charge where the sum holds it and the silo is still pending."""
+    by_filter = rdp_filter.read(spec(silo, first=first), running.curve(), delta=silo.delta)
     declared = plan(silo)
     if declared is None:
         return by_filter

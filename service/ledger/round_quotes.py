@@ -53,21 +53,25 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
     for mechanism in declared:
         after.append(after[-1] if mechanism is None else after[-1].add(curves[mechanism.model_dump_json()]))
 
+    first = next((m for m in declared if m is not None), None)
+    # A pending silo's filter is the one its first round would fix (gate.pending).
+    first_curve = None if first is None or not gate.pending(silo) else curves[first.model_dump_json()]
+
     def fits(n: int) -> bool:
-        return rdp.within_budget(gate.reading(silo, after[n]).epsilon, budget=silo.epsilon)
+        return rdp.within_budget(gate.reading(silo, after[n], first=first_curve).epsilon, budget=silo.epsilon)
 
     # A running sum only grows, so the rounds that fit are a prefix: bisect for its end.
     low, high = 0, len(declared) + 1
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
-    first = next((m for m in declared if m is not None), None)
     sigma, note = _calibrated(silo, declared[: body.rounds]) if body.calibrate else (None, None)
     return RoundsPrice(
         silo=silo, epsilon_spent=gate.reading(silo, spent).epsilon,
         round_epsilon=None if first is None else rdp.guarantee(curves[first.model_dump_json()], delta=silo.delta).epsilon,
         affordable_rounds=low, horizon=len(declared),
-        epsilon_after_rounds=gate.reading(silo, after[body.rounds]).epsilon, noise_multiplier=sigma, noise_note=note,
+        epsilon_after_rounds=gate.reading(silo, after[body.rounds], first=first_curve).epsilon,
+        noise_multiplier=sigma, noise_note=note,
     )
 
 
@@ -77,5 +81,5 @@ def _calibrated(silo: Silo, rounds: list[AnyMechanism | None]) -> tuple[float | 
     first = rounds[0]
     if not isinstance(first, DpSgd) or first.batch_size is None or any(m != first for m in rounds):
         return None, "σ is calibrated only where every round is the same plain DP-SGD of a batch_size"
-    plan = silos.plan_noise(silo, batch_size=first.batch_size, steps=len(rounds) * first.steps)
+    plan = silos.plan_noise(silo, batch_size=first.batch_size, steps=len(rounds) * first.steps, first_steps=first.steps)
     return plan.noise_multiplier, None

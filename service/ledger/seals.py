@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans
-from dpledger.service.ledger import chain
+from dpledger.service.ledger import chain, gate
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict
 from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Silo
@@ -53,7 +53,7 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         wanted[silo.sealed_seq] = EntryEvent.seal
     else:
         wanted[1] = EntryEvent.create
-        if silo.filter_seq != 1:
+        if silo.filter_seq not in (1, gate.PENDING_SEQ):  # a pending silo's filter is covered by no entry yet
             wanted[silo.filter_seq] = EntryEvent.filter
     found = {e.seq: e for e in session.scalars(
         select(LedgerEntry).where(LedgerEntry.silo_id == silo.id, LedgerEntry.seq.in_(list(wanted)))
@@ -81,6 +81,14 @@ def check(session: Session, silo: Silo) -> None:
                            why=f"is covered by entry {seq}, which now reads as a {entry.event!s} entry")
         if chain.entry_hash(entry, subject=chain.subject(event, silo, None)) != entry.hash:
             raise Tampered(silo_id=silo.id, seq=seq, event=event, why="no longer matches the hash of the entry that covers it")
+    if silo.sealed_seq is None and gate.pending(silo):
+        # A record that says its first charge is still to fix its filter must hold no filter entry:
+        # else an edit back to pending would let the next charge fix another filter over a spent sum.
+        fixed = session.scalars(select(LedgerEntry.seq).where(
+            LedgerEntry.silo_id == silo.id, LedgerEntry.event == EntryEvent.filter).limit(1)).first()
+        if fixed is not None:
+            raise Tampered(silo_id=silo.id, seq=fixed, event=EntryEvent.filter,
+                           why="says its filter is still to be fixed by its first charge, but this entry fixed it")
 
 
 def sealable(silo: Silo) -> None:

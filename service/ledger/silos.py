@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import numpy as np
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -33,9 +34,10 @@ class BudgetStatus:
 
 def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyMechanism | None = None) -> rdp_filter.FilterSpec:
     """The filter a new silo commits to: from its budget and a declared horizon (the workload it
-    expects), or the default DP-SGD horizon; never from anything a charge returns."""
+    expects); with none, a pending filter that its first charge replaces (fix_filter); never from
+    anything a charge returns."""
     if horizon is None:
-        return rdp_filter.default_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
+        return rdp_filter.pending_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
     try:
         curve = rdp.certified_curve(resolve(horizon, dataset_size=dataset_size, path="horizon"))
         return rdp_filter.horizon_spec(epsilon=epsilon, delta=delta, horizon=curve)
@@ -59,7 +61,8 @@ def register(
             silo = Silo(
                 name=name, epsilon=epsilon, delta=delta, dataset_size=dataset_size, relation=relation,
                 rdp_spent=empty, rdp_committed=empty, chain_seq=0, chain_head=chain.GENESIS, created_at=now,
-                filter_spec=spec.to_json(), filter_seq=1, plan=None, plan_used=0,
+                filter_spec=spec.to_json(), filter_seq=1 if horizon is not None else gate.PENDING_SEQ,
+                plan=None, plan_used=0,
             )
             session.add(silo)
             session.flush()
@@ -68,6 +71,16 @@ def register(
     except IntegrityError as error:
         raise Conflict(f"a silo named {name!r} exists already") from error
     return silo, raw
+
+
+def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime) -> None:
+    """Fixes a pending silo's filter from its first charge's curve (filter.first_charge_spec says why
+    that is sound), in a filter entry that covers it, written before the charge's reserve entry in
+    the same transaction: a refused first charge fixes nothing. The caller holds the silo's lock."""
+    spec = gate.spec(silo, first=first)
+    silo.filter_spec = spec.to_json()
+    silo.filter_seq = silo.chain_seq + 1
+    append_entry(session, silo, event=EntryEvent.filter, charge=None, epsilon_spent=0.0, now=now)
 
 
 def append_entry(
@@ -179,9 +192,10 @@ class NoisePlan:
     epsilon_after: float
 
 
-def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
+def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | None = None) -> NoisePlan:
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
-    what the silo has left (reserved charges count as spent). Reserves nothing."""
+    what the silo has left (reserved charges count as spent). Reserves nothing. `first_steps`: the
+    steps of one charge of them (default: all in one), which fixes a pending silo's filter."""
     if silo.relation != Relation.add_remove:
         raise InvalidRequest(
             "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}"
@@ -191,12 +205,17 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int) -> NoisePlan:
     sampling_rate = batch_size / silo.dataset_size
     if silo.plan is not None:
         raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
-    spec = gate.spec(silo)
+    fixed = None if gate.pending(silo) else gate.spec(silo)
+    unit = (first_steps or steps) / steps  # a pending silo's spent sum is empty: the curve is the run's
+
+    def epsilon_of(curve: np.ndarray) -> float:  # the gate's conversion, under the filter it would read
+        spec = fixed if fixed is not None else gate.spec(silo, first=curve * unit)
+        return rdp_filter.read(spec, curve, delta=silo.delta).epsilon
+
     try:
         found = reports.calibrate_remaining(
             RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon,
-            sampling_rate=sampling_rate, steps=steps,
-            epsilon_of=lambda curve: rdp_filter.read(spec, curve, delta=silo.delta).epsilon,  # the gate's conversion
+            sampling_rate=sampling_rate, steps=steps, epsilon_of=epsilon_of,
         )
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error

@@ -121,7 +121,8 @@ def test_history_table_and_csv_match_the_apis_history(as_admin: Ledger, capsys: 
     charged = [r for r in parsed if r["charge_id"]]
     assert {int(r["charge_id"]) for r in charged} == set(as_admin.charge_ids)
     assert {r["job_id"] for r in charged} == {"ward-7"}
-    assert len(entries) == 1 + 3 + 2  # registered, three reserved, one committed, one released
+    # registered (no horizon), its filter fixed by its first charge, three reserved, one committed, one released
+    assert len(entries) == 1 + 1 + 3 + 2 and entries[1]["event"] == "filter"
 
 
 def test_verify_exits_0_on_an_intact_chain_and_1_after_an_edit(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:

@@ -67,8 +67,10 @@ def rounds_run(rounds: int, *, n: int = SIZES[0], sigma: float = SIGMA) -> list[
 
 def rounds_epsilon(silo: dict[str, Any], rounds: int, *, sigma: float = SIGMA) -> float:
     """ε of `rounds` rounds of this job on `silo` (its GET body): dp-accounting's curves read through
-    the silo's published filter (tests/gate_oracle.py); the service is not asked."""
-    return dpsgd_epsilon(silo, rounds_run(rounds, sigma=sigma), delta=DELTA)
+    the silo's published filter (tests/gate_oracle.py); the service is not asked. A silo registered
+    without a horizon and not charged yet publishes none: its first round will fix it."""
+    first = rounds_run(1, sigma=sigma)[0]
+    return dpsgd_epsilon(silo, rounds_run(rounds, sigma=sigma), delta=DELTA, first=first)
 
 
 def detail(url: str, silo: Silo) -> dict[str, Any]:

@@ -86,7 +86,9 @@ def get_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
     )
 
 
-def _filter_view(silo: Silo) -> FilterView:
+def _filter_view(silo: Silo) -> FilterView | None:
+    if gate.pending(silo):
+        return None  # fixed by the silo's first charge (gate.pending)
     spec = gate.spec(silo)
     return FilterView(orders=list(spec.orders), weights=list(spec.weights), source=spec.source)
 

@@ -34,7 +34,7 @@ def charge(client, silo, key: str, mechanism):  # type: ignore[no-untyped-def]
 
 
 def test_r1_as_a_plan_is_priced_2_3817_approved_in_order_and_a_deviation_is_refused(client, make_silo) -> None:
-    silo = make_silo(epsilon=2.40, dataset_size=60_000, horizon=None)
+    silo = make_silo(epsilon=2.40, dataset_size=60_000, horizon=R1_STEP)
     # Under the RDP filter alone the same budget would not cover R1 (2.61 there):
     detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
     assert proven_epsilon(filter_of(detail), dpsgd_curve([(Q, 1.1, 14_062)]), delta=1e-5) > silo.epsilon
@@ -109,7 +109,8 @@ def test_stopping_early_is_free_and_a_plan_comes_before_any_charge_once(client, 
 
 
 def test_the_filter_is_in_the_record_the_create_entry_and_the_hash_chain(client, make_silo, database_url: str) -> None:
-    silo = make_silo(epsilon=2.6, dataset_size=60_000, horizon=None)
+    # The horizon declared is the default one's step (q = 256/60000, σ 1): one order holds 0.99 of δ.
+    silo = make_silo(epsilon=2.6, dataset_size=60_000, horizon={**R1_STEP, "noise_multiplier": 1.0})
     detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
     assert detail["gated_on"] == "rdp_filter"
     assert detail["filter"]["orders"][0] == 9.1 and detail["filter"]["weights"][0] == pytest.approx(0.99, rel=1e-9)
@@ -131,7 +132,7 @@ def test_the_filter_is_in_the_record_the_create_entry_and_the_hash_chain(client,
 
 
 def test_quote_shows_the_proven_rdp_epsilon_the_plan_epsilon_and_the_gate(client, make_silo) -> None:
-    silo = make_silo(epsilon=3.0, dataset_size=60_000, horizon=None)
+    silo = make_silo(epsilon=3.0, dataset_size=60_000, horizon=R1_STEP)
     body = {"mechanism": R1_PLAN, "silo_id": silo.id}
     quote = client.post("/v1/quote", json=body, headers=silo.headers).json()
     detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
