@@ -23,7 +23,13 @@ from dpledger.trainer.aggregation._checks import (
     check_updates,
 )
 from dpledger.trainer.aggregation.clipping import clip_updates
-from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
+
+
+class GaussianMechanism(TypedDict):
+    """A Gaussian mechanism in the ledger's wire format, as a plain dict (the research copies are dict-based)."""
+
+    type: Literal["gaussian"]
+    noise_multiplier: float
 
 
 class PoissonSampledGaussian(TypedDict):

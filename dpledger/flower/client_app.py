@@ -9,7 +9,6 @@ already-private models or updates the server half aggregates: post-processing)."
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -39,7 +38,7 @@ def train(message: Message, context: Context) -> Message:
     silo = SiloSettings.of_node(context.node_config)
     data = load_silo_file(silo.data_path)
     planned = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier)
-    if json.dumps(planned.mechanism(), sort_keys=True) != approval.get("mechanism"):
+    if planned.mechanism_json() != approval.get("mechanism"):
         raise RuntimeError("the round would query other than what the ledger approved")
     received = family.from_record(message.content.array_records[records.ARRAYS])
     stored = context.state.array_records.get(records.SILO_STATE)

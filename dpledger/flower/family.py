@@ -11,6 +11,7 @@ silo's σ and data come from its own node config, never from these values.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -181,6 +182,10 @@ class SiloRound:
         mechanism = self.plan().mechanisms()[0]
         assert mechanism is not None  # a silo half asked to train always queries its data
         return mechanism
+
+    def mechanism_json(self) -> str:
+        """The mechanism as the gate records its approval, so the ClientApp can check it is the one it runs."""
+        return json.dumps(self.mechanism().model_dump(mode="json", exclude_none=True), sort_keys=True)
 
 
 def silo_round(config: Mapping[str, object], data: SiloData, *, noise_multiplier: float) -> SiloRound:

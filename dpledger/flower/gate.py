@@ -13,7 +13,6 @@ why, with the refusal's numbers.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -60,7 +59,8 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         # What the run's algorithm will query of this silo's data this round, from its silo half
         # (the same one the ClientApp then runs): a DP-SGD round, IFCA's selection composed with it,
         # PMTL's record-level share of the server's Gaussian…
-        mechanism = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier).mechanism()
+        planned = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier)
+        mechanism = planned.mechanism()
         key = silo.api_key()
     except (SettingsError, ValueError) as error:
         log.error("round not run: %s", error)
@@ -88,7 +88,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
             log.error("round %d not run: %s", round_index + 1, error)
             return records.status_reply(message, records.FAILED)
         ledger_seconds = time.perf_counter() - started
-        reply = _train(permit, message, context, call_next, job_id=job_id, mechanism=mechanism)
+        reply = _train(permit, message, context, call_next, job_id=job_id, mechanism=planned.mechanism_json())
 
         started = time.perf_counter()
         try:
@@ -110,10 +110,10 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
 
 
 def _train(permit: Permit, message: Message, context: Context, call_next: ClientAppCallable, *, job_id: int,
-           mechanism: dict[str, object]) -> Message:
+           mechanism: str) -> Message:
     """call_next under the permit's approval, written into the silo's state for this round only."""
     context.state.config_records[records.APPROVAL] = ConfigRecord({
-        "job-id": job_id, "round": permit.round, "mechanism": json.dumps(mechanism, sort_keys=True),
+        "job-id": job_id, "round": permit.round, "mechanism": mechanism,
     })
     context.state.config_records.pop(records.OUTCOME, None)
     permit.touch()  # from here the ClientApp may read the data

@@ -1,5 +1,5 @@
 """A real federation on 127.0.0.1: `dpledger serve`, `flower-superlink --insecure`, three
-`flower-supernode`s (each its own data file and key file), and `flwr run` of FedAvg, MR-MTL, PMTL.
+`flower-supernode`s (each its own data file and key file), and `flwr run` of FedAvg, MR-MTL, PMTL, IFCA.
 
 Slow by nature (every round starts a ClientApp process per silo): one federation serves both runs.
 """
@@ -16,7 +16,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.flower.federation import Federation, assert_budget_blind, budget_for_rounds, expected_epsilon, federation, kill
+from dp_accounting import dp_event as de
+
+from tests import gate_oracle
+from tests.flower.federation import (
+    DELTA,
+    Federation,
+    assert_budget_blind,
+    budget_for_rounds,
+    expected_epsilon,
+    federation,
+    kill,
+)
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
@@ -135,3 +146,51 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     assert one.epsilon_spent == pytest.approx(epsilon_after(one, ROUNDS + 2, pmtl_rounds=2), rel=1e-9)
     assert two.epsilon_spent == pytest.approx(epsilon_after(two, 2 * ROUNDS, pmtl_rounds=2), rel=1e-9)
     assert_budget_blind(fed, finished.stdout + finished.stderr, pmtl)
+
+
+SELECTION_SIGMA = 2.0
+
+
+def _curve(mechanism: dict[str, Any]) -> Any:
+    """The RDP curve of a charged mechanism, as the oracle computes it (dp-accounting's events)."""
+    if mechanism["type"] == "composed":
+        return sum(_curve(event) for event in mechanism["events"])
+    if mechanism["type"] == "dpsgd":
+        return gate_oracle.dpsgd_curve([(mechanism["batch_size"] / TRAIN, mechanism["noise_multiplier"], mechanism["steps"])])
+    assert mechanism["type"] == "gaussian", mechanism
+    return gate_oracle.event_curve(de.GaussianDpEvent(mechanism["noise_multiplier"]))
+
+
+def _declared(mechanism: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A charged mechanism as the silo declared it (the ledger adds the q it derived from the registered size)."""
+    if mechanism is None or mechanism["type"] != "composed":
+        return mechanism if mechanism is None else {k: v for k, v in mechanism.items() if k != "sampling_rate"}
+    return {"type": "composed", "events": [_declared(event) for event in mechanism["events"]]}
+
+
+def test_ifca_over_flower_charges_each_round_with_its_private_selection(fed: Federation) -> None:
+    """IFCA over real SuperNodes: each silo's round is its DP-SGD steps composed with its private
+    cluster selection (every record, σ_s), and its ε is the oracle composition of every charge it holds."""
+    out = fed.folder / "ifca.json"
+    finished = fed.run(timeout=RUN_TIMEOUT, **{**run_config(fed, "ifca", out, rounds=2), "clusters": 2,
+                                               "selection-noise-multiplier": SELECTION_SIGMA})
+    assert finished.returncode == 0 and out.exists(), finished.stdout[-3000:] + finished.stderr[-3000:]
+    ifca = json.loads(out.read_text())
+    job = f"flower-job-{ifca['job_id']}"
+    expected = {"type": "composed", "events": [
+        {"type": "dpsgd", "batch_size": BATCH, "noise_multiplier": SIGMA, "steps": STEPS},
+        {"type": "dpsgd", "batch_size": TRAIN, "noise_multiplier": SELECTION_SIGMA, "steps": 1}]}
+    with fed.ledger() as admin:
+        for silo in fed.silos:
+            history = admin.history(silo.silo_id)
+            trained = sum(e["status"].get(str(silo.silo_id)) == "trained" for e in ifca["rounds"])
+            charged = [_declared(e.mechanism) for e in history if e.event == "reserve" and e.job_id == job]
+            assert len(charged) == trained and all(m == expected for m in charged), (silo.silo_id, charged)
+            released = {e.charge_id for e in history if e.event == "release"}
+            curve = sum(_curve(e.mechanism) for e in history
+                        if e.event == "reserve" and e.mechanism is not None and e.charge_id not in released)
+            detail = admin.silo(silo.silo_id)
+            oracle = gate_oracle.proven_epsilon(gate_oracle.filter_pairs(detail), curve, delta=DELTA)
+            assert detail.epsilon_spent == pytest.approx(oracle, rel=1e-9)
+    assert sum(e["status"].get(str(fed.silos[2].silo_id)) == "trained" for e in ifca["rounds"]) == 2
+    assert_budget_blind(fed, finished.stdout + finished.stderr, ifca)

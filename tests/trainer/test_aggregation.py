@@ -221,8 +221,8 @@ def test_one_quantile_step_is_the_closed_form_and_declares_its_gaussian() -> Non
     )
     fraction = 3 / 5  # 0.5, 1, 2 fit under 3
     assert step.clip_norm == pytest.approx(3.0 * math.exp(-0.2 * (fraction - 0.5)), rel=1e-9)
-    assert step.mechanism == {"type": "gaussian", "noise_multiplier": 1e-9}
-    WIRE.validate_python(step.mechanism)
+    assert step.mechanism.model_dump() == {"type": "gaussian", "noise_multiplier": 1e-9}
+    WIRE.validate_python(step.mechanism.model_dump())
     # The noise is σ_b on the count, i.e. σ_b/N on the fraction, drawn from the given generator.
     noisy = noisy_quantile_clip_update(
         norms, clip_norm=3.0, target_quantile=0.5, learning_rate=0.2, noise_multiplier=2.0, generator=generator(0)
@@ -230,7 +230,7 @@ def test_one_quantile_step_is_the_closed_form_and_declares_its_gaussian() -> Non
     z = torch.randn((), generator=generator(0), dtype=torch.float64).item()
     assert noisy.noisy_fraction == pytest.approx(fraction + 2.0 * z / 5, rel=1e-12)
     assert noisy.clip_norm == pytest.approx(3.0 * math.exp(-0.2 * (noisy.noisy_fraction - 0.5)), rel=1e-12)
-    assert noisy.mechanism == {"type": "gaussian", "noise_multiplier": 2.0}
+    assert noisy.mechanism.model_dump() == {"type": "gaussian", "noise_multiplier": 2.0}
 
 
 def test_clip_moves_geometrically_to_the_target_quantile() -> None:

@@ -30,6 +30,7 @@ from dpledger.trainer.federated.config import (
     derive_seed,
     make_generator,
 )
+from tests.trainer import wire
 
 CPU = torch.device("cpu")
 NUM_CLASSES = 4
@@ -71,7 +72,7 @@ ALGORITHMS = ["local", "fedavg", "mrmtl", "ditto", "ppsgd"]
 
 def run(algorithm: FederatedAlgorithm, rounds: int, start: int = 0) -> None:
     for r in range(start, start + rounds):
-        declared = algorithm.round_mechanisms(r)
+        declared = wire(algorithm.round_mechanisms(r))
         algorithm.run_round(r, torch.tensor([m is not None for m in declared]))
 
 
@@ -222,7 +223,7 @@ def test_refused_silos_are_frozen_bitwise(name: str) -> None:
     run(algorithm, 1)
     before = algorithm.state()
     approved = torch.tensor([True, False, True, False, True, True])
-    declared = algorithm.round_mechanisms(1)
+    declared = wire(algorithm.round_mechanisms(1))
     result = algorithm.run_round(1, approved)
     after = algorithm.state()
     refused = torch.nonzero(~approved).flatten()
@@ -270,7 +271,7 @@ def test_each_silo_declares_its_own_samplers_batch_size() -> None:
     config = DPSGDConfig(batch_size=10, local_steps=4, noise_multiplier=1.1)
     for name in ALGORITHMS:
         algorithm = make(name, data, config)
-        for k, mechanism in enumerate(algorithm.round_mechanisms(0)):
+        for k, mechanism in enumerate(wire(algorithm.round_mechanisms(0))):
             if mechanism is None:
                 continue
             assert mechanism["type"] == "dpsgd" and mechanism["noise_multiplier"] == 1.1
@@ -281,11 +282,11 @@ def test_each_silo_declares_its_own_samplers_batch_size() -> None:
 def test_ditto_declares_its_extra_local_steps() -> None:
     data = blobs(silos=3, n_train=30)
     ditto = Ditto(lam=0.1, personal_steps=3, **data, num_classes=NUM_CLASSES, config=DPSGDConfig(local_steps=4))
-    assert [m["steps"] for m in ditto.round_mechanisms(0) if m is not None] == [7, 7, 7]
+    assert [m["steps"] for m in wire(ditto.round_mechanisms(0)) if m is not None] == [7, 7, 7]
     result = ditto.run_round(0, torch.ones(3, dtype=torch.bool))
     assert result.steps.tolist() == [7, 7, 7]
     for name in ("local", "fedavg", "mrmtl"):
-        mechanisms = make(name, data, DPSGDConfig(local_steps=4)).round_mechanisms(0)
+        mechanisms = wire(make(name, data, DPSGDConfig(local_steps=4)).round_mechanisms(0))
         assert [m["steps"] for m in mechanisms if m is not None] == [4, 4, 4]
 
 
@@ -296,8 +297,8 @@ def test_ppsgd_unsampled_silos_declare_and_run_nothing() -> None:
     )
     seen_unsampled = False
     for r in range(4):
-        declared = algorithm.round_mechanisms(r)
-        assert declared == algorithm.round_mechanisms(r)  # a pure function of the round
+        declared = wire(algorithm.round_mechanisms(r))
+        assert declared == wire(algorithm.round_mechanisms(r))  # a pure function of the round
         sampled = algorithm.server.asks(r)
         assert [m is not None for m in declared] == sampled.tolist()
         seen_unsampled |= not bool(sampled.all())
@@ -366,7 +367,7 @@ def test_each_silo_declares_and_runs_its_own_noise_multiplier() -> None:
     config = DPSGDConfig(lr=0.2, clip_norm=0.5, batch_size=8, local_steps=1, seed=7)
     sigmas = [0.5, 3.0, 40.0]
     algorithm = LocalTraining(**data, model="linear", num_classes=NUM_CLASSES, config=config, noise_multipliers=sigmas)
-    assert [m["noise_multiplier"] for m in algorithm.round_mechanisms(0)] == sigmas
+    assert [m["noise_multiplier"] for m in wire(algorithm.round_mechanisms(0))] == sigmas
     initial = algorithm.initial.clone()
     algorithm.run_round(0, torch.ones(3, dtype=torch.bool))
     module = build_model("linear", in_features=FEATURES, out_features=NUM_CLASSES)

@@ -30,6 +30,7 @@ from dpledger.trainer.loop import GatedSilo, RoundRecord, run_gated
 from dpledger.wire.client import LedgerClient
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import budget_admitting, dpsgd_epsilon
+from tests.trainer import wire
 
 CONFIG = DPSGDConfig(batch_size=16, local_steps=3, noise_multiplier=1.2, seed=2)
 DELTA = 1e-5
@@ -106,10 +107,10 @@ def test_ifca_declares_selection_only_in_selecting_rounds() -> None:
     ifca = IFCA(clusters=3, selection_rounds=2, **args)
     dpsgd = {"type": "dpsgd", "batch_size": 16, "noise_multiplier": CONFIG.noise_multiplier, "steps": CONFIG.local_steps}
     for r in (0, 1):
-        for k, mechanism in enumerate(ifca.round_mechanisms(r)):
+        for k, mechanism in enumerate(wire(ifca.round_mechanisms(r))):
             selection = {"type": "dpsgd", "batch_size": ifca.train.sizes[k], "noise_multiplier": 1.0, "steps": 1}
             assert mechanism == {"type": "composed", "events": [dpsgd, selection]}
-    assert ifca.round_mechanisms(2) == [dpsgd] * 4
+    assert wire(ifca.round_mechanisms(2)) == [dpsgd] * 4
     assert clustering_rounds(0.1, 40) == 4 and clustering_rounds(0.05, 10) == 1 and clustering_rounds(1.0, 7) == 7
     with pytest.raises(ValueError, match="fraction"):
         clustering_rounds(0.0, 10)
@@ -143,7 +144,7 @@ class _SelectsWithoutDeclaring(IFCA):
 def test_a_selection_that_was_not_declared_fails_the_round() -> None:
     args, _ = digits_args(4)
     sneaky = _SelectsWithoutDeclaring(clusters=2, selection_rounds=0, **args)
-    assert sneaky.round_mechanisms(0)[0]["type"] == "dpsgd"  # declares no selection
+    assert wire(sneaky.round_mechanisms(0))[0]["type"] == "dpsgd"  # declares no selection
     with pytest.raises(RuntimeError, match="selections run"):
         sneaky.run_round(0, ALL(4, dtype=torch.bool))
 
@@ -159,7 +160,7 @@ def test_finetuning_is_fedavg_until_it_switches_then_local() -> None:
     deployed = finetune.deployed_parameters()
     assert torch.equal(finetune.server.global_model, fedavg.server.global_model)  # the global model stops
     assert all(not torch.equal(deployed[0], deployed[k]) for k in range(1, 6))  # each silo its own
-    assert finetune.round_mechanisms(3) == fedavg.round_mechanisms(3)  # finetuning steps are charged
+    assert wire(finetune.round_mechanisms(3)) == wire(fedavg.round_mechanisms(3))  # finetuning steps are charged
 
 
 def test_warm_started_mrmtl_starts_each_silo_from_its_cluster_model() -> None:

@@ -31,6 +31,6 @@ def test_one_silo_moves_the_noiseless_sum_by_at_most_the_clip_norm() -> None:
 
 
 def test_a_round_is_charged_the_gaussian_at_half_the_server_noise() -> None:
-    assert record_level_mechanism(server_noise=3.0) == {"type": "gaussian", "noise_multiplier": 1.5}
+    assert record_level_mechanism(server_noise=3.0).model_dump() == {"type": "gaussian", "noise_multiplier": 1.5}
     with pytest.raises(ValueError, match=re.escape("server_noise must be finite and > 0. Found 0.0.")):
         record_level_mechanism(server_noise=0.0)

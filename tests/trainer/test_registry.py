@@ -14,6 +14,7 @@ from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import IFCA, ClusteredMRMTL, Ditto, FederatedAlgorithm, registry
 from dpledger.trainer.federated.base import REGISTERED
 from dpledger.trainer.job import JOB_FIELDS, WARM_START_FRACTION, JobConfig, algorithms_markdown, build
+from tests.trainer import wire
 
 ROOT = Path(__file__).resolve().parents[2]
 SILO = {"id": 1, "key": "k"}
@@ -62,7 +63,7 @@ def test_the_job_builds_each_algorithm_from_its_settings() -> None:
         assert type(algorithm) is cls
     ditto = build(JobConfig(url="http://x", algorithm="ditto", lam=0.25, personal_steps=3, silos=[SILO]), dataset)
     assert isinstance(ditto, Ditto) and (ditto.silo.lam, ditto.silo.personal_steps) == (0.25, 3)  # type: ignore[attr-defined]
-    assert [m["steps"] for m in ditto.round_mechanisms(0) if m is not None] == [10 + 3, 10 + 3]
+    assert [m["steps"] for m in wire(ditto.round_mechanisms(0)) if m is not None] == [10 + 3, 10 + 3]
     # IFCA selects in every round unless told; the warm start of ifca_mrmtl must end, after 10% of the rounds.
     ifca = build(JobConfig(url="http://x", algorithm="ifca", rounds=30, silos=[SILO]), dataset)
     warm = build(JobConfig(url="http://x", algorithm="ifca_mrmtl", rounds=30, silos=[SILO]), dataset)

@@ -24,7 +24,6 @@ from dpledger.trainer.aggregation.fedhdp import (
     group_means,
     optimal_ratio,
 )
-from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 from dpledger.trainer.aggregation.pfa import (
     pfa_aggregate,
     project_onto,
@@ -33,7 +32,6 @@ from dpledger.trainer.aggregation.pfa import (
 )
 
 __all__ = [
-    "GaussianMechanism",
     "QuantileClipUpdate",
     "budget_blind_ratio",
     "clip_updates",

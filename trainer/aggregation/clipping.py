@@ -10,8 +10,8 @@ from typing import NamedTuple
 import torch
 
 from dpledger.trainer.aggregation._checks import check_positive, check_updates
-from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 from dpledger.trainer.dpsgd.clip import clip_rows
+from dpledger.wire.mechanisms import Gaussian
 
 
 def clip_updates(updates: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
@@ -29,7 +29,7 @@ class QuantileClipUpdate(NamedTuple):
     whose indicator it read), and the noisy unclipped fraction b̃ it used."""
 
     clip_norm: float
-    mechanism: GaussianMechanism
+    mechanism: Gaussian
     noisy_fraction: float
 
 
@@ -72,6 +72,6 @@ def noisy_quantile_clip_update(
     new_clip = s * math.exp(-eta * (noisy_fraction - float(target_quantile)))
     return QuantileClipUpdate(
         clip_norm=new_clip,
-        mechanism=GaussianMechanism(type="gaussian", noise_multiplier=sigma_b),
+        mechanism=Gaussian(noise_multiplier=sigma_b),
         noisy_fraction=noisy_fraction,
     )

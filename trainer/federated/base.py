@@ -218,8 +218,9 @@ class FederatedAlgorithm(ABC):
             self._plan = RoundPlan(round_index=round_index, queries=tuple(queries))
         return self._plan
 
-    def round_mechanisms(self, round_index: int) -> list[dict[str, Any] | None]:
-        """Per silo, the mechanism its round `round_index` runs, or None where it queries nothing."""
+    def round_mechanisms(self, round_index: int) -> list[Mechanism | None]:
+        """Per silo, the mechanism its round `round_index` runs (a `dpledger.wire` model), or None
+        where it queries nothing."""
         return self.plan(round_index).mechanisms()
 
     def run_round(self, round_index: int, approved: torch.Tensor) -> RoundResult:

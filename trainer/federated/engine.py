@@ -64,7 +64,7 @@ class SiloEngine:
 
     def mechanism(self, row: int, *, steps: int) -> Mechanism:
         """`steps` DP-SGD steps of row `row`, as the sampler that runs them declares them."""
-        return self.samplers[row].mechanism(noise_multiplier=self.noise_multipliers[row], steps=steps)
+        return self.samplers[row].dpsgd(noise_multiplier=self.noise_multipliers[row], steps=steps)
 
     def dp_gradient(self, params: torch.Tensor, rows: torch.Tensor, *, noised: bool = True,
                     kind: str = STEPS) -> torch.Tensor:
@@ -113,7 +113,7 @@ class SiloEngine:
     def selection_mechanism(self, row: int, selection: ClusterSelection) -> Mechanism:
         """The selection of row `row` as a ledger mechanism: one Poisson-sampled Gaussian."""
         samplers, _ = self._selection_parts(selection)
-        return samplers[row].mechanism(noise_multiplier=selection.noise_multiplier, steps=1)
+        return samplers[row].dpsgd(noise_multiplier=selection.noise_multiplier, steps=1)
 
     def select(self, models: torch.Tensor, rows: torch.Tensor, selection: ClusterSelection) -> torch.Tensor:
         """Each row's privately selected model of `models` ([k, P]) (int64 [A]); one selection query per row."""

@@ -33,12 +33,12 @@ from dpledger.trainer.aggregation import (
     fedhdp_aggregate,
     noisy_quantile_clip_update,
 )
-from dpledger.trainer.aggregation.mechanisms import GaussianMechanism
 from dpledger.trainer.federated.config import DPSGDConfig, derive_seed, make_generator
 from dpledger.trainer.federated.engine import SiloEngine
 from dpledger.trainer.federated.halves import Halves, ServerStart
 from dpledger.trainer.federated.pfa import WARM_START_ROUND, GroupAggregated, GroupServer, UpdateSilo
 from dpledger.trainer.federated.plan import QUANTILE_QUERIES, PlannedQuery
+from dpledger.wire.mechanisms import Gaussian
 
 # A random stream of its own for the quantile query's noise, distinct from STREAM_INIT/SAMPLER/
 # NOISE/CLIENTS (0–3 in trainer.federated.config), so enabling the query never shifts DP-SGD's draws.
@@ -65,8 +65,8 @@ class AdaptiveClip:
         if not 0.0 < self.target_quantile < 1.0:
             raise ValueError(f"target_quantile must be in (0, 1). Found {self.target_quantile}.")
 
-    def mechanism(self) -> GaussianMechanism:
-        return GaussianMechanism(type="gaussian", noise_multiplier=float(self.noise_multiplier))
+    def mechanism(self) -> Gaussian:
+        return Gaussian(noise_multiplier=float(self.noise_multiplier))
 
 
 def blind_group_ratios(updates: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ class QuantileSilo(UpdateSilo):
     def extra_queries(self, round_index: int, engine: SiloEngine, row: int) -> tuple[PlannedQuery, ...]:
         if self.adaptive_clip is None or round_index == WARM_START_ROUND:
             return ()
-        return (PlannedQuery(QUANTILE_QUERIES, 1, dict(self.adaptive_clip.mechanism())),)
+        return (PlannedQuery(QUANTILE_QUERIES, 1, self.adaptive_clip.mechanism()),)
 
 
 class FedHDPServer(GroupServer):
@@ -136,7 +136,7 @@ class FedHDPServer(GroupServer):
             )
             # The query read every trained silo's indicator; the simulator's round check compares
             # the mechanism it reports with the one each silo was charged for.
-            self.record(QUANTILE_QUERIES, members, dict(step.mechanism))
+            self.record(QUANTILE_QUERIES, members, step.mechanism)
             self.clip_norm = step.clip_norm
         return aggregate
 

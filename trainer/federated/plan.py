@@ -10,18 +10,18 @@ package, never user error, and fails the round before its result reaches the coo
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from dpledger.wire.mechanisms import AnyMechanism, Composed
 
 # The query kinds, named as the failure message counts them ("Round 3: selections run [...]").
 STEPS = "steps"  # Poisson-sampled Gaussian DP-SGD steps
 SELECTIONS = "selections"  # IFCA's private cluster selection
 QUANTILE_QUERIES = "quantile queries"  # FedHDP's noisy count of unclipped updates
 
-Mechanism = dict[str, Any]  # the ledger's wire format, as the samplers and queries produce it
+Mechanism = AnyMechanism  # the ledger's wire models (dpledger.wire), as the samplers and queries produce them
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,9 @@ class RoundPlan:
             if not planned:
                 out.append(None)
             elif len(planned) == 1:
-                out.append(copy.deepcopy(planned[0].mechanism))
+                out.append(planned[0].mechanism.model_copy(deep=True))
             else:
-                out.append({"type": "composed", "events": [copy.deepcopy(q.mechanism) for q in planned]})
+                out.append(Composed(events=[q.mechanism.model_copy(deep=True) for q in planned]))
         return out
 
     def queries_data(self) -> torch.Tensor:

@@ -25,17 +25,18 @@ from dpledger.trainer.federated.engine import SiloEngine
 from dpledger.trainer.federated.halves import Arrays, Halves, ServerStart, Trained
 from dpledger.trainer.federated.local import PERSONAL, train_personal
 from dpledger.trainer.federated.mrmtl import MEAN, MODEL, MeanServer, PulledSilo
-from dpledger.trainer.federated.plan import Mechanism, PlannedQuery
+from dpledger.trainer.federated.plan import PlannedQuery
+from dpledger.wire.mechanisms import Gaussian
 
 # The silo's clipped, unnoised steps: covered by the server's Gaussian, which is what is charged.
 SERVER_NOISED_STEPS = "server-noised steps"
 
 
-def record_level_mechanism(*, server_noise: float) -> Mechanism:
-    """What each silo that trains in a PMTL round is charged: `{"type": "gaussian", "noise_multiplier": z/2}`."""
+def record_level_mechanism(*, server_noise: float) -> Gaussian:
+    """What each silo that trains in a PMTL round is charged: the Gaussian of multiplier z/2."""
     if not (math.isfinite(server_noise) and server_noise > 0):
         raise ValueError(f"server_noise must be finite and > 0. Found {server_noise}.")
-    return {"type": "gaussian", "noise_multiplier": server_noise / 2.0}
+    return Gaussian(noise_multiplier=server_noise / 2.0)
 
 
 def server_step(
@@ -64,7 +65,7 @@ class ServerNoisedSilo(PulledSilo):
         self.mechanism = record_level_mechanism(server_noise=server_noise)
 
     def queries(self, round_index: int, engine: SiloEngine, row: int) -> tuple[PlannedQuery, ...]:
-        return (PlannedQuery(SERVER_NOISED_STEPS, self.config.local_steps, dict(self.mechanism)),)
+        return (PlannedQuery(SERVER_NOISED_STEPS, self.config.local_steps, self.mechanism),)
 
     def train(self, round_index: int, engine: SiloEngine, rows: torch.Tensor, received: Arrays,
               state: Arrays) -> Trained:
