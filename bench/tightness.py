@@ -17,7 +17,8 @@ Both columns go through the service's own code: the silo's filter from ledger/si
 as registration chooses it) and the reading from ledger/gate.py (reading, as every approval makes
 it) on a Silo row held in memory. "before" is the rule this replaced, still in accounting/filter.py:
 0.9 of δ on the order where the horizon spends the budget (committed_order), 0.1 over the other
-155 (spread_spec). dp-accounting's ε is its RdpAccountant on its own curves.
+155 (spread_spec), and a declared plan gating its silo alone; "after", a plan beside the filter,
+each on half of δ (accounting/plans.py). dp-accounting's ε is its RdpAccountant on its own curves.
 """
 
 from __future__ import annotations
@@ -81,10 +82,14 @@ def ratio(silo: Silo, q: float, sigma: float, steps: int, *, unit: int) -> float
     return gate.reading(silo, running, first=first).epsilon / dp_accounting_epsilon(q, sigma, steps)
 
 
-def declared_plan(q: float, sigma: float, steps: int) -> plans.Plan:
+def declared_plan(q: float, sigma: float, steps: int, *, alone: bool) -> plans.Plan:
+    """The plan as silos.declare_plan prices it: today beside the filter on its share of δ; `alone`:
+    the rule before (the plan alone on the whole δ, the silo closed)."""
     mechanism = dpsgd(q, sigma, steps)
+    share = 1.0 if alone else plans.PLAN_DELTA_SHARE
     return plans.Plan(mechanism=mechanism.model_dump_json(), segments=tuple(plans.segments(mechanism)),
-                      epsilon=plans.pld_epsilon(mechanism, delta=DELTA))
+                      epsilon=plans.pld_epsilon(mechanism, delta=DELTA * share),
+                      after=plans.AFTER_PLAN if alone else plans.ALONGSIDE, delta_share=share)
 
 
 def rows(rule: Rule) -> list[tuple[str, list[float]]]:
@@ -94,7 +99,7 @@ def rows(rule: Rule) -> list[tuple[str, list[float]]]:
     declared = silo_row(rule(epsilon=budget, dataset_size=SILO_SIZE, horizon=one_round), epsilon=budget)
     undeclared = silo_row(rule(epsilon=budget, dataset_size=SILO_SIZE, horizon=None), epsilon=budget)
     planned = silo_row(rule(epsilon=budget, dataset_size=SILO_SIZE, horizon=None), epsilon=budget,
-                       plan=declared_plan(q, SILO_SIGMA, ROUNDS * ROUND_STEPS))
+                       plan=declared_plan(q, SILO_SIGMA, ROUNDS * ROUND_STEPS, alone=rule is old_rule))
     qc = CENTRAL_BATCH / CENTRAL_SIZE
     central_budget = dp_accounting_epsilon(qc, CENTRAL_SIGMA, CENTRAL_STEPS)
     central = silo_row(rule(epsilon=central_budget, dataset_size=CENTRAL_SIZE, horizon=None), epsilon=central_budget)

@@ -445,6 +445,8 @@ def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None
     fixed_by = "create"
     spec: rdp_filter.FilterSpec | None = None  # none: a silo from before filters, gated on dp-accounting's ε
     plan: plans.Plan | None = None
+    plan_alive, plan_used = True, 0  # beside a plan (plans.ALONGSIDE): whether every charge followed it
+    units: dict[str, list[plans.Segment] | None] = {}  # each charged mechanism's units, parsed once
     live: dict[int, np.ndarray] = {}
     total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
     composed, read = 0.0, False
@@ -496,28 +498,41 @@ def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None
                     curve = curves[subject["mechanism"] + stored_json] = matches[0]
             live[charge_id] = curve
             total = total.add(curve)
+            if plan is not None and plan.alongside and plan_alive:
+                if subject["mechanism"] not in units:
+                    try:
+                        units[subject["mechanism"]] = plans.segments(adapter.validate_json(subject["mechanism"]))
+                    except (ValidationError, ValueError):
+                        units[subject["mechanism"]] = None
+                segments = units[subject["mechanism"]]
+                taken = None if segments is None else plans.follows(plan, used=plan_used, charge=segments)
+                plan_alive, plan_used = taken is not None, plan_used + (taken or 0)
         elif event == "release" and charge_id in live:
             total = total.subtract(live.pop(charge_id))
         if event in ("reserve", "release", "filter", "plan", "seal") or not read:
             # A commit leaves the sum as it was: its ε is the entry's before it, read once (half the reads).
             running = total.curve()
-            if plan is not None:
-                composed = 0.0 if not np.any(running) else plan.epsilon
-            elif spec is not None:
-                composed = rdp_filter.read(spec, running, delta=delta).epsilon
+            if spec is not None:
+                # Beside a plan, the filter holds the share of δ the plan leaves it (ledger/gate.py).
+                effective = spec if plan is None or not plan.alongside else rdp_filter.scaled(spec, plan.filter_share)
+                by_filter = rdp_filter.read(effective, running, delta=delta).epsilon
             else:
-                composed, _ = rdp.epsilon(running, delta=delta)
+                by_filter, _ = rdp.epsilon(running, delta=delta)
+            composed = plans.gate_epsilon(plan, on_plan=plan_alive, ran=bool(np.any(running)), by_filter=by_filter)
             read = True
         stated = math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"]
         if not _same_epsilon(stated, composed):
             out.problems.append(f"{name} ({event} of charge {charge_id}) states ε={stated:.6g}, "
                                 f"but its charges' mechanisms compose to ε={composed:.6g}")
-        if event == "reserve" and plan is None and budget is not None and not rdp.within_budget(composed, budget=budget):
+        gated = plan is None or plan.alongside  # a plan of the rule before was priced once, when declared
+        if event == "reserve" and gated and budget is not None and not rdp.within_budget(composed, budget=budget):
             out.problems.append(f"{name} (reserve of charge {charge_id}) was approved at ε={composed:.6g}, past the "
                                 f"budget ε={budget:.6g} that the silo's {fixed_by} entry fixed")
     if delta is None or budget is None:
         out.problems.append(f"silo {silo_id}: its create entry is missing")
         return None
+    if spec is not None and plan is not None and plan.alongside:
+        spec = rdp_filter.scaled(spec, plan.filter_share)  # as the ledger serves it beside its plan
     return Composition(budget, delta, spec, fixed_by, composed)
 
 

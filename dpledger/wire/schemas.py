@@ -123,10 +123,14 @@ class FilterView(BaseModel):
 
 class PlanView(BaseModel):
     mechanism: dict[str, Any]
-    epsilon: float = Field(description="the plan's ε at the silo's δ (dp-accounting's PLD accountant)")
+    epsilon: float = Field(description="the plan's ε at its share of the silo's δ (dp-accounting's PLD accountant)")
     units: int
     units_used: int
-    after: str = Field(description="closed: the plan is the silo's whole budget; nothing outside it is approved")
+    after: str = Field(description="filter: the silo's filter approves beside the plan and after it, on the rest of "
+                       "δ; closed (plans declared before that rule): the plan is the silo's whole budget")
+    delta_share: float = Field(1.0, description="the plan's share of the silo's δ (the filter holds the rest)")
+    ended_at_seq: int | None = Field(None, description="the reserve entry of the first charge off the plan, which "
+                                     "ended the plan's branch: since then the filter alone gates the silo")
 
 
 class SiloDetail(SiloSummary):
@@ -137,7 +141,9 @@ class SiloDetail(SiloSummary):
     filter: FilterView | None = Field(None, description="the gate's filter; none until the first charge of a silo "
                                       "registered without a horizon, which fixes it from that charge")
     plan: PlanView | None = None
-    gated_on: Literal["rdp_filter", "plan"] = "rdp_filter"
+    gated_on: Literal["rdp_filter", "plan", "plan_and_filter"] = Field(
+        "rdp_filter", description="rdp_filter; plan_and_filter: the lower of the plan's ε and the filter's while "
+        "every charge follows the plan; plan: a plan of the rule before, alone")
 
 
 class PlanRequest(_WithMechanism):
@@ -291,7 +297,7 @@ class QuoteResponse(BaseModel):
     epsilon_plan: float | None = Field(
         None, description="the PLD ε if this mechanism were declared as the silo's plan (null where it cannot be one)")
     plan_note: str | None = None
-    gated_on: Literal["rdp_filter", "plan"] | None = Field(
+    gated_on: Literal["rdp_filter", "plan", "plan_and_filter"] | None = Field(
         None, description="what the silo's approvals are checked against (null without a silo)")
 
 

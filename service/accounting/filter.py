@@ -18,6 +18,17 @@ The shares minimise the worst ratio of the filter's reading to the unproven best
 path, holding the path's end (where the budget binds) to 1 + END_EXCESS, with REST_WEIGHT spread
 over the other orders for workloads off the path; allocate states the rule and the bound exactly.
 
+A plan beside the filter (accounting/plans.py, ALONGSIDE) is one more branch of the same union
+bound. The silo's δ is split: δ·s to the plan, δ·(1 − s)·w_i to order α_i. Let P be the branch "every
+charge approved so far is the plan's next units"; the gate approves while P is alive and the plan's
+PLD ε (at δ·s) ≤ ε, or some F_i is alive. On the transcripts where P stays alive to the end, the
+interaction coincides with a post-processing of the plan's full run, non-adaptive and declared
+before the first charge: stopping early, and which of its units a refusal left out, are functions
+of the plan's own outputs and of nothing else (a refusal reads only mechanisms, never outputs). So
+its hockey-stick divergence at e^ε on those transcripts is at most δ·s; on the others some F_i
+stayed alive, at most δ·(1 − s)·w_i each. The sum is at most δ. A charge off the plan kills P for
+good (the silo records it, plan_ended_seq), and from then on only the filter's reading counts.
+
 The rule before the filter (some order of 156, each with the whole δ, chosen when checking) is that union bound
 without the split, and a two-step randomized-response interaction shows it false (README).
 Everything here is O(number of filter orders): the running sum is already kept per order.
@@ -345,6 +356,14 @@ def pending_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSp
     which is read under first_charge_spec); it is kept so that the row always parses."""
     spec = default_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
     return FilterSpec(spec.orders, spec.weights, "pending")
+
+
+def scaled(spec: FilterSpec, share: float) -> FilterSpec:
+    """The filter on `share` of δ (a plan holds the rest: accounting/plans.py): every weight times
+    `share`, rounded down, so that the shares never sum past `share`."""
+    if share == 1.0:
+        return spec
+    return FilterSpec(spec.orders, tuple(math.nextafter(w * share, 0.0) for w in spec.weights), spec.source)
 
 
 def legacy_spec(orders: Sequence[float] = rdp.ORDERS) -> FilterSpec:

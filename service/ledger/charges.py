@@ -120,16 +120,20 @@ def price(mechanism: AnyMechanism, *, silo: Silo | None, charged: bool, path: st
     return Priced(resolved, rdp.certified_curve(resolved), skip)
 
 
-def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False) -> BudgetCheck:
+def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None) -> BudgetCheck:
     """The gate: the silo's Rényi filter, fixed before its first charge (ledger/gate.py; O(orders)),
     approves only when its proven ε(spent + curve) ≤ the silo's ε (a pending silo: under the filter
     this charge, its first, would fix). A silo on a declared plan is
-    checked by gate.follow_plan instead (the plan's PLD ε fit the budget when it was declared)."""
+    checked by gate.follow_plan instead (the plan's PLD ε fit the budget when it was declared).
+    Under a plan declared today the gate reads the lower of the plan's ε and the filter's while
+    every charge, this one included, follows the plan (accounting/plans.py, ALONGSIDE).
+    `on_plan`: whether the charge keeps the silo's plan's branch alive (gate.plan_step)."""
     spent = RunningSum.from_json(silo.rdp_spent)
     candidate = spent.add(curve)
     # A silo with no declared horizon is pending until its first charge, which fixes its filter.
-    eps_candidate = gate.reading(silo, candidate, first=curve if gate.pending(silo) else None).epsilon
-    fits = silo.plan is not None or rdp.within_budget(eps_candidate, budget=silo.epsilon)
+    first = curve if gate.pending(silo) else None
+    eps_candidate = gate.reading(silo, candidate, first=first, alive=on_plan).epsilon
+    fits = gate.closed_by_plan(silo) or rdp.within_budget(eps_candidate, budget=silo.epsilon)
     eps_now = gate.reading(silo, spent).epsilon if with_spent or not fits else None
     return BudgetCheck(candidate, eps_now, eps_candidate, fits)
 
@@ -139,7 +143,8 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
         silo = silos.get(session, silo_id)
         plan_closed = silos.plan_closed(session, silo)
     priced = price(mechanism, silo=silo, charged=charged)
-    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True), plan_closed)
+    step = gate.plan_step(silo, priced.mechanism)
+    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True, on_plan=step.on_plan), plan_closed)
 
 
 def view(
@@ -205,8 +210,8 @@ def reserve_locked(
     if earlier is not None:  # a concurrent retry landed between the caller's read and this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
-    gate.follow_plan(silo, priced.mechanism)  # on a plan: only its next units (advances it), else a 409
-    decision = check_budget(silo, priced.curve)
+    step = gate.follow_plan(silo, priced.mechanism)  # on a plan of the rule before: only its next units, else a 409
+    decision = check_budget(silo, priced.curve, on_plan=step.on_plan)
     if not decision.fits:
         assert decision.epsilon_spent is not None
         raise OverBudget(
@@ -215,6 +220,7 @@ def reserve_locked(
     now = datetime.now(UTC)
     if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it
         silos.fix_filter(session, silo, priced.curve, now=now)
+    gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
     charge = Charge(
         silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
         mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,

@@ -1,10 +1,12 @@
 """The budget check of one charge, and the proven ε of a silo's running sum.
 
-A silo is gated one of two ways, fixed before its first charge: by its Rényi filter (the union bound
-of accounting/filter.py over the orders and δ shares in its record), or, once it has declared a plan,
-by the plan alone (accounting/plans.py: exactly the plan's units, priced by its PLD ε). Both read only
-the silo row: O(orders), never O(history). The decision itself is charges.check_budget, shared by
-reserve and quote.
+A silo is gated by its Rényi filter (the union bound of accounting/filter.py over the orders and δ
+shares in its record) and, where it declared a plan before its first charge, by the plan too: the
+gate reads the lower of the plan's PLD ε and the filter's reading (on the filter's share of δ) while
+every charge so far follows the plan, and the filter's alone once a charge left it (plan_ended_seq;
+accounting/plans.py, ALONGSIDE). A plan declared before that rule (AFTER_PLAN) gates its silo alone.
+All of it reads only the silo row: O(orders), never O(history). The decision itself is
+charges.check_budget, shared by reserve and quote.
 
 A silo registered without a horizon holds no filter until its first charge (filter_seq 0, its
 create entry covers none): that charge fixes it from its own curve (filter.first_charge_spec, where
@@ -13,6 +15,9 @@ that charge would fix. The charge's reservation writes the filter entry that cov
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -38,40 +43,106 @@ def pending(silo: Silo) -> bool:
 
 
 def spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpec:
-    """The silo's filter; on a pending silo, the one its first charge (of curve `first`) would fix."""
+    """The filter the gate reads: on the share of δ a declared plan leaves it; on a pending silo,
+    the one its first charge (of curve `first`) would fix."""
     if pending(silo) and first is not None:
-        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first)
-    return rdp_filter.FilterSpec.from_json(silo.filter_spec)
+        fixed = rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first)
+    else:
+        fixed = rdp_filter.FilterSpec.from_json(silo.filter_spec)
+    declared = plan(silo)
+    return fixed if declared is None or not declared.alongside else rdp_filter.scaled(fixed, declared.filter_share)
 
 
 def plan(silo: Silo) -> plans.Plan | None:
     return None if silo.plan is None else plans.Plan.from_json(silo.plan)
 
 
+def closed_by_plan(silo: Silo) -> bool:
+    """A silo on a plan declared under the rule before (plans.AFTER_PLAN): the plan alone gates it."""
+    declared = plan(silo)
+    return declared is not None and not declared.alongside
+
+
+def gated_on(silo: Silo) -> Literal["rdp_filter", "plan", "plan_and_filter"]:
+    """What the silo's approvals are checked against now (the wire's gated_on)."""
+    if closed_by_plan(silo):
+        return "plan"
+    return "plan_and_filter" if on_plan(silo) else "rdp_filter"
+
+
+def on_plan(silo: Silo) -> bool:
+    """Whether the plan's branch is alive: a plan declared, and no charge so far off it."""
+    return silo.plan is not None and silo.plan_ended_seq is None
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    """What a charge does to the silo's plan: the units it takes, and whether the branch lives on."""
+
+    taken: int
+    on_plan: bool
+
+
+def plan_step(silo: Silo, mechanism: AnyMechanism) -> PlanStep:
+    """The charge's step along the silo's plan (no plan, or a branch ended: off it). Reads only."""
+    declared = plan(silo)
+    if declared is None or not on_plan(silo):
+        return PlanStep(0, False)
+    taken = plans.follows(declared, used=silo.plan_used, charge=plans.segments(mechanism))
+    return PlanStep(0, False) if taken is None else PlanStep(taken, True)
+
+
+def plan_path(silo: Silo, mechanisms: list[AnyMechanism | None]) -> list[bool]:
+    """Whether the branch is alive after each prefix of these charges (None: a round that charges
+    nothing), from the silo as it stands: entry 0 is now."""
+    declared = plan(silo)
+    alive, used, out = on_plan(silo), silo.plan_used, [on_plan(silo)]
+    for mechanism in mechanisms:
+        if alive and mechanism is not None and declared is not None:
+            taken = plans.follows(declared, used=used, charge=plans.segments(mechanism))
+            alive, used = taken is not None, used + (taken or 0)
+        out.append(alive)
+    return out
+
+
 def _is_empty(running: RunningSum) -> bool:
     return not np.any(running.finite) and not np.any(running.infinite)
 
 
-def reading(silo: Silo, running: RunningSum, *, first: np.ndarray | None = None) -> rdp_filter.Reading:
+def reading(
+    silo: Silo, running: RunningSum, *, first: np.ndarray | None = None, alive: bool | None = None
+) -> rdp_filter.Reading:
     """The proven ε of a running sum of this silo (spent, committed, or a candidate); `first`: the
-    curve of the silo's first charge where the sum holds it and the silo is still pending."""
+    curve of the silo's first charge where the sum holds it and the silo is still pending; `alive`:
+    whether every charge in the sum follows the plan (default: as the silo stands, on_plan)."""
     by_filter = rdp_filter.read(spec(silo, first=first), running.curve(), delta=silo.delta)
     declared = plan(silo)
     if declared is None:
         return by_filter
-    # Under a plan, anything run is part of the plan: its PLD ε covers every part of it.
-    return rdp_filter.Reading(0.0 if _is_empty(running) else declared.epsilon, by_filter.order)
+    eps = plans.gate_epsilon(declared, on_plan=on_plan(silo) if alive is None else alive,
+                             ran=not _is_empty(running), by_filter=by_filter.epsilon)
+    return rdp_filter.Reading(eps, by_filter.order)
 
 
-def follow_plan(silo: Silo, mechanism: AnyMechanism) -> None:
-    """On a silo with a declared plan: the charge must be the plan's next units (which it then
-    takes), else PlanDeviation. Nothing on a silo without a plan. The caller holds the silo's lock."""
-    declared = plan(silo)
-    if declared is None:
-        return
-    try:
-        taken = plans.consume(list(declared.segments), used=silo.plan_used, charge=plans.segments(mechanism))
-    except plans.PlanMismatch as error:
-        raise PlanDeviation(f"departs from the silo's declared plan: {error}") from error
-    silo.plan_used += taken
+def follow_plan(silo: Silo, mechanism: AnyMechanism) -> PlanStep:
+    """The charge's step along the silo's plan. On a plan declared under the rule before
+    (AFTER_PLAN) the charge must be the plan's next units, else PlanDeviation (a 409)."""
+    step = plan_step(silo, mechanism)
+    if closed_by_plan(silo) and not step.on_plan:
+        declared = plan(silo)
+        assert declared is not None
+        try:
+            plans.consume(list(declared.segments), used=silo.plan_used, charge=plans.segments(mechanism))
+        except plans.PlanMismatch as error:
+            raise PlanDeviation(f"departs from the silo's declared plan: {error}") from error
+    return step
+
+
+def take(silo: Silo, step: PlanStep, *, seq: int) -> None:
+    """Records an approved charge's step: its units taken, or (the first charge off an alive plan's
+    branch, whose reserve entry is `seq`) the branch's end. The caller holds the silo's lock."""
+    if step.on_plan:
+        silo.plan_used += step.taken
+    elif on_plan(silo):
+        silo.plan_ended_seq = seq
 

@@ -85,6 +85,9 @@ class Silo(Base):
     # A declared plan (ledger/plans.py JSON) and how many of its units charges have used.
     plan: Mapped[str | None] = mapped_column(Text)
     plan_used: Mapped[int] = mapped_column(Integer, default=0)
+    # The seq of the reserve entry whose charge left the plan, ending its branch (accounting/plans.py
+    # ALONGSIDE): from then on the gate reads the filter alone. None: the branch is alive, or no plan.
+    plan_ended_seq: Mapped[int | None] = mapped_column(Integer)
     # The seq of the newest `seal` entry (an admin accepted the record after a tamper; ledger/seals.py),
     # which then covers the record in place of the create, filter and plan entries. None: never sealed.
     sealed_seq: Mapped[int | None] = mapped_column(Integer)

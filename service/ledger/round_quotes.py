@@ -36,17 +36,20 @@ class RoundsPrice:
 def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
     with db.read() as session:
         silo = silos.get(session, body.silo_id)
-    if silo.plan is not None:
+    if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: it is approved the plan's units only, nothing else")
     declared = [run.mechanism for run in body.runs for _ in range(run.count)]
-    curves = {}
+    curves, resolved = {}, {}
     for index, run in enumerate(body.runs):
         key = None if run.mechanism is None else run.mechanism.model_dump_json()
         if run.mechanism is not None and key not in curves:
             try:
-                curves[key] = charges.price(run.mechanism, silo=silo, charged=False, path=f"runs.{index}.mechanism").curve
+                priced = charges.price(run.mechanism, silo=silo, charged=False, path=f"runs.{index}.mechanism")
             except MechanismError as error:
                 raise InvalidRequest(error.field, error.message) from error
+            curves[key], resolved[key] = priced.curve, priced.mechanism
+    # Beside a plan: whether its branch is still alive after each round (the rounds follow it or not).
+    alive = gate.plan_path(silo, [None if m is None else resolved[m.model_dump_json()] for m in declared])
     # What the gate would hold after each round: the spent sum, plus each round's charge in turn.
     spent = RunningSum.from_json(silo.rdp_spent)
     after = [spent]
@@ -58,7 +61,7 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
     first_curve = None if first is None or not gate.pending(silo) else curves[first.model_dump_json()]
 
     def fits(n: int) -> bool:
-        return rdp.within_budget(gate.reading(silo, after[n], first=first_curve).epsilon, budget=silo.epsilon)
+        return rdp.within_budget(gate.reading(silo, after[n], first=first_curve, alive=alive[n]).epsilon, budget=silo.epsilon)
 
     # A running sum only grows, so the rounds that fit are a prefix: bisect for its end.
     low, high = 0, len(declared) + 1
@@ -70,7 +73,7 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
         silo=silo, epsilon_spent=gate.reading(silo, spent).epsilon,
         round_epsilon=None if first is None else rdp.guarantee(curves[first.model_dump_json()], delta=silo.delta).epsilon,
         affordable_rounds=low, horizon=len(declared),
-        epsilon_after_rounds=gate.reading(silo, after[body.rounds], first=first_curve).epsilon,
+        epsilon_after_rounds=gate.reading(silo, after[body.rounds], first=first_curve, alive=alive[body.rounds]).epsilon,
         noise_multiplier=sigma, noise_note=note,
     )
 

@@ -142,8 +142,8 @@ def status(silo: Silo) -> BudgetStatus:
 
 
 def remaining(silo: Silo, epsilon_spent: float) -> float:
-    if silo.plan is not None:
-        return 0.0  # a declared plan is the silo's whole budget (plans.AFTER_PLAN)
+    if gate.closed_by_plan(silo):
+        return 0.0  # a plan declared under the rule before is the silo's whole budget (plans.AFTER_PLAN)
     return max(0.0, silo.epsilon - epsilon_spent)
 
 
@@ -161,14 +161,15 @@ def plan_closed(session: Session, silo: Silo) -> str | None:
 
 
 def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plans.Plan:
-    """Fixes the silo's plan: only before its first charge, once, and only if its PLD ε fits."""
+    """Fixes the silo's plan: only before its first charge, once, and only if its PLD ε (on the
+    plan's share of δ, plans.PLAN_DELTA_SHARE) fits. The filter keeps approving beside it."""
     with db.read() as session:
         silo = get(session, silo_id)
         dataset_size, delta, budget = silo.dataset_size, silo.delta, silo.epsilon
     try:
         resolved = resolve(mechanism, dataset_size=dataset_size)
         segments = plans.segments(resolved)
-        price = plans.pld_epsilon(resolved, delta=delta)
+        price = plans.pld_epsilon(resolved, delta=delta * plans.PLAN_DELTA_SHARE)
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error
     if not rdp.within_budget(price, budget=budget):
@@ -181,6 +182,7 @@ def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plan
             raise Conflict(closed)
         silo.plan = declared.to_json()
         silo.plan_used = 0
+        silo.plan_ended_seq = None
         append_entry(session, silo, event=EntryEvent.plan, charge=None, epsilon_spent=0.0, now=datetime.now(UTC))
     return declared
 
@@ -203,8 +205,9 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     if batch_size > silo.dataset_size:
         raise InvalidRequest("batch_size", f"must be at most the silo's dataset_size={silo.dataset_size}. Found {batch_size}.")
     sampling_rate = batch_size / silo.dataset_size
-    if silo.plan is not None:
+    if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
+    # Beside a plan: σ by the filter alone (a σ of the search's own is off the plan, or the plan's).
     fixed = None if gate.pending(silo) else gate.spec(silo)
     unit = (first_steps or steps) / steps  # a pending silo's spent sum is empty: the curve is the run's
 

@@ -24,9 +24,9 @@ from dpledger.service.settings import Settings
 from dpledger.service.transparency_cli import verify_receipts
 from dpledger.wire import merkle
 from dpledger.wire.receipts import SignedTreeHead, is_fork
-from tests.conftest import ADMIN, ADMIN_KEY
+from tests.conftest import ADMIN, ADMIN_KEY, bearer
 from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
-from tests.service.test_transparency import STEP, Ledger, Operator, build, problems, write_key
+from tests.service.test_transparency import STEP, Ledger, Operator, Party, build, problems, write_key
 
 Q, SIGMA = STEP["batch_size"] / 1000, STEP["noise_multiplier"]
 
@@ -162,3 +162,25 @@ def test_a_silo_may_batch_proofs_and_list_leaves_of_its_own_entries_only(ledger:
     assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "inclusion"]
     past = get("/v1/log/proofs", params={"inclusion": "99"}, headers=ADMIN)
     assert past.status_code == 422 and f"must be below the tree size {head.tree_size}" in past.json()["detail"][0]["msg"]
+
+
+def test_a_silo_with_a_plan_beside_its_filter_recomposes_both_branches_and_the_branchs_end(ledger: Ledger) -> None:
+    """Registered without a horizon, a two-step plan declared: its steps read the plan's ε (lower
+    than the filter's), a charge off the plan ends the branch, and the plan's next step is then read
+    by the filter alone. The silo's receipts recompose every stated ε, whichever branch gave it."""
+    client = ledger.client
+    created = client.post("/v1/silos", json={"name": "p", "epsilon": 10.0, "delta": 1e-5, "dataset_size": 1000},
+                          headers=ADMIN).json()
+    party, silo = Party(client, bearer(created["api_key"])), created["id"]
+    plan = client.post(f"/v1/silos/{silo}/plan", json={"mechanism": {**STEP, "steps": 3}}, headers=ADMIN).json()
+    spent = []
+    for label, mechanism in [("p0", {**STEP, "steps": 2}), ("p1", STEP), ("off", {**STEP, "noise_multiplier": 2.0}),
+                             ("late", STEP)]:
+        spent.append(party.post(f"/v1/silos/{silo}/charges", {"mechanism": mechanism, "idempotency_key": label})["epsilon_spent"])
+    pairs = filter_of(client.get(f"/v1/silos/{silo}", headers=ADMIN).json())
+    assert spent[1] == pytest.approx(plan["epsilon"], rel=1e-12)  # the whole plan: its PLD ε, below the filter's
+    assert plan["epsilon"] < proven_epsilon(pairs, dpsgd_curve([(Q, SIGMA, 3)]), delta=1e-5)
+    late = proven_epsilon(pairs, dpsgd_curve([(Q, SIGMA, 4), (Q, 2.0, 1)]), delta=1e-5)
+    assert spent[3] == pytest.approx(late, rel=1e-9)  # the branch ended: the filter alone
+    out = verify_receipts(party.get(), party.receipts)
+    assert out.ok, problems(out)

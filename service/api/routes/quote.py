@@ -58,7 +58,7 @@ def quote(body: QuoteRequest, caller: PrincipalDep, db: DbDep) -> QuoteResponse:
     answer.epsilon_rdp_proven = finite_or_none(
         rdp_filter.read(gate.spec(silo, first=priced.curve), preview.check.candidate.curve(), delta=silo.delta).epsilon
     )
-    answer.gated_on = "rdp_filter" if silo.plan is None else "plan"
+    answer.gated_on = gate.gated_on(silo)
     return answer
 
 

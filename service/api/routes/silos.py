@@ -82,7 +82,7 @@ def get_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
         order=budget.order,
         filter=_filter_view(silo),
         plan=_plan_view(silo),
-        gated_on="rdp_filter" if silo.plan is None else "plan",
+        gated_on=gate.gated_on(silo),
     )
 
 
@@ -99,7 +99,7 @@ def _plan_view(silo: Silo) -> PlanView | None:
         return None
     return PlanView(
         mechanism=json.loads(declared.mechanism), epsilon=declared.epsilon, units=declared.units,
-        units_used=silo.plan_used, after=declared.after,
+        units_used=silo.plan_used, after=declared.after, delta_share=declared.delta_share, ended_at_seq=silo.plan_ended_seq,
     )
 
 
@@ -112,9 +112,10 @@ def _plan_view(silo: Silo) -> PlanView | None:
                      "holds charges or a plan already: nothing was written"}},
 )
 def declare_plan(silo_id: IdPath, body: PlanRequest, caller: PrincipalDep, db: DbDep) -> PlanView:
-    """Fixes the silo's one plan before its first charge: from then on only the plan's units, in
-    order, are approved, against the plan's PLD ε; stopping early is free, and the plan is the silo's
-    whole budget."""
+    """Fixes the silo's one plan before its first charge, priced by its PLD ε on its share of δ:
+    while every charge follows it, in order, the gate reads the lower of that ε and the filter's
+    (on the rest of δ); stopping early is free, and a charge off the plan ends the plan's branch
+    (the filter alone from then on), never the silo."""
     caller.require_silo(silo_id, also=(Role.admin,))
     silos.declare_plan(db, silo_id=silo_id, mechanism=body.mechanism)
     with db.read() as session:

@@ -20,9 +20,9 @@ import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.service.accounting import filter as rdp_filter
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import charges
+from dpledger.service.ledger import charges, gate
 from dpledger.service.ledger.models import Silo
 from dpledger.wire.mechanisms import DpSgd
 from tests.service.accounting import anchors
@@ -134,6 +134,42 @@ def test_the_proven_gate_never_lets_the_interaction_past_delta(name: str) -> Non
     # Whatever it approves, the interaction that results is (2, 1e-5)-DP, as the union bound says.
     assert true_delta(interaction(approved), EPSILON) <= DELTA, approved
     assert approved != {"A", "B"}  # here that means: the branch that would break δ is refused
+
+
+def plan_epsilon(second: str, delta: float) -> float:
+    """The exact ε at `delta` of the plan "M1, then `second`" run whatever M1 said (bisection on the
+    hockey-stick divergence of the non-adaptive composition, 50 digits)."""
+    first, then = rr(*M1), rr(*{"A": A, "B": B}[second])
+    fixed = ([p * x for p in first[0] for x in then[0]], [q * x for q in first[1] for x in then[1]])
+    low, high = 0.0, 20.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if true_delta(fixed, middle) > delta else (low, middle)
+    return high
+
+
+@pytest.mark.parametrize("budget", [EPSILON, 2.07])
+@pytest.mark.parametrize("planned", ["A", "B"])
+def test_a_plan_beside_the_filter_never_lets_the_interaction_past_delta(planned: str, budget: float) -> None:
+    """The silo declares "M1, then `planned`" beside its default filter: δ/2 to the plan (its exact ε
+    there: 2.067 with A, 2.010 with B), δ/2 to the filter. The gate reads min(plan, filter) for the
+    planned branch and the filter alone for the other (off the plan), through charges.check_budget
+    as reserve calls it. At ε = 2 neither plan fits and the filter alone decides; at 2.07 both do."""
+    spec = rdp_filter.default_spec(epsilon=budget, delta=DELTA, dataset_size=1000)
+    declared = plans.Plan(mechanism="{}", segments=(("M1", 1), (planned, 1)),
+                          epsilon=plan_epsilon(planned, DELTA * plans.PLAN_DELTA_SHARE))
+    silo = Silo(id=1, epsilon=budget, delta=DELTA, filter_spec=spec.to_json(), filter_seq=1,
+                plan=declared.to_json(), plan_used=0, plan_ended_seq=None)
+    empty = RunningSum.empty(len(rdp.ORDERS))
+    silo.rdp_spent = empty.to_json()
+    assert charges.check_budget(silo, CURVES["M1"], on_plan=True).fits
+    silo.rdp_spent = empty.add(CURVES["M1"]).to_json()
+    approved = {b for b in ("A", "B") if charges.check_budget(silo, CURVES[b], on_plan=b == planned).fits}
+    # Whatever it approves, the interaction is (budget, δ)-DP: the union bound with the plan's branch.
+    assert true_delta(interaction(approved), budget) <= DELTA, approved
+    assert (planned in approved) == (declared.epsilon <= budget)  # the plan's branch approves where it fits
+    if budget == EPSILON:  # where both branches together break δ: the one off the plan is refused
+        assert approved != {"A", "B"} and ("B" if planned == "A" else "A") not in approved
 
 
 def test_the_default_gate_refuses_the_branch_the_old_rule_approved_through_orders_50_to_54() -> None:
@@ -261,3 +297,28 @@ def test_the_vectorised_conversion_is_dp_accountings_order_by_order() -> None:
         ours = rdp_filter.order_epsilons(orders, values, deltas)
         theirs = [rdp_filter.order_epsilon(order=a, rdp_value=r, delta=d) for a, r, d in zip(orders, values, deltas, strict=True)]
         np.testing.assert_allclose(ours, theirs, rtol=1e-14, atol=0)
+
+
+def test_the_bench_rows_with_no_horizon_and_with_a_plan_meet_the_issues_goals() -> None:
+    """bench/tightness.py's 135-record silo budgeted for 20 rounds (10 steps at batch 16, σ 1.2),
+    through ledger/gate.py: registered without a horizon (its first round fixes its filter: 1.138 /
+    1.088 / 1.019), and with a 20-round plan beside its filter (1.130 after 3 rounds, 0.945 after 20)."""
+    q, sigma, steps = Q_SILO, 1.2, 10
+    budget = dpa_epsilon(q, sigma, 20 * steps)
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q))
+    pending = rdp_filter.pending_spec(epsilon=budget, delta=DELTA_PATH, dataset_size=135)
+    whole = DpSgd(noise_multiplier=sigma, steps=20 * steps, sampling_rate=q)
+    declared = plans.Plan(mechanism=whole.model_dump_json(), segments=tuple(plans.segments(whole)),
+                          epsilon=plans.pld_epsilon(whole, delta=DELTA_PATH * plans.PLAN_DELTA_SHARE))
+
+    def silo(plan: plans.Plan | None) -> Silo:
+        return Silo(id=1, epsilon=budget, delta=DELTA_PATH, filter_spec=pending.to_json(), filter_seq=gate.PENDING_SEQ,
+                    plan=None if plan is None else plan.to_json(), plan_used=0, plan_ended_seq=None)
+
+    def ratio(row: Silo, rounds: int) -> float:
+        running = RunningSum.empty(len(rdp.ORDERS)).add(rounds * unit)
+        return gate.reading(row, running, first=unit).epsilon / dpa_epsilon(q, sigma, rounds * steps)
+
+    assert [round(ratio(silo(None), r), 3) for r in (1, 3, 20)] == [1.138, 1.088, 1.019]
+    assert ratio(silo(declared), 3) <= 1.15 and ratio(silo(declared), 20) <= 0.95
+    assert ratio(silo(declared), 20) == pytest.approx(declared.epsilon / budget, rel=1e-12)  # the plan's PLD ε
