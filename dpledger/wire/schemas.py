@@ -184,7 +184,11 @@ class OverBudgetResponse(BaseModel):
     detail: str
     epsilon: float = Field(description="the silo's budget")
     epsilon_spent: float | None
-    epsilon_if_approved: float | None
+    epsilon_if_approved: float | None = Field(description="the gate's reading (proven under adaptive choices) of the "
+                                              "silo's charges with this one: what the ledger would charge")
+    epsilon_dp_accounting: float | None = Field(
+        None, description="for reference only: dp-accounting's non-adaptive RDP ε of the same charges (best order, "
+        "whole δ), which adaptive choices may exceed")
 
 
 class ChargeSettled(BaseModel):

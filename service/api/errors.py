@@ -75,6 +75,7 @@ def install(app: FastAPI) -> None:
             epsilon=error.budget,
             epsilon_spent=finite_or_none(error.epsilon_spent),
             epsilon_if_approved=finite_or_none(error.epsilon_if_approved),
+            epsilon_dp_accounting=None if error.epsilon_dp_accounting is None else finite_or_none(error.epsilon_dp_accounting),
         )
         return JSONResponse(body.model_dump(), status_code=status.HTTP_409_CONFLICT)
 

@@ -215,7 +215,8 @@ def reserve_locked(
     if not decision.fits:
         assert decision.epsilon_spent is not None
         raise OverBudget(
-            budget=silo.epsilon, epsilon_spent=decision.epsilon_spent, epsilon_if_approved=decision.epsilon_if_approved
+            budget=silo.epsilon, epsilon_spent=decision.epsilon_spent, epsilon_if_approved=decision.epsilon_if_approved,
+            epsilon_dp_accounting=rdp.epsilon(decision.candidate.curve(), delta=silo.delta)[0],
         )
     now = datetime.now(UTC)
     if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it

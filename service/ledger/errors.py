@@ -37,11 +37,21 @@ class InvalidRequest(LedgerError):
 
 
 class OverBudget(LedgerError):
-    def __init__(self, *, budget: float, epsilon_spent: float, epsilon_if_approved: float) -> None:
+    """`epsilon_dp_accounting`: dp-accounting's non-adaptive ε of the same charges (its RDP
+    conversion at the best order, whole δ), shown beside the gate's reading for reference only."""
+
+    def __init__(
+        self, *, budget: float, epsilon_spent: float, epsilon_if_approved: float, epsilon_dp_accounting: float | None = None
+    ) -> None:
+        reference = "" if epsilon_dp_accounting is None else (
+            f"; for reference, dp-accounting's non-adaptive RDP ε of the same charges: {epsilon_dp_accounting:.6g} "
+            "(not a bound under adaptive choices)"
+        )
         super().__init__(
-            f"over budget: approving would spend ε={epsilon_if_approved:.6g}, budget ε={budget:.6g} "
-            f"(already spent {epsilon_spent:.6g})"
+            f"over budget: approving would spend ε={epsilon_if_approved:.6g} by the gate's reading, budget "
+            f"ε={budget:.6g} (already spent {epsilon_spent:.6g}){reference}"
         )
         self.budget = budget
         self.epsilon_spent = epsilon_spent
         self.epsilon_if_approved = epsilon_if_approved
+        self.epsilon_dp_accounting = epsilon_dp_accounting

@@ -74,6 +74,11 @@ def test_r1_as_a_plan_beside_the_filter_is_priced_on_half_of_delta_and_read_at_t
     assert refused.status_code == 409, refused.text
     off = dpsgd_curve([(Q, 1.1, 14_001), (Q, 1.0, 1)])
     assert refused.json()["epsilon_if_approved"] == pytest.approx(proven_epsilon(pairs, off, delta=1e-5), rel=1e-9)
+    # Beside the gate's reading, labelled, dp-accounting's non-adaptive ε of the same charges (for reference).
+    reference = float(rdp_lib.compute_epsilon(rdp_lib.DEFAULT_RDP_ORDERS, off, 1e-5)[0])
+    assert refused.json()["epsilon_dp_accounting"] == pytest.approx(reference, rel=1e-9)
+    assert reference < refused.json()["epsilon"] < refused.json()["epsilon_if_approved"]
+    assert "by the gate's reading" in refused.json()["detail"] and "non-adaptive RDP ε" in refused.json()["detail"]
     assert len(client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()) == entries
 
     assert charge(client, silo, "rest", {**R1_STEP, "steps": 61}).status_code == 201
