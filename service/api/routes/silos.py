@@ -165,7 +165,9 @@ def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: Principa
     caller.require_silo(silo_id, also=(Role.admin,))
     with db.read() as session:
         silo = silos.get(session, silo_id)
-    plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round)
+    # A round per charge: on a silo registered without a horizon, its first round fixes the filter.
+    plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round,
+                            first_steps=body.steps_per_round)
     return SiloCalibration(
         noise_multiplier=plan.noise_multiplier, sampling_rate=plan.sampling_rate, rounds=body.rounds,
         steps_per_round=body.steps_per_round, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
