@@ -34,9 +34,10 @@ class Ledger:
 
 
 def build_ledger(url: str) -> Ledger:
-    """Silo a: a0 reserved+committed. Silo b's chain, by seq:
-    1 create, 2 reserve b0, 3 commit b0, 4 reserve b1, 5 release b1, 6 reserve b2, 7 reserve b3,
-    8 commit b3, 9 commit b2, 10 reserve b4 (b4 stays reserved)."""
+    """Silo a: a0 reserved+committed. Silo b's chain, by seq (a silo registered without a horizon has
+    its filter fixed by its first charge, in a filter entry just before that charge's reserve):
+    1 create, 2 filter, 3 reserve b0, 4 commit b0, 5 reserve b1, 6 release b1, 7 reserve b2,
+    8 reserve b3, 9 commit b3, 10 commit b2, 11 reserve b4 (b4 stays reserved)."""
     ids: dict[str, int] = {}
     with httpx.Client(base_url=url, timeout=60) as client:
         silos = {}
@@ -125,19 +126,19 @@ TAMPERS = [
         "charge mechanism JSON",
         edit_charge("mechanism", lambda v: v.replace('"noise_multiplier":1.0', '"noise_multiplier":9.0'), "b0"),
         "b0",
-        2,
+        3,
     ),
-    Tamper("charge RDP vector", edit_charge("rdp", _scaled_first_order, "b3"), "b3", 7),
+    Tamper("charge RDP vector", edit_charge("rdp", _scaled_first_order, "b3"), "b3", 8),
     # Would hand a committed charge's budget back if anything trusted the status column.
     Tamper("charge status committed→released", edit_charge("status", lambda v: "released", "b3"), "b3", None),
-    Tamper("charge RDP vector unparsable", edit_charge("rdp", lambda v: "[0.1, oops", "b4"), "b4", 10),
+    Tamper("charge RDP vector unparsable", edit_charge("rdp", lambda v: "[0.1, oops", "b4"), "b4", 11),
     Tamper("charge status unknown", edit_charge("status", lambda v: "refunded", "b4"), "b4", None),
-    Tamper("charge moved to another silo", edit_charge("silo_id", lambda a: a, "b4"), "b4", 10, ("a", "b")),
-    Tamper("entry ε edited", edit_entry("epsilon_spent", 0.0, 8), "b3", 8),
-    Tamper("entry event commit→release", edit_entry("event", "release", 9), "b2", 9),
-    # b2's reserve entry goes; its commit entry (seq 9) stays, and the entry that fails to link is b3's.
-    Tamper("reserve entry deleted, commit kept", delete_entry(6), "b2", 7),
-    Tamper("last entry deleted", delete_entry(10), "b4", 10),
+    Tamper("charge moved to another silo", edit_charge("silo_id", lambda a: a, "b4"), "b4", 11, ("a", "b")),
+    Tamper("entry ε edited", edit_entry("epsilon_spent", 0.0, 9), "b3", 9),
+    Tamper("entry event commit→release", edit_entry("event", "release", 10), "b2", 10),
+    # b2's reserve entry goes; its commit entry (seq 10) stays, and the entry that fails to link is b3's.
+    Tamper("reserve entry deleted, commit kept", delete_entry(7), "b2", 8),
+    Tamper("last entry deleted", delete_entry(11), "b4", 11),
 ]
 
 
@@ -145,7 +146,7 @@ def test_every_tamper_is_named_over_http(ledger_url: str) -> None:
     with ServerProcess(database_url=ledger_url, admin_key=ADMIN_KEY, workers=1) as server:
         ledger = build_ledger(server.url)
         baseline = verify_chain(server.url)
-        assert baseline == {"ok": True, "entries": 3 + 10, "first_bad_seq": None, "first_bad_silo_id": None,
+        assert baseline == {"ok": True, "entries": 4 + 11, "first_bad_seq": None, "first_bad_silo_id": None,
                             "bad_charge_ids": [], "problems": []}
         silo_ids = {"a": ledger.a, "b": ledger.b}
         engine = create_engine(ledger_url)

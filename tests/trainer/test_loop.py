@@ -128,7 +128,8 @@ def test_a_key_revoked_mid_run_releases_the_rounds_other_reservations_and_fails(
 
     run = run_gated(algorithm, silos, rounds=3, job_id="revoked", on_round=revoke_after_round_0)
     assert run.failed and run.approved_rounds() == [1, 1]
-    assert (run.stop_reason or "").startswith(f"the ledger rejected silo {silos[1].silo_id}'s reservation for round 2: 401")  # round index 1, counted from 1
+    # Round index 1, counted from 1 where people read it.
+    assert (run.stop_reason or "").startswith(f"the ledger rejected silo {silos[1].silo_id}'s reservation for round 2: 401")
     events = [(e.event, e.round) for e in silos[0].client.history(silos[0].silo_id) if e.round is not None]
     assert events == [("reserve", 0), ("commit", 0), ("reserve", 1), ("release", 1)]  # nothing left stranded
 
