@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from dpledger.trainer.federated.plan import QUANTILE_QUERIES, SELECTIONS, STEPS, PlannedQuery, QueryMeter, RoundPlan
+from dpledger.wire.mechanisms import Composed, DpSgd, Gaussian
+from tests.trainer import wire
 
-DPSGD = {"type": "dpsgd", "batch_size": 4, "noise_multiplier": 1.0, "steps": 3}
-SELECT = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 2.0, "steps": 1}
-QUANTILE = {"type": "gaussian", "noise_multiplier": 5.0}
+DPSGD = DpSgd(batch_size=4, noise_multiplier=1.0, steps=3)
+SELECT = DpSgd(batch_size=10, noise_multiplier=2.0, steps=1)
+QUANTILE = Gaussian(noise_multiplier=5.0)
 
 # Silo 0 runs steps and a selection, silo 1 steps only, silo 2 nothing.
 PLAN = RoundPlan(
@@ -30,9 +33,13 @@ def run(meter: QueryMeter, steps: list[int], selections: list[int]) -> None:
 
 
 def test_the_plan_declares_one_mechanism_per_silo_composed_where_it_queries_twice() -> None:
-    assert PLAN.mechanisms() == [{"type": "composed", "events": [DPSGD, SELECT]}, DPSGD, None]
+    assert PLAN.mechanisms() == [Composed(events=[DPSGD, SELECT]), DPSGD, None]
+    assert wire(PLAN.mechanisms())[1] == {"type": "dpsgd", "batch_size": 4, "noise_multiplier": 1.0, "steps": 3}
     assert PLAN.queries_data().tolist() == [True, True, False]
-    PLAN.mechanisms()[1]["steps"] = 99  # what a caller does with its copy leaves the plan as approved
+    declared = PLAN.mechanisms()[1]
+    assert isinstance(declared, DpSgd)
+    with pytest.raises(ValidationError, match="frozen"):  # no caller can change what was approved
+        declared.steps = 99
     assert PLAN.mechanisms()[1] == DPSGD
 
 
@@ -68,10 +75,10 @@ def test_a_query_that_reports_its_mechanism_must_report_the_declared_one() -> No
     meter = QueryMeter(1)
     meter.start()
     meter.record(STEPS, torch.tensor([0]))
-    meter.record(QUANTILE_QUERIES, torch.tensor([0]), mechanism={"type": "gaussian", "noise_multiplier": 4.0})
+    meter.record(QUANTILE_QUERIES, torch.tensor([0]), mechanism=Gaussian(noise_multiplier=4.0))
     with pytest.raises(RuntimeError, match=r"silo 0's quantile queries ran .*4\.0.*, declared .*5\.0"):
         plan.check(torch.tensor([True]), meter.since_start())
     meter.start()
     meter.record(STEPS, torch.tensor([0]))
-    meter.record(QUANTILE_QUERIES, torch.tensor([0]), mechanism=dict(QUANTILE))
+    meter.record(QUANTILE_QUERIES, torch.tensor([0]), mechanism=Gaussian(noise_multiplier=5.0))
     plan.check(torch.tensor([True]), meter.since_start())

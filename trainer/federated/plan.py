@@ -49,16 +49,16 @@ class RoundPlan:
 
     def mechanisms(self) -> list[Mechanism | None]:
         """What each silo asks the ledger to approve: its one query's mechanism, the composition of
-        several, or None where the round queries nothing of it. Copies: the plan stays as approved
-        whatever a caller does with them."""
+        several, or None where the round queries nothing of it. The wire models are frozen, so the
+        plan stays as approved whatever a caller does with them."""
         out: list[Mechanism | None] = []
         for planned in self.queries:
             if not planned:
                 out.append(None)
             elif len(planned) == 1:
-                out.append(planned[0].mechanism.model_copy(deep=True))
+                out.append(planned[0].mechanism)
             else:
-                out.append(Composed(events=[q.mechanism.model_copy(deep=True) for q in planned]))
+                out.append(Composed(events=[q.mechanism for q in planned]))
         return out
 
     def queries_data(self) -> torch.Tensor:
