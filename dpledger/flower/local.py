@@ -1,20 +1,15 @@
-"""One silo's side of the training: its data file, the shared tiny CNN, and DP-SGD steps run on the
-trainer's batched engine with one silo (the same sampler, clip and noise as the in-process
-simulator, so the mechanism a silo declares is the sampler it runs)."""
+"""One silo's data file and the shared tiny CNN; its training is the run's silo half over its own
+`SiloEngine` (dpledger.flower.family)."""
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.federated.batched import noisy_clipped_gradient, pad_batches
 from dpledger.trainer.federated.config import STREAM_INIT, derive_seed
 from dpledger.trainer.federated.models import FlatModel, make_template
 
@@ -76,49 +71,6 @@ def load_silo_file(path: Path) -> SiloData:
         x_test=torch.as_tensor(arrays["x_test"], dtype=torch.float32),
         y_test=torch.as_tensor(arrays["y_test"], dtype=torch.int64),
     )
-
-
-def round_mechanism(*, dataset_size: int, batch_size: int, noise_multiplier: float, steps: int) -> dict[str, Any]:
-    """What one round of `steps` Poisson-sampled DP-SGD steps costs, as the sampler that runs it says."""
-    sampler = PoissonSampler(dataset_size=dataset_size, batch_size=min(batch_size, dataset_size),
-                             generator=torch.Generator())
-    return sampler.mechanism(noise_multiplier=noise_multiplier, steps=steps)
-
-
-def dp_sgd(
-    model: FlatModel,
-    data: SiloData,
-    start: torch.Tensor,
-    *,
-    steps: int,
-    batch_size: int,
-    noise_multiplier: float,
-    clip_norm: float,
-    lr: float,
-    anchor: torch.Tensor | None = None,
-    lam: float = 0.0,
-) -> torch.Tensor:
-    """`steps` DP-SGD steps from `start` ([P]) on this silo's data; with an anchor, MR-MTL's
-    λ/2‖w − anchor‖² is added after clipping and noise (post-processing, costs nothing).
-
-    Batches and noise come from fresh OS randomness: the server must not be able to predict a
-    silo's noise from anything it sent."""
-    batch = min(batch_size, data.size)
-    sampler = PoissonSampler(dataset_size=data.size, batch_size=batch,
-                             generator=torch.Generator().manual_seed(secrets.randbits(63)))
-    noise = [torch.Generator().manual_seed(secrets.randbits(63))]
-    expected = torch.tensor([float(batch)])
-    params = start.unsqueeze(0)
-    for _ in range(steps):
-        idx, mask = pad_batches([sampler.sample()], device=params.device)
-        gradient = noisy_clipped_gradient(
-            model, params, data.x[idx], data.y[idx], mask, clip_norm=clip_norm,
-            noise_multipliers=noise_multiplier, expected_batch_sizes=expected, generators=noise,
-        )
-        if anchor is not None and lam != 0.0:
-            gradient = gradient + lam * (params - anchor.unsqueeze(0))
-        params = params - lr * gradient
-    return params.squeeze(0).detach()
 
 
 def accuracy(model: FlatModel, params: torch.Tensor, data: SiloData) -> float:

@@ -76,7 +76,8 @@ def charged() -> dict[int, list[np.ndarray]]:
     return {}
 
 
-def run_algorithm(fed: Federation, charged: dict[int, list[np.ndarray]], name: str) -> None:
+def run_algorithm(fed: Federation, charged: dict[int, list[np.ndarray]], name: str) -> dict[str, Any]:
+    """Runs `name` over the federation and checks each silo's ε and the server's blindness; returns the run's log."""
     options, cost = CASES[name]
     out = fed.folder / f"{name}.json"
     finished = fed.run(timeout=RUN_TIMEOUT, algorithm=name, rounds=ROUNDS, **{
@@ -97,11 +98,13 @@ def run_algorithm(fed: Federation, charged: dict[int, list[np.ndarray]], name: s
             assert detail.epsilon_spent == pytest.approx(expected, rel=1e-9), (name, silo.silo_id)
             assert detail.epsilon_committed == pytest.approx(detail.epsilon_spent, rel=1e-12)
     assert_budget_blind(fed, finished.stdout + finished.stderr, result)
+    return result
 
 
 def _simulation_test(name: str) -> Callable[[Federation, dict[int, list[np.ndarray]]], None]:
     def test(fed: Federation, charged: dict[int, list[np.ndarray]]) -> None:
-        run_algorithm(fed, charged, name)
+        result = run_algorithm(fed, charged, name)
+        assert [sorted(entry["status"].values()) for entry in result["rounds"]] == [["trained"] * SILOS] * ROUNDS
 
     test.__name__ = f"test_simulation_{name}"
     test.__doc__ = f"{name}: {ROUNDS} rounds over {SILOS} virtual nodes, each silo charged its documented cost."

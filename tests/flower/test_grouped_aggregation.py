@@ -1,5 +1,6 @@
-"""The ServerApp's group-wise aggregation (dpledger.flower.grouped) against numpy computations of
-Liu et al. 2023 Alg. 1 (PFA) and FedHDP Alg. 2 with the budget-blind ratio."""
+"""The ServerApp's group-wise aggregation (the PFA and FedHDP server halves, by the groups
+dpledger.flower.grouped fixes) against numpy computations of Liu et al. 2023 Alg. 1 (PFA) and
+FedHDP Alg. 2 with the budget-blind ratio."""
 
 from __future__ import annotations
 
@@ -7,7 +8,25 @@ import numpy as np
 import pytest
 import torch
 
-from dpledger.flower.grouped import aggregate, fixed_groups
+from dpledger.flower.grouped import fixed_groups
+from dpledger.trainer.federated import registry
+from dpledger.trainer.federated.config import DPSGDConfig
+from dpledger.trainer.federated.halves import ServerStart
+from dpledger.trainer.federated.pfa import UPDATE, GroupServer
+
+
+def aggregate(algorithm: str, updates: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    """The global update the algorithm's server half makes of the silos' `updates` ([A, P]) in an
+    aggregation round, every silo trained and in the given (fixed, uncompacted) group."""
+    options = {"ratio": "budget_blind"} if algorithm == "fedhdp" else {}
+    start = ServerStart(initial=torch.zeros(updates.shape[1], dtype=updates.dtype), num_silos=len(groups),
+                        fresh_model=lambda j: torch.zeros(0), record=lambda kind, members, mechanism: None,
+                        noise=torch.Generator())
+    server = registry.algorithms()[algorithm].halves(DPSGDConfig(), **options).server(start)
+    assert isinstance(server, GroupServer)
+    server.set_groups(groups)
+    server.aggregate(1, torch.arange(len(groups)), {UPDATE: updates})
+    return server.global_model
 
 
 def test_a_silo_without_a_warm_start_norm_goes_to_the_noisiest_group() -> None:
@@ -50,8 +69,11 @@ def test_fedhdp_weighs_the_noisier_group_by_the_ratio_of_within_group_variances(
     np.testing.assert_allclose(result, expected, rtol=1e-10)
 
 
-def test_bad_input_is_named() -> None:
-    with pytest.raises(ValueError, match=r"one group per update: 2 groups for updates of shape \(3, 4\)"):
-        aggregate("pfa", torch.zeros(3, 4, dtype=torch.float64), [0, 1])
-    with pytest.raises(ValueError, match=r"algorithm must be one of \['pfa', 'fedhdp'\]. Found 'fedavg'"):
-        aggregate("fedavg", torch.zeros(2, 4, dtype=torch.float64), [0, 1])
+def test_an_aggregation_round_needs_the_groups_first() -> None:
+    server = registry.algorithms()["pfa"].halves(DPSGDConfig()).server(ServerStart(
+        initial=torch.zeros(4), num_silos=2, fresh_model=lambda j: torch.zeros(0),
+        record=lambda kind, members, mechanism: None, noise=torch.Generator()))
+    with pytest.raises(RuntimeError, match="Round 1 aggregates by privacy group: set the groups"):
+        server.aggregate(1, torch.arange(2), {UPDATE: torch.zeros(2, 4)})
+    with pytest.raises(ValueError, match=r"groups must hold one group id >= 0 per silo \(2\). Found \[0\]"):
+        server.set_groups([0])  # type: ignore[attr-defined]  # a GroupServer

@@ -19,7 +19,6 @@ from sqlalchemy import text
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
 from dpledger.service.settings import Settings
 from dpledger.service.transparency_cli import verify_receipts
 from dpledger.wire import merkle
@@ -29,13 +28,6 @@ from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
 from tests.service.test_transparency import STEP, Ledger, Operator, Party, build, problems, write_key
 
 Q, SIGMA = STEP["batch_size"] / 1000, STEP["noise_multiplier"]
-
-
-@pytest.fixture
-def url(tmp_path: Path) -> str:
-    database_url = f"sqlite:///{tmp_path}/ledger.db"
-    migrate(database_url)
-    return database_url
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import chain, gate, transparency
-from dpledger.service.ledger.db import alembic_config, migrate
+from dpledger.service.ledger.db import alembic_config
 from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo
 from dpledger.service.ledger.signer import SigningKeyError
 from dpledger.service.settings import Settings
@@ -58,13 +58,6 @@ def write_key(path: Path) -> Path:
     )
     path.write_bytes(pem)
     return path
-
-
-@pytest.fixture
-def url(tmp_path: Path) -> str:
-    database_url = f"sqlite:///{tmp_path}/ledger.db"
-    migrate(database_url)
-    return database_url
 
 
 @pytest.fixture
