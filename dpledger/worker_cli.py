@@ -227,7 +227,7 @@ def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int
     sigmas = [p.noise_multiplier for p in plans]
     print(f"plan of job {job.job_id!r}: {job.algorithm}, {job.rounds} rounds, noise_multiplier "
           f"{job.dpsgd.noise_multiplier}, batch_size {job.dpsgd.batch_size}, local_steps {job.dpsgd.local_steps}; "
-          "ε from the ledger's own quotes at each silo's δ")
+          "ε from the ledger's own quotes at each silo's δ, after what it has spent")
     print(format_plan(plans, rounds=job.rounds, sigmas=sigmas if calibrate else None))
     for plan in plans:
         if plan.affordable_rounds < job.rounds:

@@ -141,9 +141,11 @@ def silos_list(args: argparse.Namespace) -> int:
 
 DETAIL_FIELDS = (
     ("id", "id"), ("name", "name"), ("ε budget", "epsilon"), ("δ", "delta"), ("dataset size", "dataset_size"),
-    ("ε spent", "epsilon_spent"), ("ε committed", "epsilon_committed"), ("ε remaining", "epsilon_remaining"),
-    ("zCDP ρ", "rho"), ("RDP order", "order"),
+    ("ε spent (the gate's)", "epsilon_spent"), ("ε spent (dp-accounting, reference)", "epsilon_dp_accounting"),
+    ("ε committed", "epsilon_committed"), ("ε remaining", "epsilon_remaining"), ("zCDP ρ", "rho"), ("RDP order", "order"),
 )
+# "the gate's": what the ledger states and charges, proven under adaptive choices. "dp-accounting,
+# reference": its non-adaptive RDP ε of the same charges, which adaptive choices may exceed.
 
 
 @_reports_errors
@@ -209,7 +211,7 @@ def _timestamp(at: datetime) -> str:
     return str(_TIME.dump_python(at, mode="json"))  # as the API wrote it (pydantic's ISO 8601 on both ends)
 
 
-HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after", "at")
+HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after (the gate's)", "dp-accounting ε (reference)", "at")
 
 
 @_reports_errors
@@ -228,7 +230,8 @@ def history(args: argparse.Namespace) -> int:
             after = page[-1].seq
     rows = [
         (str(e.seq), e.event.value, "" if e.charge_id is None else str(e.charge_id), e.job_id or "",
-         "" if e.round is None else str(e.round), number(e.epsilon_spent), _timestamp(e.created_at))
+         "" if e.round is None else str(e.round), number(e.epsilon_spent), number(e.epsilon_dp_accounting),
+         _timestamp(e.created_at))
         for e in entries
     ]
     print(table(HISTORY_HEADER, rows))

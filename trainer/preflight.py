@@ -130,9 +130,26 @@ def check_sizes(silos: Sequence[LedgerSilo], n_train: Sequence[int]) -> list[str
 
 
 @dataclass(frozen=True)
+class Reading:
+    gate: float | None
+    dp_accounting: float | None
+
+    def __str__(self) -> str:
+        def shown(value: float | None) -> str:
+            return "inf" if value is None else f"{value:.4g}"
+
+        return f"{shown(self.gate)} ({shown(self.dp_accounting)})"
+
+
+@dataclass(frozen=True)
 class SiloPlan:
     silo: LedgerSilo
-    round_epsilon: float | None  # one round alone, at the silo's δ (None: unbounded)
+    # The silo's ε now, after the job's first charged round and after all of its rounds: the gate's reading
+    # (what the ledger states and charges) and, for reference, dp-accounting's non-adaptive RDP ε of
+    # the same charges (None: unbounded).
+    spent: Reading
+    after_first: Reading
+    after_rounds: Reading
     affordable_rounds: int  # rounds its remaining budget buys, at most `horizon`
     horizon: int  # the most rounds searched
     noise_multiplier: float | None = None  # with calibrate: the ledger's σ for all the job's rounds
@@ -157,8 +174,12 @@ def plan_silo(
     remaining budget buys, in one request (POST /v1/quote/rounds): the ledger reads each candidate
     with the silo's own gate, as it will approve the rounds one by one."""
     quote = client.quote_rounds(silo.id, runs(mechanisms), rounds=rounds, calibrate=calibrate)
-    return SiloPlan(silo=silo, round_epsilon=quote.round_epsilon, affordable_rounds=quote.affordable_rounds,
-                    horizon=quote.horizon, noise_multiplier=quote.noise_multiplier)
+    return SiloPlan(
+        silo=silo, spent=Reading(quote.epsilon_spent, quote.epsilon_spent_dp_accounting),
+        after_first=Reading(quote.epsilon_after_first_round, quote.epsilon_after_first_round_dp_accounting),
+        after_rounds=Reading(quote.epsilon_after_rounds, quote.epsilon_after_rounds_dp_accounting),
+        affordable_rounds=quote.affordable_rounds, horizon=quote.horizon, noise_multiplier=quote.noise_multiplier,
+    )
 
 
 def sigma_up(sigma: float, digits: int = 4) -> str:
@@ -167,19 +188,24 @@ def sigma_up(sigma: float, digits: int = 4) -> str:
     return f"{math.ceil(sigma * scale - 1e-9) / scale:.{digits}g}"
 
 
+PLAN_LEGEND = ("ε: the ledger's gate, what it states and charges (proven under adaptive choices); in brackets, "
+               "dp-accounting's non-adaptive RDP ε of the same charges, for reference only")
+
+
 def format_plan(plans: Sequence[SiloPlan], *, rounds: int, sigmas: Sequence[float | None] | None = None) -> str:
-    header: tuple[str, ...] = ("silo", "name", "ε budget", "ε spent", "ε of one round", "rounds its budget buys")
+    header: tuple[str, ...] = ("silo", "name", "ε budget", "ε spent", "ε after round 1", f"ε after round {rounds}",
+                               "rounds its budget buys")
     if sigmas is not None:
         header = (*header, f"σ for all {rounds} rounds")
     rows: list[tuple[str, ...]] = []
     for index, p in enumerate(plans):
-        spent = "inf" if p.silo.epsilon_spent is None else f"{p.silo.epsilon_spent:.4g}"
-        one = "inf" if p.round_epsilon is None else f"{p.round_epsilon:.4g}"
         bought = f"≥ {p.horizon}" if p.affordable_rounds >= p.horizon else str(p.affordable_rounds)
-        row: tuple[str, ...] = (str(p.silo.id), p.silo.name, f"{p.silo.epsilon:.4g}", spent, one, bought)
+        row: tuple[str, ...] = (str(p.silo.id), p.silo.name, f"{p.silo.epsilon:.4g}", str(p.spent), str(p.after_first),
+                                str(p.after_rounds), bought)
         if sigmas is not None:
             sigma = sigmas[index]
             row = (*row, "—" if sigma is None else sigma_up(sigma))
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
+    return "\n".join([*lines, PLAN_LEGEND])

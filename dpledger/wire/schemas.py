@@ -134,6 +134,9 @@ class PlanView(BaseModel):
 
 
 class SiloDetail(SiloSummary):
+    epsilon_dp_accounting: float | None = Field(
+        None, description="for reference only: dp-accounting's non-adaptive RDP ε of the same charges (best order, "
+        "whole δ), which adaptive choices may exceed")
     epsilon_committed: float | None
     epsilon_remaining: float
     rho: float | None
@@ -206,7 +209,11 @@ class HistoryEntry(BaseModel):
     subject: dict[str, Any] | None = Field(None, description="the filter (create, filter) or plan (plan) the entry's hash covers")
     job_id: str | None
     round: int | None
-    epsilon_spent: float | None
+    epsilon_spent: float | None = Field(description="the silo's ε after this entry, as the ledger stated it: the "
+                                        "gate's reading (proven under adaptive choices), what the ledger charges")
+    epsilon_dp_accounting: float | None = Field(
+        None, description="for reference only: dp-accounting's non-adaptive RDP ε of the same charges (best order, "
+        "whole δ), which adaptive choices may exceed")
     created_at: datetime
     prev_hash: str
     hash: str
@@ -271,17 +278,23 @@ class RoundsQuoteRequest(_Request):
 
 
 class RoundsQuote(BaseModel):
-    """Every ε is the silo's gate's own reading at its δ (null: unbounded)."""
+    """Every `epsilon_*` is the silo's gate's own reading at its δ, what the ledger states and charges; each
+    `*_dp_accounting` beside it is dp-accounting's non-adaptive RDP ε of the same charges (best order, whole δ),
+    for reference only: adaptive choices may exceed it (null: unbounded)."""
 
     silo_id: int
     epsilon: float = Field(description="the silo's budget")
     delta: float
     epsilon_spent: float | None
-    round_epsilon: float | None = Field(description="the first charged round alone, at the silo's δ")
+    epsilon_spent_dp_accounting: float | None
+    epsilon_after_first_round: float | None = Field(
+        description="the silo's ε once the job's first charged round is approved on top of what it has spent")
+    epsilon_after_first_round_dp_accounting: float | None
     affordable_rounds: int = Field(description="the most leading rounds whose charges, added one by one to what the "
                                    "silo has spent, its gate approves (at most the rounds sent)")
     horizon: int = Field(description="the rounds sent")
     epsilon_after_rounds: float | None = Field(description="the silo's ε were the job's `rounds` rounds all approved")
+    epsilon_after_rounds_dp_accounting: float | None
     noise_multiplier: float | None = Field(None, description="with calibrate: the σ for all `rounds` rounds")
     noise_note: str | None = Field(None, description="with calibrate: why no σ")
 

@@ -8,8 +8,6 @@ mechanism is priced once and every candidate is the running sum the gate would h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
@@ -18,22 +16,10 @@ from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest
 from dpledger.service.ledger.models import Silo
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd
-from dpledger.wire.schemas import RoundsQuoteRequest
+from dpledger.wire.schemas import RoundsQuote, RoundsQuoteRequest, finite_or_none
 
 
-@dataclass(frozen=True)
-class RoundsPrice:
-    silo: Silo
-    epsilon_spent: float
-    round_epsilon: float | None  # None: no round charges anything
-    affordable_rounds: int
-    horizon: int
-    epsilon_after_rounds: float
-    noise_multiplier: float | None
-    noise_note: str | None
-
-
-def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
+def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
     with db.read() as session:
         silo = silos.get(session, body.silo_id)
     if gate.closed_by_plan(silo):
@@ -69,11 +55,22 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsPrice:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     sigma, note = _calibrated(silo, declared[: body.rounds]) if body.calibrate else (None, None)
-    return RoundsPrice(
-        silo=silo, epsilon_spent=gate.reading(silo, spent).epsilon,
-        round_epsilon=None if first is None else rdp.guarantee(curves[first.model_dump_json()], delta=silo.delta).epsilon,
+    def gate_eps(n: int, running: RunningSum) -> float | None:
+        return finite_or_none(gate.reading(silo, running, first=first_curve, alive=alive[n]).epsilon)
+
+    def reference(running: RunningSum) -> float | None:
+        return finite_or_none(rdp.epsilon(running.curve(), delta=silo.delta)[0])
+
+    # The first charged round: where the job's first rounds charge nothing, the first one that does.
+    first_index = next((n for n, m in enumerate(declared, start=1) if m is not None), None)
+    return RoundsQuote(
+        silo_id=silo.id, epsilon=silo.epsilon, delta=silo.delta,
+        epsilon_spent=finite_or_none(gate.reading(silo, spent).epsilon), epsilon_spent_dp_accounting=reference(spent),
+        epsilon_after_first_round=None if first_index is None else gate_eps(first_index, after[first_index]),
+        epsilon_after_first_round_dp_accounting=None if first_index is None else reference(after[first_index]),
         affordable_rounds=low, horizon=len(declared),
-        epsilon_after_rounds=gate.reading(silo, after[body.rounds], first=first_curve, alive=alive[body.rounds]).epsilon,
+        epsilon_after_rounds=gate_eps(body.rounds, after[body.rounds]),
+        epsilon_after_rounds_dp_accounting=reference(after[body.rounds]),
         noise_multiplier=sigma, noise_note=note,
     )
 

@@ -5,6 +5,7 @@ a run that writes its models and metrics and says truthfully how it ended (exit 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.harness import free_port, running_server
 from dpledger.trainer.data.digits import make_rotated_masked_digits
+from dpledger.trainer.preflight import PLAN_LEGEND
 from dpledger.worker_cli import main
 from tests.conftest import ADMIN, ADMIN_KEY
 from tests.gate_oracle import budget_admitting, dpsgd_epsilon
@@ -190,22 +192,28 @@ def test_plan_prints_the_ledgers_cost_per_round_and_the_rounds_each_budget_buys(
 ) -> None:
     made = [admitting(ledger, "plan-0", 4), admitting(ledger, "plan-1", 0)]  # buys 4 rounds; buys none
     silos, bodies = [s for s, _ in made], [b for _, b in made]
-    budgets = [b["epsilon"] for b in bodies]
     for k, s in enumerate(silos):
         monkeypatch.setenv(f"KEY_{k}", s.key)
     job = job_file(tmp_path / "plan.toml", ledger, [s.id for s in silos], job_id="plan", rounds=10)
     assert main(["train", str(job), "--plan"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    rows = {int(line.split()[0]): line.split() for line in lines[2:4]}
-    # The per-round column is the quote's ε of one round alone: dp-accounting's over every order (what
-    # a round costs by itself, whatever filter a silo holds); the rounds bought are the gate's.
-    accountant = rdp_lib.RdpAccountant()
-    accountant.compose(de.PoissonSampledDpEvent(BATCH / SIZES[0], de.GaussianDpEvent(SIGMA)), STEPS)
-    one = f"{accountant.get_epsilon(DELTA):.4g}"
-    assert rows[silos[0].id] == [str(silos[0].id), "plan-0", f"{budgets[0]:.4g}", "0", one, "4"]
-    assert rows[silos[1].id] == [str(silos[1].id), "plan-1", f"{budgets[1]:.4g}", "0", one, "0"]
+    rows = {int(line.split()[0]): re.split(r"\s{2,}", line) for line in lines[2:4]}
+    # Each ε is the gate's reading (what the ledger will state and charge), with dp-accounting's
+    # non-adaptive ε of the same charges in brackets; both computed here from dp-accounting's curves.
+    def reference(rounds: int) -> float:
+        accountant = rdp_lib.RdpAccountant()
+        accountant.compose(de.PoissonSampledDpEvent(BATCH / SIZES[0], de.GaussianDpEvent(SIGMA)), rounds * STEPS)
+        return float(accountant.get_epsilon(DELTA))
+
+    def cell(body: dict[str, Any], rounds: int) -> str:
+        return f"{rounds_epsilon(body, rounds):.4g} ({reference(rounds):.4g})"
+
+    for silo, body, bought in zip(silos, bodies, ["4", "0"], strict=True):
+        assert rows[silo.id] == [str(silo.id), body["name"], f"{body['epsilon']:.4g}", "0 (0)", cell(body, 1), cell(body, 10),
+                                 bought]
+    assert lines[4] == PLAN_LEGEND
     advice = "raise dpsgd.noise_multiplier or lower rounds to train them all"
-    assert lines[4:] == [
+    assert lines[5:] == [
         f"silo {silos[0].id} (plan-0): its budget stops it after 4 of 10 rounds; {advice}",
         f"silo {silos[1].id} (plan-1): its budget stops it after 0 of 10 rounds; {advice}",
     ]

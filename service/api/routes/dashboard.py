@@ -15,7 +15,8 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, Principal
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.dashboard import pages, series
 from dpledger.service.dashboard.parameters import parameters
-from dpledger.service.ledger import audit, charges, gate, keys, silos, transparency
+from dpledger.service.ledger import audit, gate, keys, silos, transparency
+from dpledger.service.ledger import history as ledger_history
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
@@ -159,7 +160,7 @@ def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -
             silo = silos.get(session, silo_id)
         except NotFound as error:
             return _html(pages.problem("not found", str(error), signed_in=True), status.HTTP_404_NOT_FOUND)
-        history = charges.history(session, silo_id, limit=1_000_000)
+        history = ledger_history.history(session, silo_id, limit=1_000_000)
         report = audit.verify(session, silo_ids=[silo_id])
         row = _row(silo, chain_ok=report.ok)
         steps = [
@@ -182,7 +183,7 @@ def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -
     return _html(pages.silo(row, points, charge_rows, verification, refusals))
 
 
-def _charge_rows(history: list[charges.HistoryRow], *, delta: float) -> list[pages.ChargeRow]:
+def _charge_rows(history: list[ledger_history.HistoryRow], *, delta: float) -> list[pages.ChargeRow]:
     """One row per charge in the silo's history (its reserve entry names it first), by id."""
     rows: dict[int, pages.ChargeRow] = {}
     for h in history:

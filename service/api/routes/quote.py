@@ -90,11 +90,4 @@ def quote_rounds(body: RoundsQuoteRequest, caller: PrincipalDep, db: DbDep) -> R
     `calibrate`, the σ for the job's rounds. Reserves nothing. Calibration answers from the silo's
     budget, so it takes the silo's own key or an admin's, as `POST /v1/silos/{id}/calibrate` does."""
     caller.require_silo(body.silo_id, also=(Role.admin,) if body.calibrate else READERS)
-    price = round_quotes.quote_rounds(db, body)
-    return RoundsQuote(
-        silo_id=price.silo.id, epsilon=price.silo.epsilon, delta=price.silo.delta,
-        epsilon_spent=finite_or_none(price.epsilon_spent), round_epsilon=finite_or_none(price.round_epsilon),
-        affordable_rounds=price.affordable_rounds, horizon=price.horizon,
-        epsilon_after_rounds=finite_or_none(price.epsilon_after_rounds), noise_multiplier=price.noise_multiplier,
-        noise_note=price.noise_note,
-    )
+    return round_quotes.quote_rounds(db, body)

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
-from dpledger.service.ledger import charges, gate, jobs, seals, silos
+from dpledger.service.ledger import gate, jobs, seals, silos
+from dpledger.service.ledger import history as ledger_history
 from dpledger.service.ledger.models import EntryEvent, Role, Silo
 from dpledger.service.safe_text import safe_cell
 from dpledger.wire.schemas import (
@@ -76,6 +77,7 @@ def get_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
     return SiloDetail(
         **_summary(silo).model_dump(exclude={"epsilon_spent"}),
         epsilon_spent=finite_or_none(budget.epsilon_spent),
+        epsilon_dp_accounting=finite_or_none(ledger_history.dp_accounting_epsilon(silo)),
         epsilon_committed=finite_or_none(budget.epsilon_committed),
         epsilon_remaining=budget.epsilon_remaining,
         rho=budget.rho,
@@ -175,7 +177,10 @@ def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: Principa
     )
 
 
-CSV_COLUMNS = ["seq", "charge_id", "event", "mechanism", "job_id", "round", "epsilon_spent", "created_at", "prev_hash", "hash"]
+CSV_COLUMNS = [
+    "seq", "charge_id", "event", "mechanism", "job_id", "round", "epsilon_spent", "epsilon_dp_accounting", "created_at",
+    "prev_hash", "hash",
+]
 
 
 @router.get(
@@ -194,7 +199,7 @@ def silo_history(
 ) -> list[HistoryEntry] | Response:
     caller.require_silo(silo_id, also=READERS)
     with db.read() as session:
-        rows = charges.history(session, silo_id, after_seq=after_seq, limit=limit)
+        rows = ledger_history.history(session, silo_id, after_seq=after_seq, limit=limit)
         silo = silos.get(session, silo_id, checked=False)  # the history is what an admin inspects a tampered silo by
     entries = [
         HistoryEntry(
@@ -206,6 +211,7 @@ def silo_history(
             job_id=None if r.charge is None else r.charge.job_id,
             round=None if r.charge is None else r.charge.round,
             epsilon_spent=finite_or_none(r.entry.epsilon_spent),
+            epsilon_dp_accounting=None if r.epsilon_dp_accounting is None else finite_or_none(r.epsilon_dp_accounting),
             created_at=r.entry.created_at,
             prev_hash=r.entry.prev_hash,
             hash=r.entry.hash,

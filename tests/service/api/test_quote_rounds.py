@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from dp_accounting import dp_event as de
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from fastapi.testclient import TestClient
 
 from tests.conftest import ADMIN
@@ -19,6 +21,18 @@ def quote(client: TestClient, headers: dict[str, str], **body: Any) -> Any:
     return client.post("/v1/quote/rounds", json=body, headers=headers)
 
 
+def dp_accounting_epsilon(*, rounds: int) -> float:
+    """dp-accounting's RDP ε at δ 1e-5 of the test's first `rounds` rounds (two DP-SGD rounds, then a
+    selection), on a silo of 1,000 records."""
+    accountant = rdp_lib.RdpAccountant()
+    for index in range(rounds):
+        if index % 3 == 2:
+            accountant.compose(de.GaussianDpEvent(SELECT["noise_multiplier"]))
+        else:
+            accountant.compose(de.PoissonSampledDpEvent(10 / 1000, de.GaussianDpEvent(1.1)), 3)
+    return float(accountant.get_epsilon(1e-5))
+
+
 def test_the_rounds_it_says_a_budget_buys_are_the_rounds_the_gate_approves(client: TestClient, make_silo: Any) -> None:
     silo = make_silo(epsilon=2.0)
     # A round with a selection query every third round, then two rounds that read nothing.
@@ -28,8 +42,11 @@ def test_the_rounds_it_says_a_budget_buys_are_the_rounds_the_gate_approves(clien
     body = answer.json()
     assert body["horizon"] == 62 and 0 < body["affordable_rounds"] < 60
     assert (body["epsilon"], body["delta"], body["epsilon_spent"]) == (2.0, 1e-5, 0.0)
-    one = client.post("/v1/quote", json={"mechanism": STEP, "silo_id": silo.id}, headers=silo.headers).json()
-    assert body["round_epsilon"] == one["epsilon"]  # the first round alone, as /v1/quote prices it
+    # Beside each of the gate's readings, dp-accounting's own non-adaptive ε of the same charges.
+    assert body["epsilon_spent_dp_accounting"] == 0.0
+    assert body["epsilon_after_first_round_dp_accounting"] == pytest.approx(dp_accounting_epsilon(rounds=1), rel=1e-6)
+    assert body["epsilon_after_rounds_dp_accounting"] == pytest.approx(dp_accounting_epsilon(rounds=10), rel=1e-6)
+    assert body["epsilon_after_first_round"] >= body["epsilon_after_first_round_dp_accounting"]
 
     rounds = [run["mechanism"] for run in runs for _ in range(run["count"])]
     approved = 0
@@ -43,6 +60,8 @@ def test_the_rounds_it_says_a_budget_buys_are_the_rounds_the_gate_approves(clien
             break
         assert reserved.status_code == 201, reserved.text
         approved += 1
+        if index == 0:  # what the quote said the job's first round leaves, the ledger states
+            assert reserved.json()["epsilon_spent"] == body["epsilon_after_first_round"]
         if index == 9:  # the job's 10 rounds: the ε the quote said they leave
             assert reserved.json()["epsilon_spent"] == body["epsilon_after_rounds"]
     assert approved == body["affordable_rounds"]
