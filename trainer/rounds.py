@@ -28,6 +28,7 @@ from dpledger.wire.client import LedgerClient, Reservation
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Denied, LedgerError, NotOwned, Rejected
 from dpledger.wire.mechanisms import AnyMechanism
+from dpledger.wire.schemas import SiloDetail
 
 
 def round_key(job_id: str, round: int, silo_id: int) -> str:
@@ -35,12 +36,28 @@ def round_key(job_id: str, round: int, silo_id: int) -> str:
     return f"{job_id}/round-{round}/silo-{silo_id}"
 
 
+def _epsilon(value: float | None) -> str:
+    return "inf" if value is None else f"{value:.2f}"
+
+
 def refusal_line(denied: Denied, *, round: int) -> str:
     """One line with the refusal's numbers, e.g. "round 3 refused: it needs ε 5.46 in all; …". `round` is the
-    index the ledger keeps (from 0); people read rounds from 1, as the progress bars and plots count them."""
-    need = "?" if denied.epsilon_if_approved is None else f"{denied.epsilon_if_approved:.2f}"
-    spent = "?" if denied.epsilon_spent is None else f"{denied.epsilon_spent:.2f}"
-    return f"round {round + 1} refused: it needs ε {need} in all; the budget is {denied.epsilon:.2f} and {spent} is spent"
+    index the ledger keeps (from 0); people read rounds from 1, as the progress bars and plots count them.
+    ε is the gate's reading (what the ledger charges), dp-accounting's of the same charges beside it."""
+    reference = "" if denied.epsilon_dp_accounting is None else (
+        f" (the gate's reading; dp-accounting's non-adaptive ε of the same charges, for reference: "
+        f"{denied.epsilon_dp_accounting:.2f})"
+    )
+    return (f"round {round + 1} refused: it needs ε {_epsilon(denied.epsilon_if_approved)} in all{reference}; "
+            f"the budget is {denied.epsilon:.2f} and {_epsilon(denied.epsilon_spent)} is spent")
+
+
+def spent_line(detail: SiloDetail, *, round: int) -> str:
+    """What a silo's log says once a round is settled: its ε as the ledger charges it (the gate's
+    reading), dp-accounting's of the same charges beside it, for reference."""
+    return (f"round {round + 1} settled: ε spent {_epsilon(detail.epsilon_spent)} of {detail.epsilon:.2f} (the gate's "
+            f"reading, what the ledger charges; dp-accounting's non-adaptive ε of the same charges, for reference: "
+            f"{_epsilon(detail.epsilon_dp_accounting)})")
 
 
 @dataclass

@@ -26,16 +26,19 @@ class LedgerError(Exception):
 class Denied(LedgerError):
     """Over budget: final. The silo stops spending."""
 
-    def __init__(self, *, epsilon: float, epsilon_spent: float | None, epsilon_if_approved: float | None, detail: str) -> None:
+    def __init__(self, *, epsilon: float, epsilon_spent: float | None, epsilon_if_approved: float | None, detail: str,
+                 epsilon_dp_accounting: float | None = None) -> None:
         super().__init__(detail)
         self.epsilon = epsilon
         self.epsilon_spent = epsilon_spent
-        self.epsilon_if_approved = epsilon_if_approved
+        self.epsilon_if_approved = epsilon_if_approved  # the gate's reading: what the ledger would charge
+        self.epsilon_dp_accounting = epsilon_dp_accounting  # dp-accounting's of the same charges, for reference
 
     @classmethod
     def from_response(cls, refusal: OverBudgetResponse) -> Denied:
         return cls(epsilon=refusal.epsilon, epsilon_spent=refusal.epsilon_spent,
-                   epsilon_if_approved=refusal.epsilon_if_approved, detail=refusal.detail)
+                   epsilon_if_approved=refusal.epsilon_if_approved, detail=refusal.detail,
+                   epsilon_dp_accounting=refusal.epsilon_dp_accounting)
 
 
 class Rejected(LedgerError):

@@ -53,6 +53,7 @@ class SiloRow:
     epsilon_remaining: float
     chain_ok: bool = True  # the silo's hash chain and charges verify
     refusals: int = 0  # refused requests seen by this server process
+    epsilon_dp_accounting: float | None = None  # for reference: dp-accounting's non-adaptive ε of what is spent
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,10 @@ def silo(
         f'<p id="summary" data-silo-id="{row.id}">silo {row.id} · budget ε = {shown(row.epsilon)}, δ = {shown(row.delta)}'
         f" · spent {_epsilon(row.epsilon_spent)} · committed {_epsilon(row.epsilon_committed)}"
         f" · remaining {shown(row.epsilon_remaining)}</p>"
+        '<p id="reference">ε above is the gate\'s reading: what the ledger charges, proven under adaptive choices. '
+        "For reference, dp-accounting's non-adaptive RDP ε of the same spent charges is "
+        f'<span data-epsilon-dp-accounting="{exact(row.epsilon_dp_accounting)}">{_epsilon(row.epsilon_dp_accounting)}'
+        "</span> (adaptive choices may exceed it).</p>"
     )
     chart = f'<h2>ε after each ledger entry</h2><figure id="epsilon-chart">{svg.line_chart(points, budget=row.epsilon)}</figure>'
     body = summary + _verification(verification) + _refusals(refusals) + chart + _charges(charges, verification)

@@ -7,6 +7,7 @@ conversion the ledger uses for that silo (its gate's reading, passed in as `conv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ class Step:
     event: str  # an EntryEvent value
     charge_rdp: str | None  # the charge's curve JSON; None for the silo's genesis entry
     epsilon_spent: float
+    epsilon_dp_accounting: float | None = None  # the history's reference ε after the entry (None: unknown)
 
 
 def points(steps: Iterable[Step], *, convert: Callable[[RunningSum], float]) -> list[Point]:
@@ -31,7 +33,8 @@ def points(steps: Iterable[Step], *, convert: Callable[[RunningSum], float]) -> 
         if step.event == "commit" and step.charge_rdp is not None:
             committed = committed.add(curve_from_json(step.charge_rdp))
             eps_committed = convert(committed)
-        out.append(Point(seq=step.seq, committed=eps_committed, spent=step.epsilon_spent))
+        reference = math.nan if step.epsilon_dp_accounting is None else step.epsilon_dp_accounting
+        out.append(Point(seq=step.seq, committed=eps_committed, spent=step.epsilon_spent, reference=reference))
     return out
 
 

@@ -17,6 +17,7 @@ SPENT_COLOUR = "#c0392b"
 COMMITTED_COLOUR = "#1f618d"
 BUDGET_COLOUR = "#7f8c8d"
 TRACK_COLOUR = "#e5e8e8"
+REFERENCE_COLOUR = "#8e8e8e"
 
 
 def bar(*, spent: float, budget: float, width: int = 160, height: int = 14) -> str:
@@ -37,8 +38,9 @@ def bar(*, spent: float, budget: float, width: int = 160, height: int = 14) -> s
 @dataclass(frozen=True)
 class Point:
     seq: int
-    committed: float  # ε of committed charges only, after this entry
-    spent: float  # ε of committed + reserved charges, after this entry
+    committed: float  # ε of committed charges only, after this entry (the gate's reading)
+    spent: float  # ε of committed + reserved charges, after this entry (the gate's reading)
+    reference: float = math.nan  # dp-accounting's non-adaptive ε of committed + reserved charges; nan: unknown
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,10 @@ class _Frame:
 
 
 def line_chart(points: Sequence[Point], *, budget: float) -> str:
-    """ε after each ledger entry: committed, and committed + reserved, against the budget line."""
+    """ε after each ledger entry: committed, and committed + reserved, against the budget line (the
+    gate's readings), with dp-accounting's non-adaptive ε of committed + reserved dashed, for reference."""
     frame = _Frame()
-    finite = [v for p in points for v in (p.committed, p.spent) if math.isfinite(v)]
+    finite = [v for p in points for v in (p.committed, p.spent, p.reference) if math.isfinite(v)]
     top_value = max([budget, *finite]) * 1.05
     first, last = (points[0].seq, points[-1].seq) if points else (0, 1)
     parts = [
@@ -80,14 +83,16 @@ def line_chart(points: Sequence[Point], *, budget: float) -> str:
         f'<text x="{frame.width - frame.right}" y="{budget_y - 4}" text-anchor="end" font-size="11"'
         f' fill="{BUDGET_COLOUR}">budget ε = {escape(shown(budget))}</text>'
     )
-    for name, colour, values in (
-        ("spent", SPENT_COLOUR, [p.spent for p in points]),
-        ("committed", COMMITTED_COLOUR, [p.committed for p in points]),
+    for name, colour, values, dash in (
+        ("reference", REFERENCE_COLOUR, [p.reference for p in points], ' stroke-dasharray="3 3"'),
+        ("spent", SPENT_COLOUR, [p.spent for p in points], ""),
+        ("committed", COMMITTED_COLOUR, [p.committed for p in points], ""),
     ):
-        coordinates = [(frame.x(p.seq, first, last), frame.y(v, top_value)) for p, v in zip(points, values, strict=True)]
+        drawn = [(p, v) for p, v in zip(points, values, strict=True) if not math.isnan(v)]
+        coordinates = [(frame.x(p.seq, first, last), frame.y(v, top_value)) for p, v in drawn]
         path = " ".join(f"{x},{y}" for x, y in coordinates)
-        parts.append(f'<polyline class="series-{name}" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
-        for p, v, (x, y) in zip(points, values, coordinates, strict=True):
+        parts.append(f'<polyline class="series-{name}" points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
+        for (p, v), (x, y) in zip(drawn, coordinates, strict=True):
             parts.append(
                 f'<circle class="point-{name}" cx="{x}" cy="{y}" r="3" fill="{colour}"'
                 f' data-seq="{p.seq}" data-epsilon="{exact(v)}">'
@@ -128,4 +133,6 @@ def _legend(frame: _Frame) -> str:
         f'<text x="{x + 14}" y="17" font-size="11">committed + reserved ε</text>'
         f'<rect x="{x + 170}" y="8" width="10" height="10" fill="{COMMITTED_COLOUR}"/>'
         f'<text x="{x + 184}" y="17" font-size="11">committed ε</text>'
+        f'<rect x="{x + 270}" y="8" width="10" height="10" fill="{REFERENCE_COLOUR}"/>'
+        f'<text x="{x + 284}" y="17" font-size="11">dp-accounting ε (reference)</text>'
     )

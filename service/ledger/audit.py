@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import chain, seals
 from dpledger.service.ledger.models import (
@@ -20,6 +21,9 @@ from dpledger.service.ledger.models import (
     LedgerEntry,
     Silo,
 )
+from dpledger.wire.mechanisms import AnyMechanism, Mechanism
+
+_MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
 
 _STATUS_AFTER = {
     EntryEvent.reserve: ChargeStatus.reserved,
@@ -71,6 +75,7 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
     prev_hash, expected_seq = chain.GENESIS, 1
     status_from_log: dict[int, ChargeStatus] = {}
     filter_entries: list[int] = []
+    reserves: list[tuple[int, Charge]] = []
     for entry in entries:
         report.entries += 1
         charge = charges.get(entry.charge_id) if entry.charge_id is not None else None
@@ -99,6 +104,8 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
             subject = {}
         else:
             subject = chain.charge_fields(charge)
+            if event is EntryEvent.reserve:
+                reserves.append((entry.seq, charge))
             before = status_from_log.get(charge.id)
             if before != _STATUS_BEFORE[event]:
                 report.flag(
@@ -120,6 +127,31 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
         # to fix (none may cover it); otherwise exactly one filter entry must.
         report.flag(silo.id, None, f"the silo's filter (entry {silo.filter_seq}) is covered by no filter entry of its chain")
     _verify_charges(silo, charges, status_from_log, report)
+    _verify_plan(silo, reserves, report)
+
+
+def _verify_plan(silo: Silo, reserves: list[tuple[int, Charge]], report: Report) -> None:
+    """The silo's place on its plan (units taken; the reserve entry that ended the branch) is covered by
+    no hash: it is a function of the plan and of the charges in the order they were reserved, so it is
+    recomputed from them here, and an edit that would revive an ended branch is named."""
+    if silo.plan is None:
+        return
+    declared = plans.Plan.from_json(silo.plan)
+    used, ended = 0, None
+    for seq, charge in reserves:
+        try:
+            units = plans.segments(_MECHANISM.validate_json(charge.mechanism))
+        except (ValidationError, ValueError):  # an edited mechanism: reported by the entry's hash already
+            return
+        taken = plans.follows(declared, used=used, charge=units)
+        if taken is None:
+            ended = seq
+            break
+        used += taken
+    if (silo.plan_used, silo.plan_ended_seq) != (used, ended):
+        report.flag(silo.id, ended, f"the silo's place on its plan ({silo.plan_used} units taken, branch ended at entry "
+                    f"{silo.plan_ended_seq}) is not what its charges make it ({used} units taken, branch ended at entry "
+                    f"{ended})")
 
 
 def _verify_charges(silo: Silo, charges: dict[int, Charge], status_from_log: dict[int, ChargeStatus], report: Report) -> None:

@@ -94,6 +94,10 @@ def check(session: Session, silo: Silo) -> None:
 def sealable(silo: Silo) -> None:
     """A record may be sealed only if the gate can read it: else sealing would trade a 409 for a 500."""
     problems = []
+    if gate.pending(silo):
+        # The seal's hash covers the record as it stands, filter included, and the first charge would
+        # then fix another filter under it: the row must be restored instead (nothing is spent yet).
+        problems.append("its filter is still to be fixed by its first charge, which a seal would forbid")
     if not (math.isfinite(silo.epsilon) and silo.epsilon > 0):
         problems.append(f"epsilon={silo.epsilon!r} is not a positive finite number")
     if not (math.isfinite(silo.delta) and 0 < silo.delta < 1):

@@ -155,6 +155,8 @@ def plan_closed(session: Session, silo: Silo) -> str | None:
     """Why the silo may no longer declare a plan, or None: a plan is fixed once, before any charge."""
     if silo.plan is not None:
         return f"silo {silo.id} has declared its plan already; a plan is fixed once"
+    if silo.sealed_seq is not None:  # the seal's hash covers the record with no plan (seals.sealable)
+        return f"silo {silo.id}'s record is sealed as it stood, with no plan; a plan is declared before a seal"
     if session.scalars(select(Charge.id).where(Charge.silo_id == silo.id)).first() is not None:
         return f"silo {silo.id} holds charges already; a plan must be declared before the first charge"
     return None

@@ -94,7 +94,8 @@ def test_silos_show_prints_every_field_of_the_detail(as_admin: Ledger, capsys: p
     detail = api(as_admin, f"/v1/silos/{silo_id}").json()
     assert shown["name"] == "clinic"
     assert shown["ε budget"] == number(detail["epsilon"])
-    assert shown["ε spent"] == number(detail["epsilon_spent"])
+    assert shown["ε spent (the gate's)"] == number(detail["epsilon_spent"])
+    assert shown["ε spent (dp-accounting, reference)"] == number(detail["epsilon_dp_accounting"])
     assert shown["ε committed"] == number(detail["epsilon_committed"])
     assert shown["ε remaining"] == number(detail["epsilon_remaining"])
     assert shown["zCDP ρ"] == number(detail["rho"])
@@ -109,7 +110,8 @@ def test_history_table_and_csv_match_the_apis_history(as_admin: Ledger, capsys: 
     assert main(["history", str(silo_id)]) == 0
     _, *rows = capsys.readouterr().out.splitlines()
     assert [row.split()[:2] for row in rows] == [[str(e["seq"]), e["event"]] for e in entries]
-    assert [row.split()[-2] for row in rows] == [number(e["epsilon_spent"]) for e in entries]
+    assert [row.split()[-3] for row in rows] == [number(e["epsilon_spent"]) for e in entries]
+    assert [row.split()[-2] for row in rows] == [number(e["epsilon_dp_accounting"]) for e in entries]
 
     assert main(["history", str(silo_id), "--csv"]) == 0
     out = capsys.readouterr().out

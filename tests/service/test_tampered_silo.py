@@ -146,3 +146,30 @@ def test_an_admin_seals_the_record_as_it_stands_in_an_entry_of_the_chain_and_the
 
     found = audit(get, None)
     assert found.problems == ["log index 0: the entry no longer matches its leaf (edited after it was logged)"]
+
+
+def test_a_silo_whose_first_charge_is_to_fix_its_filter_is_restored_not_sealed(client: TestClient, engine: Engine) -> None:
+    """A seal covers the record as it stands, filter included; a pending silo's first charge would then
+    fix another filter under it, so the seal is refused (nothing is spent: restoring the row is the
+    remedy), and a plan, which a seal's hash does not cover, may not be declared after one."""
+    pending, headers = silo(client, "pending")
+    sql(engine, "UPDATE silos SET epsilon = 6.0 WHERE id = :id", id=pending)
+    refused = client.post(f"/v1/silos/{pending}/seal", headers=ADMIN)
+    assert refused.status_code == 409
+    assert refused.json()["detail"] == (f"silo {pending}'s record cannot be sealed as it stands: its filter is still to be "
+                                        "fixed by its first charge, which a seal would forbid. Restore the row first")
+    sql(engine, "UPDATE silos SET epsilon = 3.0 WHERE id = :id", id=pending)
+    assert charge(client, pending, headers, "first").status_code == 201  # fixes the filter, as for any silo
+
+    # Registered with a horizon, its filter is fixed at once: it may be sealed before any charge.
+    created = client.post("/v1/silos", headers=ADMIN, json={"name": "sealed", "epsilon": 3.0, "delta": 1e-5,
+                                                             "dataset_size": 1000, "horizon": STEP})
+    sealed, sealed_headers = created.json()["id"], bearer(created.json()["api_key"])
+    sql(engine, "UPDATE silos SET epsilon = 6.0 WHERE id = :id", id=sealed)
+    assert client.post(f"/v1/silos/{sealed}/seal", headers=ADMIN).status_code == 200
+    plan = client.post(f"/v1/silos/{sealed}/plan", headers=ADMIN, json={"mechanism": {**STEP, "steps": 100}})
+    assert plan.status_code == 409
+    assert plan.json()["detail"] == (f"silo {sealed}'s record is sealed as it stood, with no plan; a plan is declared "
+                                     "before a seal")
+    assert charge(client, sealed, sealed_headers, "second").status_code == 201
+    assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True

@@ -109,6 +109,7 @@ def _row(silo: Silo, *, chain_ok: bool = True, refusals: int = 0) -> pages.SiloR
         epsilon_spent=finite_or_none(budget.epsilon_spent),
         epsilon_committed=finite_or_none(budget.epsilon_committed),
         epsilon_remaining=budget.epsilon_remaining, chain_ok=chain_ok, refusals=refusals,
+        epsilon_dp_accounting=finite_or_none(ledger_history.dp_accounting_epsilon(silo)),
     )
 
 
@@ -165,7 +166,7 @@ def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -
         row = _row(silo, chain_ok=report.ok)
         steps = [
             series.Step(seq=h.entry.seq, event=h.entry.event, charge_rdp=None if h.charge is None else h.charge.rdp,
-                        epsilon_spent=h.entry.epsilon_spent)
+                        epsilon_spent=h.entry.epsilon_spent, epsilon_dp_accounting=h.epsilon_dp_accounting)
             for h in history
         ]
         charge_rows = _charge_rows(history, delta=silo.delta)

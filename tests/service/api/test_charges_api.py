@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
@@ -180,6 +181,28 @@ def test_epsilon_spent_equals_dp_accounting_over_a_mixed_history(client, make_si
     committed = proven_epsilon(filter_of(detail), dpsgd_curve([(Q, SIGMA, 1)]), delta=1e-6)
     assert detail["epsilon_committed"] == pytest.approx(committed, rel=1e-9)
     assert detail["rho"] == pytest.approx(float(max(spent_curve / others.orders)), rel=1e-9)
+
+    # Beside the gate's reading, for reference: dp-accounting's non-adaptive conversion of the same
+    # curve, in the silo's detail and after each entry of its history (a release takes its charge back).
+    def reference(curve: np.ndarray) -> float:
+        return float(rdp_lib.compute_epsilon(others.orders, curve, 1e-6)[0])
+
+    assert detail["epsilon_dp_accounting"] == pytest.approx(reference(spent_curve), rel=1e-9)
+    history = client.get(f"/v1/silos/{silo.id}/history", headers=silo.headers).json()
+    charged = [e for e in history if e["event"] in ("reserve", "release")]
+    curves = [dpsgd_curve([(Q, SIGMA, 1)])]
+    for event in events[1:4] + events[5:6]:
+        alone = rdp_lib.RdpAccountant()
+        alone.compose(event)
+        curves.append(alone.rdp)
+    curves.insert(4, dpsgd_curve([(0.05, 2.0, 1)]))
+    curves.append(dpsgd_curve([(Q, SIGMA, 30)]))
+    running = np.zeros_like(spent_curve)
+    for entry in charged:
+        index = ids.index(entry["charge_id"])
+        running = running + curves[index] if entry["event"] == "reserve" else running - curves[index]
+        assert entry["epsilon_dp_accounting"] == pytest.approx(reference(running), rel=1e-9, abs=1e-12)
+    assert running == pytest.approx(spent_curve, rel=1e-12)
 
 
 def test_quote_matches_dp_accounting_and_previews_the_silo(client, make_silo) -> None:

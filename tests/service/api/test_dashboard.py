@@ -190,6 +190,13 @@ def test_the_silo_page_shows_its_charges_chart_and_a_verified_chain(client, ledg
     api = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
     assert committed[0] == 0.0 and committed[-1] == pytest.approx(api["epsilon_committed"], rel=1e-12)
     assert committed == sorted(committed) and committed[1] == committed[3] == 0.0  # nothing committed before seq 5
+    # dp-accounting's non-adaptive ε beside the gate's, labelled as a reference: the history's numbers.
+    reference = [(int(a["data-seq"]), json.loads(a["data-epsilon"])) for t, a in tags if a.get("class") == "point-reference"]  # type: ignore[arg-type]
+    assert reference == [(e["seq"], e["epsilon_dp_accounting"]) for e in history]
+    assert all(r <= s for (_, r), (_, s) in zip(reference, spent, strict=True))
+    shown = next(a for t, a in tags if "data-epsilon-dp-accounting" in a)
+    assert json.loads(shown["data-epsilon-dp-accounting"]) == api["epsilon_dp_accounting"]  # type: ignore[arg-type]
+    assert "dp-accounting ε (reference)" in page.text and "gate's reading" in page.text
 
 
 def test_the_silo_page_names_a_tampered_charge(client, ledger, auditor, database_url) -> None:

@@ -92,7 +92,7 @@ def test_r1_as_a_plan_beside_the_filter_is_priced_on_half_of_delta_and_read_at_t
     assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
 
 
-def test_a_charge_off_the_plan_ends_its_branch_never_the_silo(client, make_silo) -> None:
+def test_a_charge_off_the_plan_ends_its_branch_never_the_silo(client, make_silo, database_url: str) -> None:
     silo = make_silo(epsilon=2.0, dataset_size=60_000, horizon=None)
     plan = client.post(f"/v1/silos/{silo.id}/plan", json={"mechanism": {**R1_STEP, "steps": 3_000}}, headers=ADMIN).json()
     assert charge(client, silo, "a", {**R1_STEP, "steps": 10}).status_code == 201
@@ -112,6 +112,22 @@ def test_a_charge_off_the_plan_ends_its_branch_never_the_silo(client, make_silo)
     assert expected > plan["epsilon"]  # where the plan's branch would have read less
     assert back.status_code == 201 and back.json()["epsilon_spent"] == pytest.approx(expected, rel=1e-9)
     assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+
+    # No hash covers the silo's place on its plan: the audit recomputes it from the charges, so an
+    # operator's edit that revives the ended branch (or moves it along) is named.
+    engine = create_engine(database_url)
+    for edit in ("plan_ended_seq = NULL", "plan_used = plan_used + 1"):
+        with engine.begin() as connection:
+            connection.execute(text(f"UPDATE silos SET {edit} WHERE id = :i"), {"i": silo.id})
+        report = client.get("/v1/audit/verify", headers=ADMIN).json()
+        assert report["ok"] is False and report["first_bad_silo_id"] == silo.id, edit
+        assert any(f"is not what its charges make it (10 units taken, branch ended at entry {reserve_off})" in p
+                   for p in report["problems"]), report["problems"]
+        with engine.begin() as connection:
+            connection.execute(text("UPDATE silos SET plan_ended_seq = :s, plan_used = 10 WHERE id = :i"),
+                               {"s": reserve_off, "i": silo.id})
+        assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+    engine.dispose()
 
 
 def test_stopping_early_is_free_and_a_plan_comes_before_any_charge_once(client, make_silo) -> None:
