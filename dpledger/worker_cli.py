@@ -164,7 +164,10 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
     for k, refusal in sorted(run.refusals.items()):
         would = "∞" if refusal.epsilon_if_approved is None else f"{refusal.epsilon_if_approved:.4g}"
         spent = "∞" if refusal.epsilon_spent is None else f"{refusal.epsilon_spent:.4g}"
-        _say(f"{silos[k].label}: refused at round {refusal.round_index + 1}: it would have reached ε = {would} "
+        reference = "" if refusal.epsilon_dp_accounting is None else (
+            f" (the gate's reading; dp-accounting's non-adaptive ε of the same charges, for reference: "
+            f"{refusal.epsilon_dp_accounting:.4g})")
+        _say(f"{silos[k].label}: refused at round {refusal.round_index + 1}: it would have reached ε = {would}{reference} "
              f"> budget {refusal.budget:.4g} (ε spent {spent})")
     _say(f"wrote {out}/ (models.pt, metrics.jsonl, summary.json)")
     if run.failed:
@@ -194,16 +197,19 @@ def _ledger_after(job: Any, silos: list[Any]) -> list[Any]:
 
 
 def _summary_table(run: Any, silos: list[Any], after: list[Any]) -> str:
+    from dpledger.trainer.preflight import EPSILON_LEGEND, Reading
+
     header = ("silo", "name", "ε budget", "ε spent", "approved", "refused", "final metric")
     rows = []
     for k, silo in enumerate(silos):
         now = after[k]
-        spent = "?" if now is None else ("inf" if now.epsilon_spent is None else f"{now.epsilon_spent:.4g}")
+        spent = "?" if now is None else str(Reading(now.epsilon_spent, now.epsilon_dp_accounting))
         metric = f"{run.rounds[-1].metric[k]:.4f}" if run.rounds else "—"
         rows.append((str(silo.id), silo.name, f"{silo.epsilon:.4g}", spent, str(run.approved_rounds()[k]),
                      str(run.refused_rounds()[k]), metric))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows])
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
+    return "\n".join([*lines, EPSILON_LEGEND])
 
 
 def _plan(job: Any, silos: list[Any], algorithm: Any, *, calibrate: bool) -> int:

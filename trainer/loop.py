@@ -47,7 +47,8 @@ class Refusal:
     round_index: int
     budget: float
     epsilon_spent: float | None
-    epsilon_if_approved: float | None
+    epsilon_if_approved: float | None  # the gate's reading: what the ledger would have charged
+    epsilon_dp_accounting: float | None = None  # dp-accounting's of the same charges, for reference
 
 
 @dataclass
@@ -95,7 +96,8 @@ def run_gated(
                                         mechanism=mechanism)
                 except Denied as denial:
                     run.stopped[k] = refused[k] = True
-                    run.refusals[k] = Refusal(round_index, denial.epsilon, denial.epsilon_spent, denial.epsilon_if_approved)
+                    run.refusals[k] = Refusal(round_index, denial.epsilon, denial.epsilon_spent, denial.epsilon_if_approved,
+                                                 denial.epsilon_dp_accounting)
                     continue
                 except NotOwned as replay:
                     # Reserved before (the same job id again): that round may have read the data already

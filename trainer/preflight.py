@@ -42,6 +42,7 @@ class LedgerSilo:
     dataset_size: int
     epsilon_spent: float | None  # None: unbounded (the API's null)
     epsilon_remaining: float
+    epsilon_dp_accounting: float | None = None  # for reference: dp-accounting's ε of what is spent
 
     @property
     def label(self) -> str:
@@ -97,6 +98,7 @@ def ledger_silo(body: SiloDetail) -> LedgerSilo:
     return LedgerSilo(
         id=body.id, name=body.name, epsilon=body.epsilon, delta=body.delta, dataset_size=body.dataset_size,
         epsilon_spent=body.epsilon_spent, epsilon_remaining=body.epsilon_remaining,
+        epsilon_dp_accounting=body.epsilon_dp_accounting,
     )
 
 
@@ -188,7 +190,7 @@ def sigma_up(sigma: float, digits: int = 4) -> str:
     return f"{math.ceil(sigma * scale - 1e-9) / scale:.{digits}g}"
 
 
-PLAN_LEGEND = ("ε: the ledger's gate, what it states and charges (proven under adaptive choices); in brackets, "
+EPSILON_LEGEND = ("ε: the ledger's gate, what it states and charges (proven under adaptive choices); in brackets, "
                "dp-accounting's non-adaptive RDP ε of the same charges, for reference only")
 
 
@@ -208,4 +210,4 @@ def format_plan(plans: Sequence[SiloPlan], *, rounds: int, sigmas: Sequence[floa
         rows.append(row)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [header, *rows]]
-    return "\n".join([*lines, PLAN_LEGEND])
+    return "\n".join([*lines, EPSILON_LEGEND])

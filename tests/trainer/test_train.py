@@ -21,7 +21,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from dpledger.harness import free_port, running_server
 from dpledger.trainer.data.digits import make_rotated_masked_digits
-from dpledger.trainer.preflight import PLAN_LEGEND
+from dpledger.trainer.preflight import EPSILON_LEGEND
 from dpledger.worker_cli import main
 from tests.conftest import ADMIN, ADMIN_KEY
 from tests.gate_oracle import budget_admitting, dpsgd_epsilon
@@ -211,7 +211,7 @@ def test_plan_prints_the_ledgers_cost_per_round_and_the_rounds_each_budget_buys(
     for silo, body, bought in zip(silos, bodies, ["4", "0"], strict=True):
         assert rows[silo.id] == [str(silo.id), body["name"], f"{body['epsilon']:.4g}", "0 (0)", cell(body, 1), cell(body, 10),
                                  bought]
-    assert lines[4] == PLAN_LEGEND
+    assert lines[4] == EPSILON_LEGEND
     advice = "raise dpsgd.noise_multiplier or lower rounds to train them all"
     assert lines[5:] == [
         f"silo {silos[0].id} (plan-0): its budget stops it after 4 of 10 rounds; {advice}",
@@ -272,7 +272,14 @@ def test_train_writes_models_and_metrics_and_stops_each_silo_at_its_budget(
     assert first["epsilon_spent_after"] == after[0]["epsilon_spent"]
     # The printed table labels silos by ledger id and name.
     table = captured.out.splitlines()
-    assert table[1].split()[:2] == [str(silos[0].id), "run-0"] and table[1].split()[4:6] == ["2", "1"]
+    assert table[1].split()[:2] == [str(silos[0].id), "run-0"] and table[1].split()[5:7] == ["2", "1"]
+    # ε spent as the ledger charges it (the gate's reading), dp-accounting's in brackets, with the legend.
+    assert table[1].split()[3:5] == [f"{after[0]['epsilon_spent']:.4g}", f"({after[0]['epsilon_dp_accounting']:.4g})"]
+    assert table[3] == EPSILON_LEGEND
+    accountant = rdp_lib.RdpAccountant()
+    accountant.compose(de.PoissonSampledDpEvent(BATCH / SIZES[0], de.GaussianDpEvent(SIGMA)), 3 * STEPS)
+    assert (f"{refused} (the gate's reading; dp-accounting's non-adaptive ε of the same charges, for reference: "
+            f"{accountant.get_epsilon(DELTA):.4g}) > budget") in captured.err
 
     # A second run under the same job id would replay the old reservations and train unpaid: refused.
     assert main(["train", str(job), "--out", str(out), "--no-progress"]) == 2
