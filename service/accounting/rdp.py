@@ -17,9 +17,10 @@ from importlib.metadata import version
 
 import numpy as np
 from dp_accounting import privacy_accountant
+from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from dpledger.service.accounting import fractional
+from dpledger.service.accounting import sampled_gaussian
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
@@ -46,10 +47,10 @@ CONVERSION_ID = f"dp_accounting.rdp.compute_epsilon@{version('dp-accounting')}"
 # Poisson-sampled Gaussians certified, see fractional.py), converted by the silo's union-bound
 # filter (filter.py) with dp-accounting's per-order conversion.
 LEDGER_CONVERSION_ID = f"dpledger.filter.union_bound+certified_fractional@{version('dp-accounting')}"
-_FRACTIONAL = np.array([not float(a).is_integer() for a in ORDERS])
 
 # The cache holds one curve per distinct leaf mechanism (a (q, σ) pair for DP-SGD): computing one
-# costs dp-accounting 50–65 ms, and a training job repeats the same pair every round.
+# costs dp-accounting 50–65 ms (the certified curve a few ms), and a training job repeats the same
+# pair every round.
 CACHE_SIZE = 4096
 
 
@@ -63,9 +64,10 @@ class Guarantee:
 def rdp_curve(mechanism: AnyMechanism, *, certified: bool = False) -> np.ndarray:
     """The mechanism's RDP at every order of ORDERS (a fresh array the caller may keep).
 
-    `certified`: every Poisson-sampled Gaussian (a DP-SGD step) is charged at each fractional order
-    the lower of dp-accounting's value and fractional.rdp_upper; both are upper bounds, and the second
-    is within 1e-6 of the exact divergence. Integer orders are dp-accounting's own (exact) values."""
+    `certified`: every Poisson-sampled Gaussian (a DP-SGD step) is charged sampled_gaussian.curve_upper:
+    at every order a proven upper bound within 1e-6 of the exact divergence (integer orders within
+    ~1e-13 of dp-accounting's own values, fractional ones tighter than dp-accounting's by up to 35%),
+    and dp-accounting's value beside it where that bound is not tight."""
     match mechanism:
         case SelfComposed(count=count, event=inner):
             return count * rdp_curve(inner, certified=certified)
@@ -94,17 +96,19 @@ def _sampled_gaussian(q: float, sigma: float, *, certified: bool) -> np.ndarray:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _sampled_gaussian_cached(q: float, sigma: float) -> tuple[float, ...]:
-    step = PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))
-    curve = _leaf_curve(step.model_dump_json())
-    if 0 < q < 1:
-        for i in np.flatnonzero(_FRACTIONAL):
-            try:
-                with np.errstate(over="ignore", under="ignore"):  # an overflowed term gives ∞: not used
-                    certified = fractional.rdp_upper(q=q, sigma=sigma, alpha=ORDERS[i])
-            except (ArithmeticError, ValueError):  # e.g. an overflow at extreme σ: dp-accounting's bound stands
-                continue
-            if math.isfinite(certified):
-                curve[i] = min(curve[i], certified)
+    if not 0 < q < 1:  # q = 1 is a Gaussian: dp-accounting's closed form
+        step = PoissonSampled(sampling_rate=q, event=Gaussian(noise_multiplier=sigma))
+        return tuple(_leaf_curve(step.model_dump_json()).tolist())
+    # Every order at once (sampled_gaussian.py): a few ms, where dp-accounting's loops take 40–70 ms.
+    curve, certified = sampled_gaussian.curve_upper(q=q, sigma=sigma, orders=_ORDERS_ARRAY)
+    if not certified.all():
+        # An order with no tight certified value (an overflow at an extreme σ, a series short of its
+        # target at q ~ 1e-5): dp-accounting's value there, or the lower of the two (both are bounds).
+        loose = np.flatnonzero(~certified)
+        accountant = rdp_lib.RdpAccountant([ORDERS[i] for i in loose])
+        accountant.compose(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)))
+        # (dp-accounting's rounding can read a hair below 0 at σ ~ 10^9; a divergence never is.)
+        curve[loose] = np.maximum(np.fmin(curve[loose], accountant.rdp), 0.0)
     return tuple(curve.tolist())
 
 
