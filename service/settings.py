@@ -25,6 +25,8 @@ class Settings(BaseSettings):
     # environment. Never in the database: whoever can rewrite the database must not sign for it.
     signing_key_file: Path | None = None
     signing_key: SecretStr | None = None
+    # How often the transparency log's sequencer looks for approved leaves (ledger/sequencer.py).
+    log_sequence_interval_ms: int = Field(100, ge=1, le=60_000)
 
     @model_validator(mode="after")
     def _refuse_weak_admin_key(self) -> Settings:

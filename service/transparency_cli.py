@@ -19,9 +19,11 @@ import argparse
 import functools
 import json
 import math
+import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -146,14 +148,18 @@ def current_head(get: Get, public_key: bytes, out: Outcome) -> SignedTreeHead | 
     return head
 
 
-def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None = None) -> Outcome:
+def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None = None,
+                    clock: Callable[[], float] = time.time) -> Outcome:
     """A silo's check of the receipts it holds (see the module's docstring). About ten requests
-    whatever the number of receipts: the silo's leaves in one page, every proof in one batch."""
+    whatever the number of receipts: the silo's leaves in one page, every proof in one batch. A
+    receipt that holds only a promise is found in the log by its leaf; while one is missing and its
+    deadline is ahead, the log is read again (every `WAIT_S`, never past the latest deadline); one
+    still missing from a head signed after its deadline is a broken promise, printed as evidence."""
     out = Outcome()
     if not receipts:
         out.problems.append("no receipts to check")
         return out
-    key_ids = sorted({r.tree_head.key_id for r in receipts})
+    key_ids = sorted({k for r in receipts for k in _key_ids(r)})
     if len(key_ids) > 1:
         out.problems.append(f"the receipts were signed by {len(key_ids)} different keys: {[k[:16] for k in key_ids]}")
     key = _pinned_key(get, key_ids[-1] if public_key is None else key_id(bytes.fromhex(public_key)), public_key, out)
@@ -168,14 +174,26 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
             out.problems.append(f"receipt of silo {r.silo_id} entry {r.seq}: {error}")
     by_size: dict[int, SignedTreeHead] = {}
     for r in held:
+        if r.tree_head is None:
+            continue
         earlier = by_size.setdefault(r.tree_head.tree_size, r.tree_head)
         if earlier.root_hash != r.tree_head.root_hash:
             out.fork(earlier, r.tree_head, key, f"FORK: two signed heads of size {earlier.tree_size} with different roots")
-    current = current_head(get, key, out)
-    if current is None or not held:
-        return out
     silo_ids = sorted({r.silo_id for r in held})
-    leaves = {silo_id: _silo_leaves(get, silo_id, current.tree_size) for silo_id in silo_ids}
+    while True:
+        checking = Outcome()
+        current = current_head(get, key, checking)
+        if current is None or not held:
+            out.problems += checking.problems
+            return out
+        leaves = {silo_id: _silo_leaves(get, silo_id, current.tree_size) for silo_id in silo_ids}
+        placed = {id(r): _place(r, leaves[r.silo_id]) for r in held}
+        waiting = [r for r in held if placed[id(r)] is None and r.promise is not None and r.promise.deadline > current.timestamp]
+        latest = max((r.promise.deadline for r in waiting if r.promise is not None), default=0)
+        if not waiting or clock() * 1000 >= latest:
+            break
+        time.sleep(WAIT_S)  # the sequencer runs every 100 ms: most waits end at the first read again
+    out.head = checking.head
     # Every distinct head held, not only the newest: after a rewrite, heads the silo got before it
     # contradict the new log even when the newest (signed after it) does not.
     heads = sorted(by_size.values(), key=lambda h: h.tree_size)
@@ -186,13 +204,36 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
         asked_past += check_extends(get, head, current, key, out, proof=consistency.get(head.tree_size),
                                     ask_past=asked_past < MAX_PAST_HEADS)
     for r in held:
-        _check_held_entry(r, leaves[r.silo_id], inclusion, current, out)
-    receipted = {r.log_index for r in held}
+        _check_held_entry(r, placed[id(r)], leaves[r.silo_id], inclusion, current, key, out)
+    receipted = {index for index in placed.values() if index is not None}
     for silo_id in silo_ids:
         _check_silo(get, silo_id, leaves[silo_id], inclusion, receipted, current, key, out)
     out.notes.append(f"{len(held)} receipts, {len(heads)} distinct heads and {sum(map(len, leaves.values()))} entries "
                      f"of silo {', '.join(map(str, silo_ids))} against the head of size {current.tree_size}")
     return out
+
+
+WAIT_S = 0.1
+
+
+def _key_ids(r: Receipt) -> set[str]:
+    return {k.key_id for k in (r.promise, r.tree_head) if k is not None}
+
+
+def _place(r: Receipt, leaves: dict[int, LogLeaf]) -> int | None:
+    """The log index of a receipt's entry: the one it names, else the silo's leaf with its leaf hash,
+    else the leaf whose record is its entry (edited since: checked below), else None (not in the log)."""
+    if r.log_index is not None:
+        return r.log_index
+    for index, leaf in leaves.items():
+        if leaf.leaf_hash == r.leaf_hash:
+            return index
+    for index, leaf in leaves.items():
+        if leaf.record is not None:
+            entry = json.loads(leaf.record)["entry"]
+            if (entry["silo_id"], entry["seq"]) == (r.silo_id, r.seq):
+                return index
+    return None
 
 
 MAX_PAST_HEADS = 1  # past heads asked for to turn an inconsistent held head into a fork proof (one proof suffices)
@@ -224,13 +265,26 @@ def _proofs(get: Get, size: int, indices: list[int], firsts: list[int]) -> tuple
     return inclusion, consistency
 
 
-def _check_held_entry(r: Receipt, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]],
-                      current: SignedTreeHead, out: Outcome) -> None:
-    name = f"silo {r.silo_id} entry {r.seq} (log index {r.log_index})"
-    if r.log_index >= current.tree_size:
+def _check_held_entry(r: Receipt, index: int | None, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]],
+                      current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
+    if index is None:  # a promise only, and no leaf of its entry in the log
+        assert r.promise is not None  # a receipt without inclusion carries a promise (Receipt's validator)
+        name = f"silo {r.silo_id} entry {r.seq} (leaf {r.leaf_hash[:16]}…)"
+        if r.promise.deadline <= current.timestamp:
+            why = (f"BROKEN PROMISE: {name} was promised in the log by {_when(r.promise.deadline)}; the head of size "
+                   f"{current.tree_size} signed at {_when(current.timestamp)} does not hold it")
+            out.problems.append(why)
+            out.evidence.append({"misbehaviour": why, "public_key": public_key.hex(), "promise": r.promise.model_dump(),
+                                 "head": current.model_dump()})
+        else:
+            out.problems.append(f"{name}: not in the log yet, though promised by {_when(r.promise.deadline)} "
+                                "(check again after it)")
+        return
+    name = f"silo {r.silo_id} entry {r.seq} (log index {index})"
+    if index >= current.tree_size:
         out.problems.append(f"{name}: the log has only {current.tree_size} leaves now")
         return
-    leaf = leaves.get(r.log_index)
+    leaf = leaves.get(index)
     if leaf is None or leaf.record is None:
         out.problems.append(f"{name}: the leaf at that index is no longer this silo's entry")
         return
@@ -241,10 +295,14 @@ def _check_held_entry(r: Receipt, leaves: dict[int, LogLeaf], inclusion: dict[in
         out.problems.append(f"{name}: the entry now reads differently from what the ledger signed "
                             f"(its record hashes to {record_leaf_hash(leaf.record)[:16]}…, the receipt says {r.leaf_hash[:16]}…)")
     try:
-        merkle.verify_inclusion(index=r.log_index, size=current.tree_size, leaf=bytes.fromhex(r.leaf_hash),
-                                path=inclusion.get(r.log_index, []), root_hash=bytes.fromhex(current.root_hash))
+        merkle.verify_inclusion(index=index, size=current.tree_size, leaf=bytes.fromhex(r.leaf_hash),
+                                path=inclusion.get(index, []), root_hash=bytes.fromhex(current.root_hash))
     except merkle.ProofError as error:
         out.problems.append(f"{name}: the signed leaf is not in the current log: {error}")
+
+
+def _when(milliseconds: int) -> str:
+    return datetime.fromtimestamp(milliseconds / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]], receipted: set[int],
@@ -588,6 +646,8 @@ def load_receipts(path: Path) -> list[Receipt]:
 def report(out: Outcome) -> int:
     for evidence in out.evidence:
         print("PROOF OF MISBEHAVIOUR (two heads signed by the ledger's key that cannot both be honest):" if "heads" in evidence
+              else "PROOF OF MISBEHAVIOUR (the ledger's key promised this leaf in the log by a deadline; its head signed "
+                   "after the deadline does not hold it):" if "promise" in evidence
               else "PROOF OF MISBEHAVIOUR (entries the ledger's key signed, in the head below, whose ε or budget "
                    "does not recompose from their own mechanisms):")
         print(json.dumps(evidence, indent=2))

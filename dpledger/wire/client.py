@@ -37,7 +37,14 @@ from dpledger.wire.enums import ChargeStatus, Role
 from dpledger.wire.errors import Denied, LedgerError, Rejected, Unreachable
 from dpledger.wire.log_proofs import LogProofs
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
-from dpledger.wire.receipts import LogLeaf, PublicKey, Receipt, SignedTreeHead, default_receipts_dir
+from dpledger.wire.receipts import (
+    InclusionProof,
+    LogLeaf,
+    PublicKey,
+    Receipt,
+    SignedTreeHead,
+    default_receipts_dir,
+)
 from dpledger.wire.schemas import (
     CalibrateResponse,
     ChargeReserved,
@@ -402,6 +409,38 @@ class LedgerClient:
         """Inclusion paths of `inclusion` and consistency paths from `consistency`, to the tree of `size`."""
         params = {"size": size, "inclusion": ",".join(map(str, inclusion)), "consistency": ",".join(map(str, consistency))}
         return self._expect(self._send("GET", "/v1/log/proofs", params=params), LogProofs, 200)
+
+    def log_inclusion(self, leaf_hash: str, *, size: int | None = None, wait_until: float | None = None
+                      ) -> InclusionProof | None:
+        """Where the leaf `leaf_hash` sits in the log (RFC 6962's get-proof-by-hash), or None while it
+        is not sequenced. `wait_until` (seconds since the epoch, e.g. a receipt's promised deadline):
+        ask again until then, every 100 ms; a leaf still missing at its deadline is a broken promise."""
+        params: dict[str, Any] = {"leaf_hash": leaf_hash} if size is None else {"leaf_hash": leaf_hash, "size": size}
+        while True:
+            answer = self._send("GET", "/v1/log/proofs/by-hash", params=params)
+            if answer.response.status_code != 404:
+                return self._expect(answer, InclusionProof, 200)
+            if wait_until is None or time.time() >= wait_until:
+                return None
+            time.sleep(min(0.1, max(0.0, wait_until - time.time())))
+
+    def included(self, receipt: Receipt) -> InclusionProof | None:
+        """`log_inclusion` of a receipt's leaf, waiting at most until its promise's deadline."""
+        deadline = None if receipt.promise is None else receipt.promise.deadline / 1000
+        return self.log_inclusion(receipt.leaf_hash, wait_until=deadline)
+
+    def complete(self, receipt: Receipt) -> Receipt | None:
+        """The receipt with its inclusion: the log's current signed head and the path to it, once the
+        sequencer has the leaf (waiting at most until the promised deadline); None if it does not."""
+        if receipt.included:
+            return receipt
+        if self.included(receipt) is None:
+            return None
+        head = self.log_head()  # then the path to that very head: the log may grow in between
+        proof = self.log_inclusion(receipt.leaf_hash, size=head.tree_size)
+        if proof is None:
+            return None
+        return receipt.model_copy(update={"log_index": proof.log_index, "tree_head": head, "inclusion_path": proof.path})
 
     def record_verified(self, head: SignedTreeHead) -> SignedTreeHead:
         """Tells the ledger (its dashboard) that this auditor verified `head`."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
@@ -11,6 +15,7 @@ from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.api.routes import (
     audit,
     charges,
+    checkpoint,
     dashboard,
     jobs,
     keys,
@@ -21,6 +26,7 @@ from dpledger.service.api.routes import (
 )
 from dpledger.service.ledger import keys as ledger_keys
 from dpledger.service.ledger.db import Database
+from dpledger.service.ledger.sequencer import Sequencer
 from dpledger.service.ledger.signer import load_signer
 from dpledger.service.settings import Settings, get_settings
 
@@ -34,6 +40,13 @@ def _operation_id(route: APIRoute) -> str:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(application: FastAPI) -> AsyncIterator[None]:
+        application.state.sequencer.start()  # again, if an earlier lifespan of this app stopped it
+        yield
+        application.state.sequencer.stop()
+
     # /docs and /redoc from assets shipped in the fastapi-offline package, not from a CDN: a ledger
     # often runs where the internet is not reachable, and its docs page must not load a third party's script.
     app: FastAPI = FastAPIOffline(
@@ -44,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         static_url=DOCS_ASSETS,
         # Swagger UI would otherwise fetch a validity badge from validator.swagger.io.
         swagger_ui_parameters={"validatorUrl": None},
+        lifespan=lifespan,
     )
     # Before the database: a configured key that cannot be read stops the start (never a new key).
     app.state.signer = load_signer(settings)
@@ -51,12 +65,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.engine = db.engine
     app.state.refusals = RefusalLog()
+    # The log's sequencer runs in every serving process; one per database leads (ledger/sequencer.py).
+    # Started here, not at the lifespan's start, so that an app driven without one (a test client
+    # outside `with`) sequences too; it ends at shutdown, when the engine is disposed, or with the app.
+    sequencer = Sequencer(db, app.state.signer, interval=settings.log_sequence_interval_ms / 1000)
+    app.state.sequencer = sequencer
+    sequencer.start()
+    weakref.finalize(app, sequencer.signal_stop)
     if settings.admin_key:
         ledger_keys.ensure_admin_key(db, settings.admin_key)
 
     errors.install(app)
     metrics.install(app)
-    for module in (silos, charges, jobs, audit, quote, keys, searches, log, dashboard):
+    for module in (silos, charges, jobs, audit, quote, keys, searches, log, checkpoint, dashboard):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["health"], name="healthz")

@@ -1,7 +1,8 @@
-"""Signs a receipt for an answer that changed a budget: the head of the tree just after the entry,
-stamped with the entry's own time. Each answer gets its own signature (Ed25519 costs tens of
-microseconds, README "Receipts"), made after the write transaction so that no lock waits for it;
-Ed25519 is deterministic, so a replayed request gets the very receipt of the first answer."""
+"""Signs a receipt for an answer that changed a budget: the log key's promise that the entry's leaf
+is in the log by its deadline and, once it is (a receipt read later), the head of its batch with the
+inclusion path. Each answer gets its own signature (Ed25519 costs tens of microseconds, README
+"Receipts"), made after the write transaction so that no lock waits for it; Ed25519 is
+deterministic, so a replayed request gets the very promise of the first answer."""
 
 from __future__ import annotations
 
@@ -23,8 +24,17 @@ SignerDep = Annotated[TreeHeadSigner, Depends(signer)]
 
 
 def receipt(signer: TreeHeadSigner, position: Position) -> Receipt:
+    promise = None if position.deadline is None else signer.promise(
+        leaf_hash=position.leaf_hash, silo_id=position.silo_id, seq=position.seq, timestamp=position.timestamp,
+        deadline=position.deadline,
+    )
+    included = position.included
+    if included is None:
+        return Receipt(silo_id=position.silo_id, seq=position.seq, leaf_hash=position.leaf_hash, promise=promise)
+    head = included.head if included.head is not None else signer.sign(
+        tree_size=included.tree_size, root_hash=included.root_hash, timestamp=included.timestamp
+    )
     return Receipt(
-        silo_id=position.silo_id, seq=position.seq, log_index=position.log_index, leaf_hash=position.leaf_hash,
-        tree_head=signer.sign(tree_size=position.tree_size, root_hash=position.root_hash, timestamp=position.timestamp),
-        inclusion_path=position.path,
+        silo_id=position.silo_id, seq=position.seq, leaf_hash=position.leaf_hash, promise=promise,
+        log_index=included.log_index, tree_head=head, inclusion_path=included.path,
     )

@@ -222,6 +222,37 @@ class LogLeaf(Base):
     entry_id: Mapped[int] = mapped_column(Integer, unique=True)
     salt: Mapped[str] = mapped_column(String(32))
     leaf_hash: Mapped[str] = mapped_column(String(64))
+    # The deadline (ms since the epoch) its receipt promised it by, kept from its pending row so
+    # that a replayed answer carries the very promise of the first; null for leaves from before 0011.
+    promised_by: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class LogPending(Base):
+    """Leaves written by approvals and not yet given a log index: an approval inserts its row in its
+    own transaction (no row shared by silos); the sequencer (ledger/sequencer.py) moves rows to
+    `log_leaves`, in `id` order, in batches. A silo's entries commit one after the other under its
+    lock, so `id` order keeps each silo's chain order in the log."""
+
+    __tablename__ = "log_pending"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    entry_id: Mapped[int] = mapped_column(Integer, unique=True)
+    salt: Mapped[str] = mapped_column(String(32))
+    leaf_hash: Mapped[str] = mapped_column(String(64))
+    promised_by: Mapped[int] = mapped_column(BigInteger)  # ms since the epoch: the receipt's deadline
+
+
+class LogHead(Base):
+    """The head the sequencer signed after each batch: a receipt read after its entry was sequenced
+    carries the head of that entry's batch and the path to it."""
+
+    __tablename__ = "log_heads"
+
+    tree_size: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    root_hash: Mapped[str] = mapped_column(String(64))
+    timestamp: Mapped[int] = mapped_column(BigInteger)  # ms since the epoch
+    key_id: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[str] = mapped_column(String(200))
 
 
 class LogNode(Base):
@@ -237,7 +268,7 @@ class LogNode(Base):
 
 class LogState(Base):
     """One row: the log's size and frontier (the roots of the perfect subtrees it decomposes into,
-    left to right, hex JSON). Locked by every append: the one place where all silos' writes meet."""
+    left to right, hex JSON). Written by the sequencer alone, once a batch; no approval reads it."""
 
     __tablename__ = "log_state"
 

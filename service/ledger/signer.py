@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpledger.service.settings import Settings
-from dpledger.wire.receipts import PublicKey, SignedTreeHead, head_message, key_id
+from dpledger.wire.receipts import Promise, PublicKey, SignedTreeHead, head_message, key_id, promise_message
 
 log = logging.getLogger("dpledger.signer")
 
@@ -33,6 +33,13 @@ class TreeHeadSigner:
             tree_size=tree_size, root_hash=root_hash, timestamp=stamp, key_id=self.key_id,
             signature=base64.b64encode(self._key.sign(message)).decode(),
         )
+
+    def promise(self, *, leaf_hash: str, silo_id: int, seq: int, timestamp: int, deadline: int) -> Promise:
+        """The signed promise that the leaf will be in the log by `deadline` (deterministic, like a head)."""
+        message = promise_message(leaf_hash=leaf_hash, silo_id=silo_id, seq=seq, timestamp=timestamp,
+                                  deadline=deadline, key=self.key_id)
+        return Promise(leaf_hash=leaf_hash, silo_id=silo_id, seq=seq, timestamp=timestamp, deadline=deadline,
+                       key_id=self.key_id, signature=base64.b64encode(self._key.sign(message)).decode())
 
     def public(self) -> PublicKey:
         return PublicKey(public_key=self.public_key.hex(), key_id=self.key_id)

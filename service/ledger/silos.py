@@ -86,8 +86,9 @@ def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
 ) -> transparency.Position:
-    """Appends one entry to the silo's chain and, in the same transaction, to the transparency log
-    over all silos; the caller holds the silo's lock. Returns the entry's place in the log."""
+    """Appends one entry to the silo's chain and, in the same transaction, its leaf to the
+    transparency log's pending leaves (sequenced within the promised delay, transparency.py); the
+    caller holds the silo's lock. Returns the entry's leaf and its promise."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
@@ -99,7 +100,7 @@ def append_entry(
     silo.chain_head = entry.hash
     # The leaf row names the entry's id; flushed after the silo's changes, so its row is written once.
     session.flush()
-    return transparency.append(session, entry, subject=subject)
+    return transparency.enqueue(session, entry, subject=subject)
 
 
 def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:

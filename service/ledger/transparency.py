@@ -6,13 +6,20 @@ tree whose heads the service signs (`signer.py`): a silo that holds a receipt, o
 holds an earlier head, can then prove any rewrite, cut or fork (the tests in
 tests/service/test_transparency.py do each by SQL).
 
-Costs, per append (inside the entry's own transaction, after the silo's lock): one locked read of
-the `log_state` row, one leaf row, on average one `log_nodes` row (the subtrees the leaf completes),
-the state's update, O(1) amortised hashes; the new root and the new leaf's inclusion path come from
-the frontier in memory (O(log n) hashes), so a receipt costs no read of the tree. A proof for any
-other entry or size reads O(log n) rows in two queries. The `log_state` lock is the one place where
-all silos' approvals meet: on PostgreSQL, approvals of different silos, which used to commit side
-by side, now queue for it from their append to their commit.
+Two steps, as production logs do it (Trillian's sequencer, Sigstore's Rekor, CT's merge delay):
+- `enqueue`, inside the approval's own transaction (after the silo's lock): the leaf's hash and salt
+  in one `log_pending` row. No row is shared by silos, so approvals of different silos commit side
+  by side; the receipt carries the log key's signed promise that the leaf is in the log by a
+  deadline (`MERGE_DELAY_MS` after the entry).
+- `sequence`, run by the one elected sequencer of the database (sequencer.py) every ≤ 100 ms:
+  pending leaves in `id` order get the next log indices, the subtrees they complete are stored
+  (`log_nodes`), the `log_state` row (size, frontier) is updated, and one head per batch is signed
+  and stored (`log_heads`), all in one transaction: a crash anywhere leaves every leaf either still
+  pending or in the log, never neither.
+
+Costs: an approval, one insert and one SHA-256 of its record; a batch of n leaves, O(n) hashes, on
+average one node row per leaf, and one signature. A proof for any entry or size reads O(log n) rows in
+two queries.
 """
 
 from __future__ import annotations
@@ -25,32 +32,60 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import and_, insert, select, update
+from sqlalchemy import and_, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
-from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo, VerifiedHead
+from dpledger.service.ledger.models import (
+    Charge,
+    LedgerEntry,
+    LogHead,
+    LogLeaf,
+    LogNode,
+    LogPending,
+    LogState,
+    Silo,
+    VerifiedHead,
+)
 from dpledger.wire import merkle
 from dpledger.wire.enums import EntryEvent
 from dpledger.wire.receipts import SignedTreeHead
 
 STATE_ID = 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# How long after its entry a leaf is promised to be in the log. The sequencer runs every ≤ 100 ms;
+# the rest is room for a restart (a crashed sequencer's successor is elected within a second or
+# two, sequencer.py): a promise broken by a longer outage is evidence against the operator, as it should be.
+MERGE_DELAY_MS = 60_000
+BATCH = 1000  # leaves per sequencing transaction: a backlog after an outage is drained in bounded steps
+
+
+@dataclass(frozen=True)
+class Inclusion:
+    """A sequenced leaf's index, the head it is proven into and the path between them. `head`: the
+    head its batch's sequencer signed (None for leaves from before batches: the head just after the
+    leaf, stamped with the entry's time, signed when asked, as receipts always were)."""
+
+    log_index: int
+    tree_size: int
+    root_hash: str
+    timestamp: int
+    path: list[str]
+    head: SignedTreeHead | None
 
 
 @dataclass(frozen=True)
 class Position:
-    """Where an entry sits in the log, and the tree (size, root) with the path that proves it."""
+    """An entry's leaf: what its receipt promises (`deadline`, None for leaves from before promises)
+    and, once sequenced, where it sits in the log (`included`)."""
 
     silo_id: int
     seq: int
-    log_index: int
     leaf_hash: str
-    tree_size: int
-    root_hash: str
-    path: list[str]
-    timestamp: int  # ms since the epoch: when the entry was appended, and so when the tree had tree_size leaves
+    timestamp: int  # ms since the epoch: the entry's time, and the promise's
+    deadline: int | None
+    included: Inclusion | None
 
 
 def leaf_record(entry: Any, *, subject: dict[str, Any], salt: str) -> str:
@@ -81,27 +116,76 @@ def new_salt() -> str:
     return os.urandom(16).hex()
 
 
-def append(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> Position:
-    """Appends `entry` (flushed, so it has an id) as the log's next leaf. The caller's transaction
-    holds the entry's silo lock; this takes the log's own lock, always second."""
-    # Core statements, not the ORM's unit of work: this runs in every approval, under two locks.
+def enqueue(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> Position:
+    """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
+    holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
+    salt = new_salt()
+    leaf = merkle.leaf_hash(leaf_record(entry, subject=subject, salt=salt).encode()).hex()
+    timestamp = milliseconds(entry.created_at)
+    deadline = timestamp + MERGE_DELAY_MS  # read at each call: a test shortens it to see a promise broken
+    session.execute(insert(LogPending).values(entry_id=entry.id, salt=salt, leaf_hash=leaf, promised_by=deadline))
+    return Position(entry.silo_id, entry.seq, leaf, timestamp, deadline, None)
+
+
+def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, limit: int = BATCH) -> int:
+    """Gives up to `limit` pending leaves, in `id` order, the next log indices, and signs one head
+    (`sign(size, root)`) over the tree they end; returns how many. One transaction, the caller's:
+    the state row is locked first (one sequencer at a time even if two were started by hand)."""
+    size, stored = session.execute(
+        select(LogState.size, LogState.frontier).where(LogState.id == STATE_ID).with_for_update()
+    ).one()
+    pending = session.execute(
+        select(LogPending.id, LogPending.entry_id, LogPending.salt, LogPending.leaf_hash, LogPending.promised_by)
+        .order_by(LogPending.id).limit(limit)
+    ).all()
+    if not pending:
+        return 0
+    frontier = [bytes.fromhex(h) for h in json.loads(stored)]
+    leaf_rows, node_rows = [], []
+    for offset, row in enumerate(pending):
+        index = size + offset
+        frontier, completed, _ = merkle.append(frontier, index, bytes.fromhex(row.leaf_hash))
+        leaf_rows.append({"idx": index, "entry_id": row.entry_id, "salt": row.salt, "leaf_hash": row.leaf_hash,
+                          "promised_by": row.promised_by})
+        node_rows += [{"level": w.bit_length() - 1, "idx": start // w, "hash": h.hex()} for start, w, h in completed]
+    session.execute(insert(LogLeaf), leaf_rows)
+    if node_rows:
+        session.execute(insert(LogNode), node_rows)
+    session.execute(delete(LogPending).where(LogPending.id.in_([row.id for row in pending])))
+    new_size = size + len(pending)
+    root = merkle.frontier_root(frontier).hex()
+    session.execute(update(LogState).where(LogState.id == STATE_ID).values(
+        size=new_size, frontier=json.dumps([h.hex() for h in frontier])
+    ))
+    head = sign(new_size, root)
+    session.execute(insert(LogHead).values(tree_size=new_size, root_hash=root, timestamp=head.timestamp,
+                                           key_id=head.key_id, signature=head.signature))
+    return len(pending)
+
+
+def append(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> int:
+    """Appends `entry` as the log's next leaf at once, under the state row's lock, and returns its
+    index. Only for migrations written before the sequencer (0005 appends filter entries to a log
+    that has no pending leaves yet); every request enqueues instead."""
     size, stored = session.execute(
         select(LogState.size, LogState.frontier).where(LogState.id == STATE_ID).with_for_update()
     ).one()
     salt = new_salt()
     leaf = merkle.leaf_hash(leaf_record(entry, subject=subject, salt=salt).encode())
-    index = size
-    frontier, completed, path = merkle.append([bytes.fromhex(h) for h in json.loads(stored)], index, leaf)
-    session.execute(insert(LogLeaf).values(idx=index, entry_id=entry.id, salt=salt, leaf_hash=leaf.hex()))
+    frontier, completed, _ = merkle.append([bytes.fromhex(h) for h in json.loads(stored)], size, leaf)
+    session.execute(insert(LogLeaf).values(idx=size, entry_id=entry.id, salt=salt, leaf_hash=leaf.hex()))
     if completed:
         session.execute(insert(LogNode), [
             {"level": width.bit_length() - 1, "idx": start // width, "hash": digest.hex()} for start, width, digest in completed
         ])
     session.execute(update(LogState).where(LogState.id == STATE_ID).values(
-        size=index + 1, frontier=json.dumps([h.hex() for h in frontier])
+        size=size + 1, frontier=json.dumps([h.hex() for h in frontier])
     ))
-    return Position(entry.silo_id, entry.seq, index, leaf.hex(), index + 1, merkle.frontier_root(frontier).hex(),
-                    [p.hex() for p in path], milliseconds(entry.created_at))
+    return int(size)
+
+
+def pending_count(session: Session) -> int:
+    return int(session.execute(select(func.count()).select_from(LogPending)).scalar_one())
 
 
 def milliseconds(moment: datetime) -> int:
@@ -235,14 +319,45 @@ def silo_leaves(session: Session, silo_id: int, *, start: int, limit: int) -> li
 
 
 def position_of(session: Session, entry: LedgerEntry) -> Position:
-    """An earlier entry's place in the log, in the tree just after it: the same receipt as the first
-    answer's (Ed25519 signatures are deterministic), so a replayed request answers the first answer."""
-    row = session.scalars(select(LogLeaf).where(LogLeaf.entry_id == entry.id)).one_or_none()
+    """An earlier entry's leaf: its promise, and its place in the log once sequenced, proven into the
+    head of its batch. The same receipt on every read (Ed25519 signatures are deterministic), so a
+    replayed request answers the first answer's promise, with the inclusion it has gained since."""
+    timestamp = milliseconds(entry.created_at)
+    row = session.execute(select(LogLeaf.idx, LogLeaf.leaf_hash, LogLeaf.promised_by)
+                          .where(LogLeaf.entry_id == entry.id)).one_or_none()
     if row is None:
-        raise NotFound(f"entry {entry.seq} of silo {entry.silo_id} is not in the transparency log")
-    size, root = root_at(session, row.idx + 1)
-    _, path = inclusion(session, row.idx, size)
-    return Position(entry.silo_id, entry.seq, row.idx, row.leaf_hash, size, root, path, milliseconds(entry.created_at))
+        waiting = session.execute(select(LogPending.leaf_hash, LogPending.promised_by)
+                                  .where(LogPending.entry_id == entry.id)).one_or_none()
+        if waiting is None:
+            raise NotFound(f"entry {entry.seq} of silo {entry.silo_id} is not in the transparency log")
+        return Position(entry.silo_id, entry.seq, waiting.leaf_hash, timestamp, waiting.promised_by, None)
+    return Position(entry.silo_id, entry.seq, row.leaf_hash, timestamp, row.promised_by,
+                    inclusion_in_batch(session, row.idx, timestamp=timestamp))
+
+
+def inclusion_in_batch(session: Session, index: int, *, timestamp: int) -> Inclusion:
+    """Leaf `index` proven into the head its batch's sequencer signed; a leaf from before batches
+    (or a log whose heads were cut) into the tree just after it, stamped `timestamp`."""
+    current, _ = size_and_root(session)
+    head = session.execute(select(LogHead).where(LogHead.tree_size > index).order_by(LogHead.tree_size).limit(1)
+                           ).scalars().one_or_none()
+    if head is not None and head.tree_size <= current:
+        _, path = inclusion(session, index, head.tree_size)
+        signed = SignedTreeHead(tree_size=head.tree_size, root_hash=head.root_hash, timestamp=head.timestamp,
+                                key_id=head.key_id, signature=head.signature)
+        return Inclusion(index, head.tree_size, head.root_hash, head.timestamp, path, signed)
+    size, root = root_at(session, index + 1)
+    _, path = inclusion(session, index, size)
+    return Inclusion(index, size, root, timestamp, path, None)
+
+
+def index_of_leaf(session: Session, leaf_hash: str) -> LogLeaf | None:
+    """The sequenced leaf with this hash (salted: one entry's), or None while it is pending or unknown."""
+    return session.scalars(select(LogLeaf).where(LogLeaf.leaf_hash == leaf_hash).limit(1)).one_or_none()
+
+
+def is_pending(session: Session, leaf_hash: str) -> bool:
+    return session.scalars(select(LogPending.id).where(LogPending.leaf_hash == leaf_hash).limit(1)).first() is not None
 
 
 def record_of(session: Session, row: LogLeaf) -> tuple[LedgerEntry | None, str | None]:

@@ -81,7 +81,9 @@ def test_a_lowered_running_sum_is_found_by_recomposing_the_entries_that_followed
     assert "FORK" not in problems(out)  # the log itself is honest: the lie is in what the entries state
     (proof,) = out.evidence
     b_leaves = [leaf["log_index"] for leaf in ledger.client.get("/v1/log/leaves", params={"silo_id": b}, headers=ADMIN).json()]
-    assert proof["head"]["tree_size"] == charge["receipt"]["tree_head"]["tree_size"]  # b3 is the log's last entry
+    b3 = ledger.b.receipts[-1]  # as the silo completed it: in the log, the head just after it
+    assert b3.seq == charge["receipt"]["seq"] and b3.tree_head is not None
+    assert proof["head"]["tree_size"] == b3.tree_head.tree_size  # b3 is the log's last entry
     assert [e["log_index"] for e in proof["entries"]] == b_leaves and len(b_leaves) == charge["receipt"]["seq"]
     assert verify_receipts(ledger.a.get(), ledger.a.receipts).ok  # silo a was not touched
 

@@ -44,7 +44,7 @@ from dpledger.wire import merkle
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import EntryEvent
 from dpledger.wire.mechanisms import Mechanism
-from dpledger.wire.receipts import PublicKey, Receipt, SignedTreeHead, check_receipt, is_fork
+from dpledger.wire.receipts import HeadError, PublicKey, Receipt, SignedTreeHead, check_receipt, is_fork
 from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON, bearer
 from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
 
@@ -82,12 +82,25 @@ class Party:
 
         return get
 
+    promises: list[Receipt] = field(default_factory=list)  # the receipts as the answers carried them
+
     def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The answer; its receipt kept as it came (a promise) and as the silo completes it: waiting
+        for the sequencer, then the log's head and the path to it (the head just after the entry,
+        as requests here come one at a time)."""
         response = self.client.post(path, json=body, headers=self.headers)
         assert response.status_code in (200, 201), response.text
         data: dict[str, Any] = response.json()
-        self.receipts.append(Receipt(**data["receipt"]))
+        promised = Receipt(**data["receipt"])
+        self.promises.append(promised)
+        completed = self.ledger_client().complete(promised)
+        assert completed is not None, f"not sequenced by the promised deadline: {promised}"
+        self.receipts.append(completed)
         return data
+
+    def ledger_client(self) -> LedgerClient:
+        return LedgerClient("http://testserver", self.headers["Authorization"].removeprefix("Bearer "),
+                            http=self.client, receipts=False)
 
 
 @dataclass
@@ -241,15 +254,26 @@ def test_every_budget_answer_carries_a_receipt_that_checks_and_the_honest_log_pa
     a, b = ledger.a, ledger.b
     assert len(a.receipts) == 4 and len(b.receipts) == 6  # reserve, commit, release and search start each
     key = bytes.fromhex(PublicKey(**a.get()("/v1/log/public-key", None)).public_key)
-    for r in a.receipts + b.receipts:
+    for promised, r in zip(a.promises + b.promises, a.receipts + b.receipts, strict=True):
+        # The answer promises (signed) the leaf by a deadline, without waiting for the log; the silo
+        # then finds it in the log: requests came one at a time, so in the tree just after it.
+        assert promised.promise is not None and not promised.included
+        assert promised.promise.deadline == promised.promise.timestamp + transparency.MERGE_DELAY_MS
+        check_receipt(promised, key)
         check_receipt(r, key)
-        assert r.tree_head.tree_size == r.log_index + 1  # signed in its own request: the tree just after it
+        assert r.tree_head is not None and r.log_index is not None and r.tree_head.tree_size == r.log_index + 1
     # 2 create entries + 10 budget entries, in the order the requests came.
-    assert sorted(r.log_index for r in a.receipts + b.receipts) == list(range(2, 12))
-    # A replayed reservation answers the first answer, receipt included, byte for byte.
-    replay = ledger.client.post(f"/v1/silos/{ledger.ids['a']}/charges", headers=a.headers,
-                                json={"mechanism": STEP, "idempotency_key": "a0", "job_id": "j", "round": 2}).json()
-    assert Receipt(**replay["receipt"]) == a.receipts[0]
+    assert sorted(r.log_index or 0 for r in a.receipts + b.receipts) == list(range(2, 12))
+    # A replayed reservation answers the first answer's promise, byte for byte, now with its
+    # inclusion in the head its batch's sequencer signed.
+    replay = Receipt(**ledger.client.post(f"/v1/silos/{ledger.ids['a']}/charges", headers=a.headers, json={
+        "mechanism": STEP, "idempotency_key": "a0", "job_id": "j", "round": 2}).json()["receipt"])
+    assert replay.promise == a.promises[0].promise and replay.log_index == a.receipts[0].log_index
+    check_receipt(replay, key)
+    # A promise altered in any field no longer verifies.
+    forged = replay.model_copy(update={"promise": replay.promise.model_copy(update={"deadline": 2**40})})
+    with pytest.raises(HeadError, match="does not carry a valid signature"):
+        check_receipt(forged, key)
     # A silo reads other silos' leaf hashes, never their contents.
     leaves = a.get()("/v1/log/leaves", {"start": 0, "limit": 100})
     readable = [json.loads(leaf["record"])["entry"]["silo_id"] for leaf in leaves if leaf["record"] is not None]
@@ -504,9 +528,10 @@ def restate_as_before_filters(url: str) -> None:
 
 
 def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that_audits(database_url: str) -> None:
-    """Silos append concurrently (on PostgreSQL, each under its own row lock); the log's own lock
-    makes one order of them. No signing key is configured: `serve` hands its workers one
-    development key, so every receipt names the same key."""
+    """Silos approve concurrently (on PostgreSQL, each under its own row lock, no lock shared by
+    silos); the one elected sequencer among the workers makes one order of their leaves. No signing
+    key is configured: `serve` hands its workers one development key, so every receipt names the
+    same key."""
     workers = 4 if database_url.startswith("postgresql") else 2
     with running_server(database_url=database_url, admin_key=ADMIN_KEY, workers=workers) as server, \
             httpx.Client(base_url=server, timeout=60) as http:
@@ -530,13 +555,17 @@ def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that
             assert response.status_code == 200, response.text
             return response.json()
 
+        key = bytes.fromhex(get("/v1/log/public-key", None)["public_key"])
+        with LedgerClient(server, auditor["Authorization"].removeprefix("Bearer "), receipts=False) as reader:
+            included = {r.leaf_hash: reader.included(r) for r in receipts}  # each waits at most to its deadline
         out = audit(get, None)
         assert out.ok, problems(out)
         assert out.head is not None and out.head.tree_size == 4 + 40
-        key = bytes.fromhex(get("/v1/log/public-key", None)["public_key"])
-        assert sorted(r.log_index for r in receipts) == list(range(4, 44))
+        assert sorted(p.log_index for p in included.values() if p is not None) == list(range(4, 44))
         for r in receipts:
             check_receipt(r, key)
+            r = r.model_copy(update={"log_index": included[r.leaf_hash].log_index})  # type: ignore[union-attr]  # all found above
+            assert r.log_index is not None
             merkle.verify_inclusion(
                 index=r.log_index, size=out.head.tree_size, leaf=bytes.fromhex(r.leaf_hash),
                 path=[bytes.fromhex(p) for p in get("/v1/log/proofs/inclusion", {"index": r.log_index})["path"]],

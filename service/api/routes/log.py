@@ -72,6 +72,30 @@ def inclusion_proof(caller: PrincipalDep, db: DbDep, index: Index, size: Size = 
     return InclusionProof(log_index=index, tree_size=tree_size, leaf_hash=leaf.leaf_hash, path=path)
 
 
+@router.get("/proofs/by-hash", response_model=InclusionProof, name="log_inclusion_by_hash",
+            responses={404: {"description": "no leaf with this hash in the log yet (`detail` says whether it is pending)"}})
+def inclusion_by_hash(caller: PrincipalDep, db: DbDep, leaf_hash: Annotated[str, Query(pattern=r"^[0-9a-f]{64}$")],
+                      size: Size = None) -> InclusionProof:
+    """RFC 6962's get-proof-by-hash: where a receipt's promised leaf sits, and its path to the tree of
+    `size` leaves (default: the current one). 404 while the leaf waits for the sequencer: ask again
+    until the receipt's promised deadline (past it, the promise is broken). A silo: its own entries only."""
+    _may_read_log(caller)
+    with db.read() as session:
+        leaf = transparency.index_of_leaf(session, leaf_hash)
+        if leaf is None:
+            pending = transparency.is_pending(session, leaf_hash)
+            raise HTTPException(status.HTTP_404_NOT_FOUND, f"leaf {leaf_hash[:16]}… is pending: not sequenced yet"
+                                if pending else f"no leaf {leaf_hash[:16]}… in the log")
+        if caller.role is Role.silo:
+            entry, _ = transparency.record_of(session, leaf)
+            if entry is None or entry.silo_id != caller.silo_id:
+                raise HTTPException(status.HTTP_403_FORBIDDEN, "a silo key may ask for proofs of its own entries only")
+        if size is not None and size <= leaf.idx:
+            raise InvalidRequest("size", f"must be above the leaf's index {leaf.idx}; found {size}")
+        tree_size, path = transparency.inclusion(session, leaf.idx, size)
+    return InclusionProof(log_index=leaf.idx, tree_size=tree_size, leaf_hash=leaf.leaf_hash, path=path)
+
+
 @router.get("/proofs/consistency", response_model=ConsistencyProof, name="log_consistency_proof")
 def consistency_proof(caller: PrincipalDep, db: DbDep, first: Annotated[int, Query(ge=0, le=2**62)],
                       second: Size = None) -> ConsistencyProof:
