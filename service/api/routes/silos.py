@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
+from dpledger.service.accounting import cost
+from dpledger.service.accounting.events import resolve
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import gate, jobs, seals, silos
 from dpledger.service.ledger import history as ledger_history
@@ -48,6 +50,8 @@ def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> Sil
         level = jobs.level_by_name(db, body.level)
         epsilon, delta = level.epsilon, level.delta
     assert epsilon is not None and delta is not None  # the request model guarantees one or the other
+    if body.horizon is not None:  # priced before its curve is computed, as a charge is (cost.py)
+        cost.check(resolve(body.horizon, dataset_size=body.dataset_size, path="horizon"), path="horizon")
     silo, api_key = silos.register(
         db, name=body.name, epsilon=epsilon, delta=delta, dataset_size=body.dataset_size, relation=body.relation,
         horizon=body.horizon,
@@ -119,6 +123,8 @@ def declare_plan(silo_id: IdPath, body: PlanRequest, caller: PrincipalDep, db: D
     (on the rest of δ); stopping early is free, and a charge off the plan ends the plan's branch
     (the filter alone from then on), never the silo."""
     caller.require_silo(silo_id, also=(Role.admin,))
+    with db.read() as session:  # a plan's q is the service's, as a charge's: a declared sampling_rate is refused
+        resolve(body.mechanism, dataset_size=silos.get(session, silo_id).dataset_size, charged=True)
     silos.declare_plan(db, silo_id=silo_id, mechanism=body.mechanism)
     with db.read() as session:
         silo = silos.get(session, silo_id)

@@ -1,0 +1,35 @@
+"""The pricing of a request's accounting work (cost.py) against what dp-accounting actually builds."""
+
+from __future__ import annotations
+
+import pytest
+from dp_accounting import dp_event as de
+from dp_accounting.pld import pld_privacy_accountant
+
+from dpledger.service.accounting import cost
+from dpledger.service.accounting.events import MechanismError
+from dpledger.wire.mechanisms import Composed, DpSgd, Gaussian, SelfComposed
+
+
+@pytest.mark.parametrize(("sigma", "count"), [(2.0, 1), (2.0, 400), (0.7, 3)])
+def test_the_gaussian_grid_estimate_is_the_accountants_grid(sigma: float, count: int) -> None:
+    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
+    accountant.compose(de.SelfComposedDpEvent(de.GaussianDpEvent(sigma), count))
+    built = accountant._pld._pmf_remove.size  # the grid the accountant allocated
+    estimate = cost.gaussian_loss_range(sigma / count**0.5) / 1e-3
+    assert 0.5 * estimate <= built <= 1.01 * estimate + 2
+
+
+def test_400_gaussians_are_priced_as_one_at_sigma_over_20() -> None:
+    mechanism = SelfComposed(count=400, event=Gaussian(noise_multiplier=2.0))
+    assert cost.check(mechanism) is None  # the report at 1e-3: ~295k points
+    skip = cost.check(mechanism, pld_discretization=1e-4)
+    assert skip is not None and "2.95e+06 points" in skip
+    assert cost.check(Gaussian(noise_multiplier=0.1), pld_discretization=1e-4) == skip
+
+
+def test_the_sampled_leaf_limit_is_15_as_stated() -> None:
+    leaves = [DpSgd(sampling_rate=0.01 + i / 1000, noise_multiplier=1.0, steps=1) for i in range(16)]
+    cost.check(Composed(events=leaves[: cost.MAX_SAMPLED_LEAVES]))
+    with pytest.raises(MechanismError, match="16 distinct sampled leaves; one request may hold at most 15"):
+        cost.check(Composed(events=leaves))
