@@ -22,7 +22,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from dpledger.flower import family, records
 from dpledger.flower.local import load_silo_file
 from dpledger.flower.settings import SettingsError, SiloSettings
-from dpledger.trainer.rounds import Permit, open_round, refusal_line
+from dpledger.trainer.rounds import Permit, open_round, refusal_line, spent_line
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Denied, LedgerError, NotOwned
 
@@ -96,6 +96,11 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         except LedgerError as error:
             log.error("round %d: commit of charge %d failed (%s); it stays reserved, i.e. spent", round_index + 1,
                       permit.charge_id, error)
+        else:
+            try:
+                log.info("%s", spent_line(ledger.silo(silo.silo_id), round=round_index))
+            except LedgerError as error:
+                log.warning("round %d: settled; its ε could not be read back (%s)", round_index + 1, error)
         outcome = context.state.config_records.pop(records.OUTCOME, None)
         norm = outcome.get("update-norm") if outcome is not None else None
         if isinstance(norm, float) and records.reply_status(reply) == records.TRAINED:

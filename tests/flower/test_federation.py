@@ -85,6 +85,20 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
             assert detail.epsilon_committed == pytest.approx(detail.epsilon_spent, rel=1e-12)
     server_log = finished.stdout + finished.stderr + (fed.folder / "superlink.log").read_text()
     assert_budget_blind(fed, server_log, fedavg)
+    # The silo's own log shows its ε as the ledger charges it (the gate's reading) after each round,
+    # and in its refusal, each with dp-accounting's ε of the same charges beside it, labelled.
+    with fed.ledger() as admin:
+        commits = [e for e in admin.history(ids[0]) if e.event == "commit"]
+    silo_log = "".join(path.read_text() for path in fed.folder.glob(f"*-{ids[0]}.log"))
+    assert len(commits) == 2
+    for number, entry in enumerate(commits, start=1):
+        assert entry.epsilon_spent is not None and entry.epsilon_dp_accounting is not None
+        assert entry.epsilon_dp_accounting <= entry.epsilon_spent
+        assert (f"round {number} settled: ε spent {entry.epsilon_spent:.2f} of {fed.silos[0].epsilon:.2f} (the gate's "
+                f"reading, what the ledger charges; dp-accounting's non-adaptive ε of the same charges, for reference: "
+                f"{entry.epsilon_dp_accounting:.2f})") in silo_log
+    assert "round 3 refused: it needs ε " in silo_log
+    assert "in all (the gate's reading; dp-accounting's non-adaptive ε of the same charges, for reference: " in silo_log
     # Every silo evaluated the final model at home (accuracy after 8 noisy steps is not asserted:
     # the silos' noise comes from OS randomness, so it varies from run to run).
     assert set(fedavg["accuracy"]) == {str(s) for s in ids}
