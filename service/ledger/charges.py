@@ -348,21 +348,3 @@ def mark_touched(session: Session, *, silo_id: int, charge_id: int | None = None
             )
         ):
             charge.touched_at = now
-
-
-@dataclass(frozen=True)
-class HistoryRow:
-    entry: LedgerEntry
-    charge: Charge | None
-
-
-def history(session: Session, silo_id: int, *, after_seq: int = 0, limit: int = 10_000) -> list[HistoryRow]:
-    silos.get(session, silo_id, checked=False)  # readable while tampered: it is how an admin inspects one
-    rows = session.execute(
-        select(LedgerEntry, Charge)
-        .outerjoin(Charge, Charge.id == LedgerEntry.charge_id)
-        .where(LedgerEntry.silo_id == silo_id, LedgerEntry.seq > after_seq)
-        .order_by(LedgerEntry.seq)
-        .limit(limit)
-    ).all()
-    return [HistoryRow(entry, charge) for entry, charge in rows]
