@@ -108,6 +108,12 @@ def number(value: float | None) -> str:
     return "inf" if value is None else f"{value:.6g}"
 
 
+def shown_round(index: int | None) -> str:
+    """The API keeps a job's round as an index from 0; a person reads rounds from 1, as every line of
+    `dpledger train`, its progress bars and a silo's log count them."""
+    return "" if index is None else str(index + 1)
+
+
 def remaining(silo: SiloSummary) -> float:
     spent = silo.epsilon_spent
     return 0.0 if spent is None else max(0.0, silo.epsilon - spent)
@@ -230,7 +236,7 @@ def history(args: argparse.Namespace) -> int:
             after = page[-1].seq
     rows = [
         (str(e.seq), e.event.value, "" if e.charge_id is None else str(e.charge_id), e.job_id or "",
-         "" if e.round is None else str(e.round), number(e.epsilon_spent), number(e.epsilon_dp_accounting),
+         shown_round(e.round), number(e.epsilon_spent), number(e.epsilon_dp_accounting),
          _timestamp(e.created_at))
         for e in entries
     ]
@@ -271,7 +277,7 @@ def charges_list(args: argparse.Namespace) -> int:
         print(as_json(found))
         return 0
     rows = [
-        (str(c.charge_id), c.status.value, c.job_id or "", "" if c.round is None else str(c.round),
+        (str(c.charge_id), c.status.value, c.job_id or "", shown_round(c.round),
          (c.attempt_id or "")[:8], number(c.epsilon), number(c.epsilon_spent))
         for c in found
     ]

@@ -38,6 +38,7 @@ Text = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_nu
 # refuse it with an overflow (a 500) where the caller deserves a 422 naming the field.
 MAX_ID = 2**31 - 1
 Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
+# A job's round as an index from 0 (people read round r + 1: the CLI and the dashboard show it so).
 Round = Annotated[int, Field(ge=0, le=10**9, strict=True)]
 # A reserve request's attempt id: 16–64 characters of [A-Za-z0-9_-], random per attempt (128 bits or more).
 AttemptId = Annotated[str, Field(min_length=16, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]

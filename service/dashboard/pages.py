@@ -225,7 +225,7 @@ def _refusals(r: RefusalSummary) -> str:
         return f'<h2>Refusals</h2><p id="refusals" data-count="0">No request refused {since}.</p>'
     where = "".join([
         "" if r.last_job_id is None else f" of job {escape(r.last_job_id)}",
-        "" if r.last_round is None else f", round {r.last_round}",
+        "" if r.last_round is None else f", round {r.last_round + 1}",  # the API's index from 0, read from 1
     ])
     return (
         f'<h2>Refusals</h2><p id="refusals" data-count="{r.count}">{r.count} request{"s" if r.count != 1 else ""} '
@@ -275,7 +275,7 @@ def _charge_row(c: ChargeRow, *, bad: bool) -> str:
         f"{_time(c.created_at)}</td>"
         f'<td data-status="{escape(c.status)}">{escape(c.status)}</td>'
         f"<td>{'—' if c.job_id is None else escape(c.job_id)}</td>"
-        f'<td class="num">{"—" if c.round is None else c.round}</td>'
+        f'<td class="num">{"—" if c.round is None else c.round + 1}</td>'
         f"<td>{escape(c.mechanism_type)}</td>"
         f'<td class="num" data-sigma="{exact(c.noise_multiplier)}">{shown(c.noise_multiplier)}</td>'
         f'<td class="num" data-q="{exact(c.sampling_rate)}">{shown(c.sampling_rate)}</td>'

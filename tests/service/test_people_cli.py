@@ -213,6 +213,7 @@ def test_charges_list_open_and_release_recover_a_stranded_reservation(
     header, *rows = capsys.readouterr().out.splitlines()
     assert header.split()[:2] == ["charge", "status"]
     assert [row.split()[:3] for row in rows] == [[str(c), "reserved", "job\\x1b[2K\\x1b[1A\\x0dok"] for c in ids]
+    assert [row.split()[3] for row in rows] == ["1", "2"]  # the API's round indices 0 and 1, read from 1
 
     assert main(["charges", "release", str(ids[0])]) == 0
     assert capsys.readouterr().out.startswith(f"charge {ids[0]} released; silo ε spent now ")

@@ -286,7 +286,8 @@ def test_the_overview_flags_a_broken_chain_and_counts_refusals_and_charges_show_
     created = re_.search(r'data-created-at="([^"]+)"', row).group(1)
     history = client.get(f"/v1/silos/{silo['id']}/history", headers=ADMIN).json()
     assert created.replace("+00:00", "") == history[1]["created_at"].replace("Z", "").replace("+00:00", "")
-    assert 'id="refusals" data-count="2"' in detail and "of job j, round 2" in detail
+    # The last refusal's round index is 2: a person reads it as round 3, as every other line counts.
+    assert 'id="refusals" data-count="2"' in detail and "of job j, round 3" in detail
 
     overview = client.get("/dashboard").text
     silo_row = re_.search(rf'<tr data-silo-id="{silo["id"]}".*?</tr>', overview).group(0)
