@@ -249,7 +249,12 @@ def verify(args: argparse.Namespace) -> int:
     if getattr(args, "receipts", None) is not None:
         from dpledger.service import transparency_cli
 
-        return transparency_cli.verify_receipts_command(args)
+        code = transparency_cli.verify_receipts_command(args)
+        if args.witness or args.require_witnesses:
+            from dpledger.service import witnessed  # `--witness`: what independent witnesses cosigned
+
+            code = witnessed.combined(code, witnessed.verify_witnesses_command(args))
+        return code
     with ledger() as client:
         report = client.verify_chain()
     if report.ok:
@@ -348,3 +353,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     from dpledger.service import transparency_cli  # the log's commands: `verify --receipts`, `audit`, `pubkey`
 
     transparency_cli.add_commands(commands, check)
+    from dpledger.service import witness_cli, witnessed
+
+    witnessed.add_arguments(check)
+    witness_cli.add_commands(commands)
