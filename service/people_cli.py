@@ -255,6 +255,8 @@ def verify(args: argparse.Namespace) -> int:
 
             code = witnessed.combined(code, witnessed.verify_witnesses_command(args))
         return code
+    if getattr(args, "witness", None) or getattr(args, "require_witnesses", 0):
+        raise CliError("--witness and --require-witnesses check held receipts: add --receipts")
     with ledger() as client:
         report = client.verify_chain()
     if report.ok:
