@@ -3,7 +3,8 @@ reading, what the ledger charges) and, for reference only, dp-accounting's non-a
 the same charges (best order, the whole δ), replayed from the charges' own curves.
 
 The reference is not stored: it is recomputed here so that no column can make the two disagree.
-Replaying costs one light row (event, curve) per earlier entry and one conversion per entry shown.
+Replaying costs one light row (event, curve) per earlier entry, and the conversions of the entries
+shown are made a block at a time (rdp.epsilons; dp-accounting's own takes ~0.6 ms a curve).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ class _Replay:
     """The reserved + committed RDP sum, entry by entry: a reserve adds its charge, a release takes it
     back, a commit changes nothing (the charge was already spent when it was reserved)."""
 
-    def __init__(self, delta: float) -> None:
-        self.delta = delta
+    def __init__(self) -> None:
         self.running: RunningSum | None = RunningSum.empty(len(rdp.ORDERS))
 
     def step(self, event: EntryEvent, curve_json: str | None) -> None:
@@ -47,8 +47,8 @@ class _Replay:
             return
         self.running = self.running.add(curve) if event is EntryEvent.reserve else self.running.subtract(curve)
 
-    def reference(self) -> float | None:
-        return None if self.running is None else rdp.epsilon(self.running.curve(), delta=self.delta)[0]
+
+_BLOCK = 4096  # rows converted at once: 4,096 × 156 orders of float64 is 5 MB
 
 
 def dp_accounting_epsilon(silo: Silo) -> float:
@@ -58,7 +58,7 @@ def dp_accounting_epsilon(silo: Silo) -> float:
 
 def history(session: Session, silo_id: int, *, after_seq: int = 0, limit: int = 10_000) -> list[HistoryRow]:
     silo = silos.get(session, silo_id, checked=False)  # readable while tampered: it is how an admin inspects one
-    replay = _Replay(silo.delta)
+    replay = _Replay()
     if after_seq > 0:
         for event, curve_json in session.execute(
             select(LedgerEntry.event, Charge.rdp)
@@ -75,8 +75,15 @@ def history(session: Session, silo_id: int, *, after_seq: int = 0, limit: int = 
         .order_by(LedgerEntry.seq)
         .limit(limit)
     ).all()
-    out = []
-    for entry, charge in rows:
-        replay.step(entry.event, None if charge is None else charge.rdp)
-        out.append(HistoryRow(entry, charge, replay.reference()))
+    out: list[HistoryRow] = []
+    for start in range(0, len(rows), _BLOCK):  # a block of sums converted at once, so memory stays bounded
+        block = rows[start:start + _BLOCK]
+        sums = []
+        for entry, charge in block:
+            replay.step(entry.event, None if charge is None else charge.rdp)
+            sums.append(None if replay.running is None else replay.running.curve())
+        known = [curve for curve in sums if curve is not None]
+        converted = iter(rdp.epsilons(np.vstack(known), delta=silo.delta).tolist() if known else [])
+        out += [HistoryRow(entry, charge, None if curve is None else next(converted))
+                for (entry, charge), curve in zip(block, sums, strict=True)]
     return out
