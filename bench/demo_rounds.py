@@ -8,7 +8,7 @@ For each K (one fresh ledger on a temp SQLite file per K, uvicorn in a child pro
 `dpledger.harness.running_server`), and for each torch thread configuration (1 thread, then torch's
 default), one run measures:
 
-1. The gated demo round as `dpledger.demo` runs it for MR-MTL (λ = 1): rotated & masked digits
+1. The gated demo round as `dpledger.demo` runs it for MR-MTL (the demo's λ): rotated & masked digits
    (p = 0.1), MixGauss1 budgets, each silo's σ calibrated through the service to its budget rounded
    down to 2 significant digits (so silos share calibrations, ~1 s each; σ only grows) for
    1 + `--rounds` rounds, so no silo is refused; then `trainer.loop.run_gated`: per round each silo's
@@ -392,7 +392,7 @@ def main() -> None:
         cells.extend(measure_k(k, rounds=rounds, thread_configs=thread_configs, seed=args.seed, device=args.device))
     torch.set_num_threads(default_threads)
 
-    print(f"dpledger demo rounds: MR-MTL (λ=1) on rotated & masked digits (p=0.1), MixGauss1 budgets, "
+    print(f"dpledger demo rounds: MR-MTL (λ={DemoConfig.lam:g}) on rotated & masked digits (p=0.1), MixGauss1 budgets, "
           f"σ_k calibrated; SQLite ledger, uvicorn 1 worker, real HTTP; DP-SGD B=16, E=10 steps/round, "
           f"mlp 64-32-10; {args.device}, torch {torch.__version__}; 1 warm-up + {rounds} timed round(s)")
     print(table(cells, ks, thread_configs, default_threads))

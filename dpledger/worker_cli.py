@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     demo.add_argument("--noise-multiplier", type=float, default=1.2, help="every silo's DP-SGD σ (default 1.2)")
     demo.add_argument("--calibrate", action="store_true",
                       help="instead: each silo's σ from the service, so that all rounds spend exactly its budget")
-    demo.add_argument("--lam", type=float, default=0.1, help="MR-MTL λ (default 0.1)")
+    demo.add_argument("--lam", type=float, default=0.01, help="MR-MTL λ (default 0.01)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(run=_demo)
