@@ -198,6 +198,15 @@ def silos_show(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reports_errors
+def silos_seal(args: argparse.Namespace) -> int:
+    with ledger() as client:
+        silo = client.seal_silo(args.silo_id)
+    print(f"silo {silo.id} {silo.name!r} sealed as it stands: ε = {number(silo.epsilon)}, δ = {number(silo.delta)}, "
+          f"ε spent {number(silo.epsilon_spent)}; approvals resume, and auditors still see the edit in the log")
+    return 0
+
+
 def _csv_pages(client: LedgerClient, silo_id: int) -> list[str]:
     # Paged by seq, so an auditor's export of a long ledger is complete, not the first page only.
     pages, after = [], 0
@@ -327,6 +336,14 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     show.add_argument("silo_id", type=int, metavar="ID")
     show.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
     show.set_defaults(run=silos_show)
+    seal = actions.add_parser(
+        "seal", help="accept a tampered silo's record as it stands (admin key), after inspecting it",
+        description=f"{env_note} The ledger refuses every approval on a silo whose record no longer matches the "
+        "entries that cover it. Restore the row if you can; otherwise this writes a `seal` entry to the silo's chain "
+        "and to the transparency log, which covers the record from then on (the edit stays visible to auditors).",
+    )
+    seal.add_argument("silo_id", type=int, metavar="ID")
+    seal.set_defaults(run=silos_seal)
 
     hist = commands.add_parser("history", help="a silo's hash-chained ε history (over HTTP)", description=env_note)
     hist.add_argument("silo_id", type=int, metavar="ID")

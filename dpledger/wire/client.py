@@ -255,6 +255,10 @@ class LedgerClient:
     def revoke_key(self, key_id: int) -> None:
         self._send("DELETE", f"/v1/keys/{key_id}").expect(204)
 
+    def seal_silo(self, silo_id: int) -> SiloDetail:
+        """Accepts a tampered silo's record as it stands (admin; POST /v1/silos/{id}/seal)."""
+        return self._expect(self._send("POST", f"/v1/silos/{silo_id}/seal"), SiloDetail, 200)
+
     # --- a silo's own ------------------------------------------------------------------------------
     def silo(self, silo_id: int) -> SiloDetail:
         return self._expect(self._send("GET", f"/v1/silos/{silo_id}"), SiloDetail, 200)

@@ -54,6 +54,7 @@ class SiloRow:
     chain_ok: bool = True  # the silo's hash chain and charges verify
     refusals: int = 0  # refused requests seen by this server process
     epsilon_dp_accounting: float | None = None  # for reference: dp-accounting's non-adaptive ε of what is spent
+    tampered: str | None = None  # why the record is refused (seals.Tampered): its numbers are not shown
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,13 @@ def _log(log: LogView) -> str:
 
 
 def _silo_row(row: SiloRow) -> str:
+    if row.tampered is not None:
+        return (
+            f'<tr data-silo-id="{row.id}" class="bad" data-tampered="true">'
+            f'<td data-name="{escape(row.name)}"><a href="/dashboard/silos/{row.id}">{escape(row.name)}</a></td>'
+            f'<td class="num">{row.id}</td><td colspan="6" class="failed">record TAMPERED: {escape(row.tampered)}</td>'
+            '<td class="failed" data-chain="broken">BROKEN</td><td class="num">—</td></tr>'
+        )
     spent = float("inf") if row.epsilon_spent is None else row.epsilon_spent
     marked = "" if row.chain_ok else ' class="bad"'
     chain = '<td class="ok" data-chain="ok">ok</td>' if row.chain_ok else '<td class="failed" data-chain="broken">BROKEN</td>'
@@ -217,6 +225,14 @@ def silo(
     chart = f'<h2>ε after each ledger entry</h2><figure id="epsilon-chart">{svg.line_chart(points, budget=row.epsilon)}</figure>'
     body = summary + _verification(verification) + _refusals(refusals) + chart + _charges(charges, verification)
     return _document(f"silo {row.name}", body, signed_in=True)
+
+
+def tampered(silo_id: int, message: str, verification: Verification) -> str:
+    """A silo whose record no longer matches the entries that cover it: named, with the chain check's
+    findings, and no number read from the edited row."""
+    body = (f'<p id="tampered" class="alert failed" role="alert" data-silo-id="{silo_id}">{escape(message)}</p>'
+            + _verification(verification))
+    return _document(f"silo {silo_id}: record tampered", body, signed_in=True)
 
 
 def _refusals(r: RefusalSummary) -> str:

@@ -266,3 +266,24 @@ def test_silos_create_prints_the_new_silos_key_alone_and_that_key_reads_its_silo
     monkeypatch.setenv("DPLEDGER_KEY", as_admin.silo_keys[1])
     assert main(["silos", "create", "ward-11", "--epsilon", "1", "--delta", "1e-6", "--dataset-size", "10"]) == 2
     assert capsys.readouterr().err.startswith("dpledger: 403 forbidden: this key may not write /v1/silos")
+
+
+def test_silos_seal_accepts_a_tampered_record_once(as_admin: Ledger, capsys: pytest.CaptureFixture[str]) -> None:
+    created = httpx.post(f"{as_admin.url}/v1/silos", headers=ADMIN,
+                         json={"name": "edited", "epsilon": 2.0, "delta": 1e-5, "dataset_size": 1000,
+                               "horizon": STEP}).json()
+    assert main(["silos", "seal", str(created["id"])]) == 2  # nothing is broken: nothing to seal
+    assert "there is nothing to seal" in capsys.readouterr().err
+    engine = create_engine(as_admin.database_url)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE silos SET epsilon = 4.0 WHERE id = :i"), {"i": created["id"]})
+    engine.dispose()
+    assert httpx.get(f"{as_admin.url}/v1/silos/{created['id']}", headers=ADMIN).status_code == 409
+
+    assert main(["silos", "seal", str(created["id"])]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"silo {created['id']} 'edited' sealed as it stands: ε = 4, δ = 1e-05")
+    detail = httpx.get(f"{as_admin.url}/v1/silos/{created['id']}", headers=ADMIN)
+    assert detail.status_code == 200 and detail.json()["epsilon"] == 4.0
+    history = httpx.get(f"{as_admin.url}/v1/silos/{created['id']}/history", headers=ADMIN).json()
+    assert history[-1]["event"] == "seal"

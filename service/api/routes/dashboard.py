@@ -15,7 +15,7 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, Principal
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.dashboard import pages, series
 from dpledger.service.dashboard.parameters import parameters
-from dpledger.service.ledger import audit, gate, keys, silos, transparency
+from dpledger.service.ledger import audit, gate, keys, seals, silos, transparency
 from dpledger.service.ledger import history as ledger_history
 from dpledger.service.ledger.errors import NotFound
 from dpledger.service.ledger.models import Role, Silo
@@ -131,6 +131,13 @@ def overview(request: Request, reader: ReaderDep, db: DbDep) -> Response:
             report = audit.verify(session, silo_ids=[silo.id])
             entries += report.entries
             refused = log.of(silo.id)
+            try:
+                seals.check(session, silo)  # an edited record is named, never read as if it were sound
+            except seals.Tampered as error:
+                rows.append(pages.SiloRow(id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta,
+                                          epsilon_spent=None, epsilon_committed=None, epsilon_remaining=0.0,
+                                          chain_ok=False, tampered=str(error)))
+                continue
             rows.append(_row(silo, chain_ok=report.ok, refusals=0 if refused is None else refused.count))
         log_view = _log_view(transparency.summary(session))
     return _html(pages.overview(rows, entries=entries, refusals_since=log.since, log=log_view))
@@ -161,6 +168,12 @@ def silo_page(silo_id: IdPath, request: Request, reader: ReaderDep, db: DbDep) -
             silo = silos.get(session, silo_id)
         except NotFound as error:
             return _html(pages.problem("not found", str(error), signed_in=True), status.HTTP_404_NOT_FOUND)
+        except seals.Tampered as error:
+            # The page an auditor opens precisely then: the tampered record named, and what the chain check finds.
+            report = audit.verify(session, silo_ids=[silo_id])
+            verification = pages.Verification(ok=report.ok, entries=report.entries,
+                                              bad_charge_ids=report.bad_charge_ids, problems=report.problems)
+            return _html(pages.tampered(silo_id, str(error), verification), status.HTTP_409_CONFLICT)
         history = ledger_history.history(session, silo_id, limit=1_000_000)
         report = audit.verify(session, silo_ids=[silo_id])
         row = _row(silo, chain_ok=report.ok)

@@ -3,6 +3,7 @@ API's, the chain verification of a silo, escaping, and no dependency on any othe
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from html.parser import HTMLParser
@@ -320,3 +321,34 @@ def test_charge_parameters_are_read_only_from_shapes_with_one_sigma_and_one_q(st
 
     found = parameters(stored)
     assert (found.noise_multiplier, found.sampling_rate, found.steps) == expected
+
+
+@pytest.mark.parametrize("edit", ["UPDATE silos SET epsilon = 6.0 WHERE id = :i",
+                                  "UPDATE silos SET filter_spec = 'garbage' WHERE id = :i"])
+def test_a_tampered_silo_is_named_on_both_pages_and_no_number_is_read_from_its_row(
+    client, ledger, auditor, database_url: str, edit: str
+) -> None:
+    silos, _ = ledger
+    target = silos[1]
+    engine = create_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(text(edit), {"i": target.id})
+    engine.dispose()
+    detail = client.get(f"/v1/silos/{target.id}", headers=ADMIN)
+    assert detail.status_code == 409
+
+    overview = client.get("/dashboard")
+    assert overview.status_code == 200
+    row = re.search(rf'<tr data-silo-id="{target.id}".*?</tr>', overview.text).group(0)  # type: ignore[union-attr]
+    assert 'data-tampered="true"' in row and "record TAMPERED" in row and "data-epsilon-spent" not in row
+    assert 'data-chain="broken"' in row
+    others = [s.id for s in silos if s.id != target.id]
+    for other in others:  # the other silos are shown as before
+        assert re.search(rf'<tr data-silo-id="{other}"[^>]*>.*?data-epsilon-spent=', overview.text)
+
+    page = client.get(f"/dashboard/silos/{target.id}")
+    assert page.status_code == 409 and page.headers["content-type"].startswith("text/html")
+    named = next(a for t, a in elements(page.text) if a.get("id") == "tampered")
+    assert named["data-silo-id"] == str(target.id)
+    assert detail.json()["detail"].split(":")[0] in html.unescape(page.text)  # the API's own words, escaped
+    assert 'id="verification"' in page.text
