@@ -23,6 +23,7 @@ small history; the seeded chain is verified with `audit.verify` at the end).
 
     python bench/approvals.py              # full run (~9 min on 2 cores)
     python bench/approvals.py --quick      # smoke test (~1 min): history 2000, SQLite w1, PostgreSQL w2
+    python bench/approvals.py --cpu-compare /path/to/older/site   # server CPU per approval, before/after
 
 Prints a table, then one JSON line with every figure. Progress goes to stderr.
 """
@@ -34,7 +35,9 @@ import asyncio
 import json
 import math
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +55,7 @@ import numpy as np
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.orm import Session
 
-from dpledger.harness import running_server
+from dpledger.harness import free_port, running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.ledger import audit, charges, gate, silos
@@ -454,6 +457,100 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
 
 
 # --------------------------------------------------------------------------------------------------
+# Server CPU per approval, this tree beside another install (`--cpu-compare SITE`), interleaved
+
+
+def _start_server(site: str | None, url: str, cwd: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A one-worker server of the install at `site` (PYTHONPATH; None: this tree), run from `cwd`
+    (outside the repository, whose `dpledger/` would shadow `site`), on a database it migrated itself."""
+    env = {**os.environ, "DATABASE_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY}
+    if site is not None:
+        env["PYTHONPATH"] = site
+    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.ledger.db import migrate; migrate(sys.argv[1])",
+                    url], env=env, cwd=cwd, check=True)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dpledger.service.serving", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--log-level", "warning"], env=env, cwd=cwd, start_new_session=True)
+    server_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"the server of {site or 'this tree'} did not answer on {server_url}")
+        try:
+            if httpx.get(f"{server_url}/healthz", timeout=1.0).status_code == 200:
+                return process, server_url
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+async def _cpu_cell(server_url: str, pid: int, n: int, concurrency: int) -> Tally:
+    async with httpx.AsyncClient(base_url=server_url, timeout=60.0) as admin:
+        loader = RawClient(server_url, concurrency)
+        silo = await create_small_silo(admin, loader, "cpu")
+        await fire(loader, silo, 4 * concurrency, concurrency, sigma_of=lambda: REPEATED_SIGMA, tag="warm", tally=None,
+                   server_root=None)
+        tally = Tally()
+        await fire(loader, silo, n, concurrency, sigma_of=lambda: REPEATED_SIGMA, tag="cpu", tally=tally, server_root=pid)
+        await loader.aclose()
+    return tally
+
+
+def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
+    """Server CPU per approval (repeated pair, one worker, a fresh silo) of this tree and of the
+    install at `args.cpu_compare`, alternating (before, after) `args.rounds` times on each database,
+    each cell on a fresh database: the medians compare code, not the machine's drift."""
+    trees: dict[str, str | None] = {"before": args.cpu_compare, "after": None}
+    databases = ["sqlite"] + ([] if args.no_postgres or postgres_answers(args.pg_url) is None else ["postgres"])
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dpledger-cpu-") as tmp:
+        for kind in databases:
+            cells: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+            for k in range(args.rounds):
+                for name in ("before", "after") if k % 2 == 0 else ("after", "before"):
+                    if kind == "sqlite":
+                        url = f"sqlite:///{tmp}/{kind}-{name}-{k}.db"
+                    else:
+                        url = args.pg_url
+                        reset_postgres(url)
+                    process, server_url = _start_server(trees[name], url, tmp)
+                    try:
+                        row = summarize(asyncio.run(_cpu_cell(server_url, process.pid, args.requests, args.concurrency)))
+                    finally:
+                        os.killpg(process.pid, signal.SIGTERM)
+                        process.wait()
+                    cells[name].append(row)
+                    log(f"cpu {kind} {name} round {k}: server {row['server_cpu_ms_per_req']:.2f} ms/approval, "
+                        f"postgres {row['postgres_cpu_ms_per_req']:.2f}, {row['approvals_per_s']:.0f}/s, "
+                        f"non-201 {row['non_201']}")
+            out[kind] = {
+                name: {
+                    "server_cpu_ms_median": statistics.median(r["server_cpu_ms_per_req"] for r in rows),
+                    "postgres_cpu_ms_median": statistics.median(r["postgres_cpu_ms_per_req"] for r in rows),
+                    "approvals_per_s_median": statistics.median(r["approvals_per_s"] for r in rows),
+                    "server_cpu_ms": [r["server_cpu_ms_per_req"] for r in rows],
+                    "non_201": sum(r["non_201"] for r in rows),
+                }
+                for name, rows in cells.items()
+            }
+    return out
+
+
+def print_cpu_compare(results: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"server CPU per approval, repeated (q, σ) pair, 1 uvicorn worker, {args.concurrency} clients, "
+          f"{args.requests} approvals x {args.rounds} rounds per tree and database, alternating; "
+          f"before = {args.cpu_compare}, after = this tree; {os.cpu_count()} cores")
+    print(f"{'db':8} {'tree':7} {'srv ms median':>13} {'pg ms median':>12} {'appr/s':>7}  server ms per round")
+    for kind, cell in results.items():
+        for name in ("before", "after"):
+            r = cell[name]
+            rounds = " ".join(f"{v:.2f}" for v in r["server_cpu_ms"])
+            print(f"{kind:8} {name:7} {r['server_cpu_ms_median']:>13.2f} {r['postgres_cpu_ms_median']:>12.2f} "
+                  f"{r['approvals_per_s_median']:>7.0f}  {rounds}")
+
+
+# --------------------------------------------------------------------------------------------------
 # The baseline: a service without a running sum replays the history through dp-accounting
 
 
@@ -588,7 +685,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-url", default=os.environ.get("DPLEDGER_BENCH_POSTGRES_URL", DEFAULT_PG_URL))
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip audit.verify of the big chain")
+    parser.add_argument("--cpu-compare", metavar="SITE",
+                        help="only server CPU per approval: the install at SITE (a PYTHONPATH) beside this tree, "
+                             "alternating (--requests per cell, default 1000; --rounds, default 5)")
     args = parser.parse_args(argv)
+    if args.cpu_compare:
+        args.requests = args.requests or 1000
+        args.rounds = args.rounds or 5
+        results = {"config": dict(vars(args)), "cpu": cpu_compare(args)}
+        print_cpu_compare(results["cpu"], args)
+        print(json.dumps(json_safe(results), default=str, allow_nan=False))
+        return 0
     quick = args.quick
     args.history = args.history if args.history is not None else (2000 if quick else 100_000)
     args.requests = args.requests if args.requests is not None else (200 if quick else 2000)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import keys
 from dpledger.service.ledger.db import Database
@@ -18,7 +19,8 @@ READERS = (Role.admin, Role.auditor)  # they see every silo
 _bearer = HTTPBearer(auto_error=False, description="an API key: admin, silo, auditor or coordinator")
 
 
-def database(request: Request) -> Database:
+async def database(request: Request) -> Database:
+    # async: FastAPI runs a sync dependency in the threadpool, a hop per request for one attribute.
     return request.app.state.db  # type: ignore[no-any-return]  # set by create_app
 
 
@@ -53,18 +55,24 @@ class Principal:
         return self.silo_id if self.role is Role.silo and self.silo_id is not None else 0
 
 
-def principal(
-    request: Request, db: DbDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> Principal:
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def authenticate(request: Request, session: Session, credentials: HTTPAuthorizationCredentials | None) -> Principal:
+    """The caller's principal from its key, read in the caller's session (one indexed query)."""
     if credentials is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing API key", headers={"WWW-Authenticate": "Bearer"})
-    with db.read() as session:
-        key = keys.authenticate(session, credentials.credentials)
+    key = keys.authenticate(session, credentials.credentials)
     if key is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "unknown or revoked API key", headers={"WWW-Authenticate": "Bearer"})
     caller = Principal(key_id=key.id, role=Role(key.role), silo_id=key.silo_id)
     request.state.principal = caller  # for the access log (service/api/metrics.py); never the key itself
     return caller
+
+
+def principal(request: Request, db: DbDep, credentials: BearerDep) -> Principal:
+    with db.read() as session:
+        return authenticate(request, session, credentials)
 
 
 PrincipalDep = Annotated[Principal, Depends(principal)]

@@ -18,9 +18,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Table, insert, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
@@ -30,7 +31,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import gate, keys, silos, transparency
+from dpledger.service.ledger import gate, keys, seals, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import (
     Conflict,
@@ -48,6 +49,8 @@ from dpledger.service.ledger.models import (
     Silo,
 )
 from dpledger.wire.mechanisms import AnyMechanism
+
+_CHARGES = cast(Table, Charge.__table__)  # Core statements on the hot path (reserve_locked)
 
 
 @dataclass(frozen=True)
@@ -148,10 +151,12 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
 
 
 def view(
-    session: Session, silo: Silo, charge: Charge, *, replayed: bool, position: transparency.Position | None = None
+    session: Session, silo: Silo, charge: Charge, *, replayed: bool, position: transparency.Position | None = None,
+    own: float | None = None, spent: float | None = None,
 ) -> ChargeView:
-    spent = silos.epsilon_spent(silo)
-    own = rdp.epsilon(curve_from_json(charge.rdp), delta=silo.delta)[0]
+    """`own`, `spent`: the charge's ε and the silo's where the caller has just computed them."""
+    spent = silos.epsilon_spent(silo) if spent is None else spent
+    own = rdp.epsilon(curve_from_json(charge.rdp), delta=silo.delta)[0] if own is None else own
     where = position if position is not None else reserve_position(session, charge.id)
     return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where)
 
@@ -161,6 +166,52 @@ def reserve_position(session: Session, charge_id: int) -> transparency.Position:
         select(LedgerEntry).where(LedgerEntry.charge_id == charge_id, LedgerEntry.event == EntryEvent.reserve)
     ).one()
     return transparency.position_of(session, entry)
+
+
+@dataclass(frozen=True)
+class Started:
+    """A request read and priced outside any lock, ready for `finish_reserve`."""
+
+    digest: str
+    priced: Priced
+
+
+def start_reserve(
+    session: Session, *, silo_id: int, mechanism: AnyMechanism, idempotency_key: str, job_id: str | None,
+    round: int | None,
+) -> ChargeView | Started:
+    """In the caller's read session: the charge this key already names (a replay does no accounting
+    work at all), or the request priced outside any lock (a new (q, σ) pair costs milliseconds).
+
+    The silo's record is checked (seals.check) before a replay is answered or a pricing error is
+    raised from it; a request that prices is checked under the lock (reserve_locked) before it
+    approves anything. So every answer is the one a check at load would give, at one check."""
+    digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
+    silo = silos.get(session, silo_id, checked=False)
+    earlier = by_key(session, silo_id, idempotency_key)
+    if earlier is not None:
+        seals.check(session, silo)
+        _same_request(earlier, digest)
+        return view(session, silo, earlier, replayed=True)
+    try:
+        priced = price(mechanism, silo=silo, charged=True)
+    except Exception:
+        seals.check(session, silo)  # an edited record is named (409) before anything priced from it
+        raise
+    return Started(digest, priced)
+
+
+def finish_reserve(
+    db: Database, started: Started, *, silo_id: int, idempotency_key: str, job_id: str | None, round: int | None,
+    key_id: int | None, attempt_id: str | None,
+) -> ChargeView:
+    """The write transaction of a reservation: the key still live, then check and append."""
+    with db.write() as session:
+        keys.require_live(session, key_id)
+        return reserve_locked(
+            session, silo_id=silo_id, priced=started.priced, digest=started.digest, idempotency_key=idempotency_key,
+            job_id=job_id, round=round, attempt_id=attempt_id,
+        )
 
 
 def reserve(
@@ -177,20 +228,16 @@ def reserve(
     """A fresh reservation (replayed=False), or the charge this key already names (replayed=True).
     `attempt_id` is kept with a fresh charge and answered on every replay (never part of the
     request's identity: another attempt at the same request replays it, and learns it is not its own)."""
-    digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
     with db.read() as session:
-        silo = silos.get(session, silo_id)
-        earlier = by_key(session, silo_id, idempotency_key)
-        if earlier is not None:  # a replay does no accounting work at all
-            _same_request(earlier, digest)
-            return view(session, silo, earlier, replayed=True)
-    priced = price(mechanism, silo=silo, charged=True)
-    with db.write() as session:
-        keys.require_live(session, key_id)
-        return reserve_locked(
-            session, silo_id=silo_id, priced=priced, digest=digest, idempotency_key=idempotency_key,
-            job_id=job_id, round=round, attempt_id=attempt_id,
+        started = start_reserve(
+            session, silo_id=silo_id, mechanism=mechanism, idempotency_key=idempotency_key, job_id=job_id, round=round
         )
+    if isinstance(started, ChargeView):
+        return started
+    return finish_reserve(
+        db, started, silo_id=silo_id, idempotency_key=idempotency_key, job_id=job_id, round=round, key_id=key_id,
+        attempt_id=attempt_id,
+    )
 
 
 def reserve_locked(
@@ -219,22 +266,29 @@ def reserve_locked(
             epsilon_dp_accounting=rdp.epsilon(decision.candidate.curve(), delta=silo.delta)[0],
         )
     now = datetime.now(UTC)
+    # With its filter fixed before and no plan, the silo's ε after this charge is the check's reading
+    # (the same filter read on the same sum); else the answer reads it again after the changes below.
+    spent_after = decision.epsilon_if_approved if not gate.pending(silo) and silo.plan is None else None
     if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it
         silos.fix_filter(session, silo, priced.curve, now=now)
     gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
-    charge = Charge(
-        silo_id=silo_id, idempotency_key=idempotency_key, request_hash=digest,
-        mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve), order_grid=rdp.ORDER_GRID_ID,
-        conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.reserved, job_id=job_id, round=round,
-        epsilon_spent_after=decision.epsilon_if_approved, created_at=now, attempt_id=attempt_id,
-    )
-    session.add(charge)
-    session.flush()
+    values = {
+        "silo_id": silo_id, "idempotency_key": idempotency_key, "request_hash": digest,
+        "mechanism": priced.mechanism.model_dump_json(), "rdp": curve_to_json(priced.curve),
+        "order_grid": rdp.ORDER_GRID_ID, "conversion": rdp.LEDGER_CONVERSION_ID, "status": ChargeStatus.reserved,
+        "job_id": job_id, "round": round, "epsilon_spent_after": decision.epsilon_if_approved, "created_at": now,
+        "touched_at": None, "attempt_id": attempt_id,
+    }
+    # One INSERT … RETURNING, not the unit of work's flush of a new object: the row is not read back
+    # in this transaction, and the answer needs only these values and the id.
+    charge_id = session.execute(insert(_CHARGES).values(values).returning(_CHARGES.c.id)).scalar_one()
+    charge = Charge(id=charge_id, **values)  # transient: never added to the session, so never flushed again
     silo.rdp_spent = decision.candidate.to_json()
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
     )
-    return view(session, silo, charge, replayed=False, position=position)
+    own = rdp.epsilon(priced.curve, delta=silo.delta)[0]
+    return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:

@@ -55,7 +55,12 @@ class SqliteWriters:
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        # A pool as large as the threads that may hold a session at once (anyio's threadpool is 40
+        # threads, and the sequencer), so that a burst of requests does not open and close
+        # connections, each running the PRAGMAs below.
+        engine = create_engine(
+            url, connect_args={"timeout": 60, "check_same_thread": False}, pool_size=20, max_overflow=30
+        )
         _configure_sqlite(engine)
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)

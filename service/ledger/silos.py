@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Table, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -95,11 +96,16 @@ def append_entry(
     )
     subject = chain.subject(event, silo, charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
-    session.add(entry)
     silo.chain_seq = entry.seq
     silo.chain_head = entry.hash
-    # The leaf row names the entry's id; flushed after the silo's changes, so its row is written once.
+    # The silo's changes (and anything else the caller added) first, then the entry in one INSERT …
+    # RETURNING rather than the unit of work's flush of a new object: the leaf row names its id.
     session.flush()
+    table = cast(Table, LedgerEntry.__table__)
+    entry.id = session.execute(insert(table).values(
+        silo_id=entry.silo_id, seq=entry.seq, event=entry.event, charge_id=entry.charge_id,
+        epsilon_spent=entry.epsilon_spent, created_at=entry.created_at, prev_hash=entry.prev_hash, hash=entry.hash,
+    ).returning(table.c.id)).scalar_one()
     return transparency.enqueue(session, entry, subject=subject)
 
 

@@ -1,0 +1,58 @@
+"""The SQL one approval costs: counted with SQLAlchemy's `before_cursor_execute` on the app's engine,
+so that a statement added to the hot path (an ORM load, a second session, a check done twice) fails
+here instead of showing up only as CPU in bench/approvals.py."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import pytest
+from sqlalchemy import event
+
+from tests.conftest import ADMIN
+
+STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
+# Statements of one fresh approval on a silo whose filter is fixed, a (q, σ) pair seen before and a
+# fresh idempotency key: a read (key, silo, the key's earlier charge) and one write transaction
+# (the key held live, the silo locked and its record checked, the key again under the lock, the
+# charge, its entry, the silo's new state, the log's pending leaf). BEGIN/COMMIT/ROLLBACK included.
+APPROVAL_STATEMENTS = {"sqlite": 13, "postgresql": 11}
+
+
+def statements_of(app: Any, call: Any) -> list[str]:
+    """The SQL the app's engine ran during `call()`, leaving out the log's sequencer (its own thread)."""
+    seen: list[str] = []
+
+    def note(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if threading.current_thread().name != "dpledger-sequencer":
+            seen.append(" ".join(statement.split()))
+
+    engine = app.state.engine
+    event.listen(engine, "before_cursor_execute", note)
+    try:
+        call()
+    finally:
+        event.remove(engine, "before_cursor_execute", note)
+    return seen
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", pytest.param("postgres")], indirect=True)
+def test_one_approval_runs_a_fixed_small_number_of_statements(app, client, make_silo) -> None:
+    silo = make_silo(epsilon=50.0)
+    path = f"/v1/silos/{silo.id}/charges"
+    first = client.post(path, json={"mechanism": STEP, "idempotency_key": "warm"}, headers=silo.headers)
+    assert first.status_code == 201, first.text  # the pair's curve is cached now
+
+    answers: list[Any] = []
+    seen = statements_of(app, lambda: answers.append(
+        client.post(path, json={"mechanism": STEP, "idempotency_key": "counted"}, headers=silo.headers)))
+
+    assert answers[0].status_code == 201, answers[0].text
+    dialect = app.state.engine.dialect.name
+    assert len(seen) == APPROVAL_STATEMENTS[dialect], "\n".join(seen)
+    # What was written: one charge, one entry, the silo's state, one pending leaf; nothing else.
+    writes = sorted(f"{m[1]} {m[2]}" for s in seen if (m := re.match(r"(INSERT INTO|UPDATE) (\w+)", s)))
+    assert writes == ["INSERT INTO charges", "INSERT INTO ledger_entries", "INSERT INTO log_pending", "UPDATE silos"], writes
+    assert client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()[-1]["event"] == "reserve"
