@@ -58,9 +58,11 @@ def make_engine(url: str) -> Engine:
         # A pool as large as the threads that may hold a session at once (anyio's threadpool is 40
         # threads, and the sequencer), so that a burst of requests does not open and close
         # connections, each running the PRAGMAs below.
-        engine = create_engine(
-            url, connect_args={"timeout": 60, "check_same_thread": False}, pool_size=20, max_overflow=30
-        )
+        # (An in-memory database has one connection per thread, SingletonThreadPool, and no such sizes.)
+        database = make_url(url).database
+        in_memory = not database or database == ":memory:" or "mode=memory" in url
+        pool = {} if in_memory else {"pool_size": 20, "max_overflow": 30}
+        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False}, **pool)
         _configure_sqlite(engine)
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
