@@ -25,6 +25,7 @@ import numpy as np
 from dp_accounting import dp_event as de
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
+from dpledger.service.accounting.cost import MAX_SAMPLED_LEAVES
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import proven_epsilon, sampled_gaussian_curve
 
@@ -61,12 +62,15 @@ class PoolMechanism:
 
 
 def mechanism_pool() -> list[PoolMechanism]:
-    """20 DP-SGD (q, σ) pairs, each as a batch size that the service turns into q against the silo's
-    registered size (a silo's charge may not declare its own rate); no two share a q."""
+    """15 DP-SGD (q, σ) pairs, each as a batch size that the service turns into q against the silo's
+    registered size (a silo's charge may not declare its own rate); no two share a q. 15: a silo declares
+    its whole workload as its horizon, and one request holds at most 15 distinct sampled leaves."""
     pool = []
     for i in range(10):
         pool.append(PoolMechanism(noise_multiplier=0.8 + 0.1 * i, steps=1 + i % 3, batch_size=50 * (i + 1) + 1))
-        pool.append(PoolMechanism(noise_multiplier=1.25 + 0.1 * i, steps=2 + i % 2, batch_size=64 + 48 * i))
+        if i < 5:
+            pool.append(PoolMechanism(noise_multiplier=1.25 + 0.1 * i, steps=2 + i % 2, batch_size=64 + 48 * i))
+    assert len(pool) == MAX_SAMPLED_LEAVES
     return pool
 
 
