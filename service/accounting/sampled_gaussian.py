@@ -2,7 +2,8 @@
 
 A new (q, σ) pair is priced on the approval path, so its curve is computed as a few numpy passes
 over all orders instead of an order at a time (dp-accounting's loops take 40–70 ms a pair; this
-takes a few ms). Every value is an upper bound on the exact divergence, rounded up:
+takes a few ms). rdp.py keeps the lower of this and dp-accounting's value at each order, so that no
+quoted ε exceeds dp-accounting's. Every value here is an upper bound on the exact divergence, rounded up:
 
 * an integer order α is the finite sum of Mironov, Talwar & Zhang ("Rényi Differential Privacy of
   the Sampled Gaussian Mechanism", 2019, §3.3), A_α = Σ_{k≤α} C(α,k) (1−q)^{α−k} q^k e^{(k²−k)/2σ²},
