@@ -643,19 +643,26 @@ def load_receipts(path: Path) -> list[Receipt]:
     return receipts
 
 
-def report(out: Outcome) -> int:
+def _proof_header(evidence: dict[str, Any]) -> str:
+    if "heads" in evidence:
+        return "two heads signed by the ledger's key that cannot both be honest"
+    if "promise" in evidence:
+        return ("the ledger's key promised this leaf in the log by a deadline; its head signed after the deadline "
+                "does not hold it")
+    return "entries the ledger's key signed, in the head below, whose ε or budget does not recompose from their own mechanisms"
+
+
+def report(out: Outcome, *, proof: Callable[[dict[str, Any]], str] = _proof_header, of: str = "") -> int:
+    """Prints each proof of misbehaviour (headed by `proof` of it), the notes, the problems (`of`: what
+    they are problems with); the exit code."""
     for evidence in out.evidence:
-        print("PROOF OF MISBEHAVIOUR (two heads signed by the ledger's key that cannot both be honest):" if "heads" in evidence
-              else "PROOF OF MISBEHAVIOUR (the ledger's key promised this leaf in the log by a deadline; its head signed "
-                   "after the deadline does not hold it):" if "promise" in evidence
-              else "PROOF OF MISBEHAVIOUR (entries the ledger's key signed, in the head below, whose ε or budget "
-                   "does not recompose from their own mechanisms):")
+        print(f"PROOF OF MISBEHAVIOUR ({proof(evidence)}):")
         print(json.dumps(evidence, indent=2))
     for note in out.notes:
         print(f"ok: {note}" if out.ok else f"note: {note}")
     if out.ok:
         return 0
-    print(f"BROKEN: {len(out.problems)} problem(s)")
+    print(f"BROKEN: {len(out.problems)} problem(s){of}")
     for problem in out.problems:
         print(f"  - {problem}")
     return people_cli.EXIT_BROKEN

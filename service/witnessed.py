@@ -15,7 +15,6 @@ signed head at that size contradicts is printed as a proof of misbehaviour.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -203,18 +202,11 @@ def check_witnesses(ledger: LedgerLog, receipts: list[Receipt], witnesses: list[
 
 
 def report(out: Outcome) -> int:
-    for evidence in out.evidence:
-        print("PROOF OF MISBEHAVIOUR (a checkpoint the ledger's key signed and a witness cosigned, against what the "
-              "ledger's key signs today):")
-        print(json.dumps(evidence, indent=2))
-    for line in out.notes:
-        print(f"ok: {line}" if out.ok else f"note: {line}")
-    if out.ok:
-        return 0
-    print(f"BROKEN: {len(out.problems)} problem(s) with the witnesses")
-    for problem in out.problems:
-        print(f"  - {problem}")
-    return people_cli.EXIT_BROKEN
+    return transparency_cli.report(
+        out, of=" with the witnesses",
+        proof=lambda _: "a checkpoint the ledger's key signed and a witness cosigned, against what the ledger's key "
+        "signs today",
+    )
 
 
 @people_cli._reports_errors

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from dpledger.harness import free_port
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import DPSGDConfig
 from tests import gate_oracle
+from tests.block_processes import kill_all, started_in
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -57,30 +57,6 @@ def setting(block: str, pattern: str) -> str:
     found = re.findall(pattern, block)
     assert len(found) == 1, f"{pattern!r} in the tour: {found}"
     return str(found[0])
-
-
-def started_in(folder: Path, session: int) -> list[int]:
-    """Live processes the block started: in its shell's session, or with their cwd under its folder."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            in_folder = os.readlink(entry / "cwd").startswith(str(folder))
-        except OSError:
-            continue
-        if stat[0] != "Z" and (int(stat[3]) == session or in_folder):
-            found.append(int(entry.name))
-    return found
-
-
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def rounds_bought(detail: dict[str, object], *, budget: float, q: float, sigma: float, steps: int, most: int) -> int:

@@ -27,6 +27,9 @@ from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Denied, LedgerError, NotOwned
 
 log = logging.getLogger("flwr.dpledger.silo")
+# A line that names the silo's budget starts with SILO_LINE: it is the silo's own log. In Flower's
+# simulation engine the ClientApps log into the run's one stream, beside the ServerApp's lines.
+SILO_LINE = "[silo "
 
 
 def ledger_job(job_id: int) -> str:
@@ -79,7 +82,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
             permit = open_round(ledger, silo_id=silo.silo_id, job_id=ledger_job(job_id), round=round_index,
                                 mechanism=mechanism)
         except Denied as denied:
-            log.warning("silo %d declines: %s", silo.silo_id, refusal_line(denied, round=round_index))
+            log.warning("[silo %d] declines: %s", silo.silo_id, refusal_line(denied, round=round_index))
             return records.status_reply(message, records.DECLINED)
         except NotOwned as replay:
             log.warning("%s", replay)
@@ -98,9 +101,10 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
                       permit.charge_id, error)
         else:
             try:
-                log.info("%s", spent_line(ledger.silo(silo.silo_id), round=round_index))
+                log.info("[silo %d] %s", silo.silo_id, spent_line(ledger.silo(silo.silo_id), round=round_index))
             except LedgerError as error:
-                log.warning("round %d: settled; its ε could not be read back (%s)", round_index + 1, error)
+                log.warning("[silo %d] round %d: settled; its ε could not be read back (%s)", silo.silo_id,
+                            round_index + 1, error)
         outcome = context.state.config_records.pop(records.OUTCOME, None)
         norm = outcome.get("update-norm") if outcome is not None else None
         if isinstance(norm, float) and records.reply_status(reply) == records.TRAINED:

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 
 from dpledger.harness import free_port
+from tests.block_processes import kill_all, started_in
 from tests.flower.federation import expected_epsilon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,31 +64,6 @@ def free_ports(count: int) -> int:
             continue
         return first
     raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def started_in(folder: Path, session: int) -> list[int]:
-    """Live processes the block started: in its shell's session, or with their cwd in its folder (the
-    SuperLink starts its SuperExec in a session of its own). Zombies are dead already."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            in_folder = os.readlink(entry / "cwd") == str(folder)
-        except OSError:
-            continue
-        if stat[0] != "Z" and (int(stat[3]) == session or in_folder):
-            found.append(int(entry.name))
-    return found
-
-
-def kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_the_readme_federation_block_runs_as_pasted_into_an_empty_folder(tmp_path: Path) -> None:

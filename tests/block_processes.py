@@ -1,0 +1,34 @@
+"""The processes a pasted README block started, for the tests that run one verbatim (the tour, the
+Flower federation): found by session or by working folder, and killed at the end."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def started_in(folder: Path, session: int) -> list[int]:
+    """Live processes the block started: in its shell's session, or with their cwd in or under its
+    folder (the SuperLink starts its SuperExec in a session of its own). Zombies are dead already."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        in_folder = cwd == str(folder) or cwd.startswith(f"{folder}{os.sep}")
+        if stat[0] != "Z" and (int(stat[3]) == session or in_folder):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
