@@ -155,6 +155,9 @@ def _pld_gaussian(walk: _Walk, *, sigma: float, q: float, count: float) -> None:
 def gaussian_loss_range(sigma: float) -> float:
     """The privacy-loss range dp-accounting's PLD of a Gaussian at σ (sensitivity 1) spans: its grid
     has this / discretisation points. ~2·9.8/σ + 1/σ² (the noise truncated at e^-50 of mass)."""
-    loss = privacy_loss_mechanism.GaussianPrivacyLoss(sigma, log_mass_truncation_bound=_PLD_TRUNCATION)
-    tail = loss.privacy_loss_tail()
-    return float(loss.privacy_loss(tail.lower_x_truncation) - loss.privacy_loss(tail.upper_x_truncation))
+    try:
+        loss = privacy_loss_mechanism.GaussianPrivacyLoss(sigma, log_mass_truncation_bound=_PLD_TRUNCATION)
+        tail = loss.privacy_loss_tail()
+        return float(loss.privacy_loss(tail.lower_x_truncation) - loss.privacy_loss(tail.upper_x_truncation))
+    except OverflowError:  # σ near the float range: dp-accounting squares it; the range is ~0 there
+        return 2 * 10.0 / sigma + 1 / sigma / sigma

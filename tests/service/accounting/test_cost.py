@@ -33,3 +33,9 @@ def test_the_sampled_leaf_limit_is_15_as_stated() -> None:
     cost.check(Composed(events=leaves[: cost.MAX_SAMPLED_LEAVES]))
     with pytest.raises(MechanismError, match="16 distinct sampled leaves; one request may hold at most 15"):
         cost.check(Composed(events=leaves))
+
+
+def test_a_gaussian_near_the_float_range_is_priced_not_a_crash() -> None:
+    # dp-accounting squares σ in its privacy loss: at 1.5e307 that overflowed into a 500 (found by the fuzz test).
+    assert cost.gaussian_loss_range(1.5e307) == pytest.approx(20 / 1.5e307)
+    assert cost.check(Gaussian(noise_multiplier=1.5e307)) is None
