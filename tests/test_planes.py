@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPOSITION = {"cli.py", "worker_cli.py", "demo.py", "tune.py", "harness.py"}
+COMPOSITION = {"cli.py", "worker_cli.py", "demo.py", "demo_story.py", "tune.py", "harness.py"}  # demo_story: the demo's verdicts
 # Top-level modules that face one plane only: a silo's public names, re-exported from the trainer
 # (and from the wire contract: the typed client and its errors, which the service's commands share).
 FACADES = {"silo.py": "dpledger.service"}

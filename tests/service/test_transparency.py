@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -393,6 +394,10 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
             for charge_id in charge_ids:
                 client.commit(charge_id)
         assert len((receipts / "receipts.jsonl").read_text().splitlines()) == 6
+        # The sequencer signs a head per batch (≤ 100 ms): the auditor reads the log once all 7 are in it.
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server}/v1/log/head", headers=ADMIN).json()["tree_size"] < 7 and time.monotonic() < deadline:
+            time.sleep(0.05)
         monkeypatch.setenv("DPLEDGER_URL", server)
         monkeypatch.setenv("DPLEDGER_KEY", auditor)
         assert main(["audit", "--since", str(head_file)]) == 0
