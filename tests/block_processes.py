@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
+
+import pytest
 
 
 def started_in(folder: Path, session: int) -> list[int]:
@@ -32,3 +35,18 @@ def kill_all(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def run_block(script: Path, *, folder: Path, env: dict[str, str], log: Path, timeout: float) -> subprocess.Popen[bytes]:
+    """Runs a pasted block as written (`bash -eu`: a failing step stops it there, an unset variable is an
+    error) in `folder`, its output to `log`; returns the finished shell, or fails the test past `timeout`
+    after killing what the block started. The caller kills what it leaves running (`started_in`)."""
+    with log.open("wb") as out:
+        shell = subprocess.Popen(["bash", "-eu", str(script)], cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    try:
+        shell.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_all(started_in(folder, shell.pid))
+        pytest.fail(f"the block ran past {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+    return shell

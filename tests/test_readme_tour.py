@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 import tomllib
@@ -28,7 +27,7 @@ from dpledger.harness import free_port
 from dpledger.trainer.data.digits import make_rotated_masked_digits
 from dpledger.trainer.federated import DPSGDConfig
 from tests import gate_oracle
-from tests.block_processes import kill_all, started_in
+from tests.block_processes import kill_all, run_block, started_in
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -91,14 +90,8 @@ def test_the_readme_tour_runs_as_pasted_into_an_empty_folder(tmp_path: Path) -> 
         env.pop(inherited, None)
     log = tmp_path / "tour.log"
     started = time.monotonic()
-    with log.open("wb") as out:
-        shell = subprocess.Popen(["bash", "-eu", str(script)], cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    shell = run_block(script, folder=folder, env=env, log=log, timeout=BLOCK_TIMEOUT)
     try:
-        try:
-            shell.wait(timeout=BLOCK_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the tour ran past {BLOCK_TIMEOUT:.0f} s:\n{log.read_text()[-4000:]}")
         text = log.read_text()
         assert shell.returncode == 0, text[-4000:]
         print(f"the README's tour ran in {time.monotonic() - started:.0f} s")

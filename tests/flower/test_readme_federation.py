@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from dpledger.harness import free_port
-from tests.block_processes import kill_all, started_in
+from tests.block_processes import kill_all, run_block, started_in
 from tests.flower.federation import expected_epsilon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,15 +89,8 @@ def test_the_readme_federation_block_runs_as_pasted_into_an_empty_folder(tmp_pat
         env.pop(inherited, None)
     log = tmp_path / "block.log"
     started = time.monotonic()
-    with log.open("wb") as out:
-        # -e: a failing step stops the block here rather than at a confusing later one; -u: no unset variable.
-        shell = subprocess.Popen(["bash", "-eu", str(script)], cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    shell = run_block(script, folder=folder, env=env, log=log, timeout=BLOCK_TIMEOUT)
     try:
-        try:
-            shell.wait(timeout=BLOCK_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the block ran past {BLOCK_TIMEOUT:.0f} s:\n{log.read_text()[-4000:]}")
         elapsed = time.monotonic() - started
         text = log.read_text()
         assert shell.returncode == 0, text[-4000:]
