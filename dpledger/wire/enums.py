@@ -26,6 +26,7 @@ class EntryEvent(enum.StrEnum):
     filter = "filter"  # the silo's filter orders and δ shares, for silos that held charges before filters
     plan = "plan"  # a plan declared before the silo's first charge
     seal = "seal"  # an admin accepted the silo's record as it stands after a tamper (the record it covers)
+    retire = "retire"  # an admin retired a mis-registered silo: it approves nothing after (the reason it covers)
 
 
 class SearchStatus(enum.StrEnum):

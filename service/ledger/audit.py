@@ -76,6 +76,7 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
     status_from_log: dict[int, ChargeStatus] = {}
     filter_entries: list[int] = []
     reserves: list[tuple[int, Charge]] = []
+    retired_at: int | None = None  # the seq of the silo's retire entry, once the scan passed it
     for entry in entries:
         report.entries += 1
         charge = charges.get(entry.charge_id) if entry.charge_id is not None else None
@@ -99,6 +100,9 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
                                 f"entry {entry.seq} records a filter, but the silo's filter is at entry {silo.filter_seq}")
             if event is EntryEvent.plan and silo.plan is None:
                 report.flag(silo.id, entry.seq, f"entry {entry.seq} records a plan the silo does not hold")
+            if event is EntryEvent.retire:
+                _check_retire(silo, entry.seq, retired_at, report)
+                retired_at = entry.seq if retired_at is None else retired_at
         elif charge is None:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} names charge {entry.charge_id}, which is not this silo's")
             subject = {}
@@ -106,6 +110,9 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
             subject = chain.charge_fields(charge)
             if event is EntryEvent.reserve:
                 reserves.append((entry.seq, charge))
+                if retired_at is not None:  # e.g. retired_seq nulled in the database, and charging resumed
+                    report.flag(silo.id, entry.seq, f"entry {entry.seq} reserves charge {charge.id} after the silo's "
+                                f"retire entry {retired_at}: a retired silo approves nothing", charge.id)
             before = status_from_log.get(charge.id)
             if before != _STATUS_BEFORE[event]:
                 report.flag(
@@ -116,18 +123,32 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
             status_from_log[charge.id] = _STATUS_AFTER[event]
         # An entry that covered the record before an admin's seal covers what the row held then, which
         # the seal accepted was lost: the seal's entry (and the transparency log's leaf) stand for it.
-        superseded = event in seals.RECORD_EVENTS and entry.seq < (silo.sealed_seq or 0)
+        # A retire entry is never superseded: a retired silo cannot be sealed (seals.seal).
+        superseded = event in seals.RECORD_EVENTS and event is not EntryEvent.retire and entry.seq < (silo.sealed_seq or 0)
         if not superseded and chain.entry_hash(entry, subject=subject) != entry.hash:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} ({entry.event}) does not match its hash", entry.charge_id)
         prev_hash, expected_seq = entry.hash, entry.seq + 1
     if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:
         report.flag(silo.id, expected_seq, "the silo's chain head is not the last entry (an entry was removed)")
+    if silo.retired_seq is not None and retired_at is None:
+        report.flag(silo.id, silo.retired_seq, f"the silo's record says it was retired at entry {silo.retired_seq}, "
+                    "but no retire entry of its chain is there")
     if silo.filter_seq != 1 and filter_entries != ([] if silo.filter_seq == 0 else [silo.filter_seq]):
         # Seq 1 is the create entry, whose hash covers the filter; 0, a filter its first charge is still
         # to fix (none may cover it); otherwise exactly one filter entry must.
         report.flag(silo.id, None, f"the silo's filter (entry {silo.filter_seq}) is covered by no filter entry of its chain")
     _verify_charges(silo, charges, status_from_log, report)
     _verify_plan(silo, reserves, report)
+
+
+def _check_retire(silo: Silo, seq: int, earlier: int | None, report: Report) -> None:
+    """A retire entry must be the silo's only one, and the one its record points at: a record that
+    no longer says so (retired_seq nulled or moved) would approve again on a silo retired for good."""
+    if earlier is not None:
+        report.flag(silo.id, seq, f"entry {seq} retires the silo again, after its retire entry {earlier}")
+    elif silo.retired_seq != seq:
+        says = "it is in service" if silo.retired_seq is None else f"it was retired at entry {silo.retired_seq}"
+        report.flag(silo.id, seq, f"entry {seq} retired the silo, but the silo's record says {says}")
 
 
 def _verify_plan(silo: Silo, reserves: list[tuple[int, Charge]], report: Report) -> None:

@@ -65,6 +65,13 @@ def seal_fields(silo: Silo) -> dict[str, Any]:
     return {**silo_fields(silo), "filter": silo.filter_spec, "plan": silo.plan}
 
 
+def retire_fields(silo: Silo) -> dict[str, Any]:
+    """A retire entry covers who the silo is (its registered promise, which stays on record) and why an
+    admin retired it (ledger/silos.py retire): an edited reason, or a record taken back into service
+    under another name or budget, no longer recomputes to it."""
+    return {**silo_fields(silo), "reason": silo.retired_reason}
+
+
 def subject(event: EntryEvent, silo: Silo, charge: Charge | None) -> dict[str, Any]:
     """What an entry of this kind covers besides itself."""
     if event is EntryEvent.create:
@@ -75,6 +82,8 @@ def subject(event: EntryEvent, silo: Silo, charge: Charge | None) -> dict[str, A
         return filter_fields(silo)
     if event is EntryEvent.plan:
         return plan_fields(silo)
+    if event is EntryEvent.retire:
+        return retire_fields(silo)
     if charge is None:
         raise ValueError(f"a {event.value} entry names a charge")
     return charge_fields(charge)

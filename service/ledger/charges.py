@@ -257,6 +257,7 @@ def reserve_locked(
     if earlier is not None:  # a concurrent retry landed between the caller's read and this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
+    silos.refuse_if_retired(silo)  # after a replay (a read of a charge made before), before any approval
     step = gate.follow_plan(silo, priced.mechanism)  # on a plan of the rule before: only its next units, else a 409
     decision = check_budget(silo, priced.curve, on_plan=step.on_plan)
     if not decision.fits:

@@ -91,6 +91,10 @@ class Silo(Base):
     # The seq of the newest `seal` entry (an admin accepted the record after a tamper; ledger/seals.py),
     # which then covers the record in place of the create, filter and plan entries. None: never sealed.
     sealed_seq: Mapped[int | None] = mapped_column(Integer)
+    # The seq of the silo's `retire` entry and the reason it covers (ledger/silos.py retire): from then on
+    # the silo approves nothing, and its name stays its own. None: in service.
+    retired_seq: Mapped[int | None] = mapped_column(Integer)
+    retired_reason: Mapped[str | None] = mapped_column(Text)
 
 
 class Charge(Base):

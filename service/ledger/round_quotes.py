@@ -22,6 +22,7 @@ from dpledger.wire.schemas import RoundsQuote, RoundsQuoteRequest, finite_or_non
 def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
     with db.read() as session:
         silo = silos.get(session, body.silo_id)
+    silos.refuse_if_retired(silo)  # no round of a job would be approved: its plan is refused, not priced
     if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: it is approved the plan's units only, nothing else")
     declared = [run.mechanism for run in body.runs for _ in range(run.count)]

@@ -29,7 +29,7 @@ from dpledger.service.ledger.errors import Conflict
 from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Silo
 
 # The events whose entries cover the silo's record rather than a charge.
-RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal)
+RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
 
 
 class Tampered(Conflict):
@@ -55,6 +55,10 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         wanted[1] = EntryEvent.create
         if silo.filter_seq not in (1, gate.PENDING_SEQ):  # a pending silo's filter is covered by no entry yet
             wanted[silo.filter_seq] = EntryEvent.filter
+    if silo.retired_seq is not None:
+        # Last, so that a retired_seq moved onto another record entry is read as a retire entry there and
+        # refused (the entry it names is no retire entry), never as that entry's own.
+        wanted[silo.retired_seq] = EntryEvent.retire
     found = {e.seq: e for e in session.scalars(
         select(LedgerEntry).where(LedgerEntry.silo_id == silo.id, LedgerEntry.seq.in_(list(wanted)))
     )}
@@ -123,6 +127,9 @@ def seal(db: Database, silo_id: int) -> int:
 
     with db.write() as session:
         silo = silos.lock(session, silo_id, checked=False)
+        # A retired silo approves nothing, so a seal (which exists to resume approvals) has nothing to
+        # resume; its edited row is restored instead. Checked first: the answer names the retirement.
+        silos.refuse_if_retired(silo)
         try:
             check(session, silo)
         except Tampered:

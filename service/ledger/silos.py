@@ -1,4 +1,5 @@
-"""Silos: registration (with the genesis entry of their chain) and their budget as it stands."""
+"""Silos: registration (with the genesis entry of their chain), their budget as it stands, and
+retirement (an admin stops a mis-registered silo for good: `retire`, `refuse_if_retired`)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,55 @@ def register(
             append_entry(session, silo, event=EntryEvent.create, charge=None, epsilon_spent=0.0, now=now)
             _, raw = create_key(session, role=Role.silo, silo_id=silo.id)
     except IntegrityError as error:
-        raise Conflict(f"a silo named {name!r} exists already") from error
+        raise Conflict(_name_taken(db, name)) from error
     return silo, raw
+
+
+def _name_taken(db: Database, name: str) -> str:
+    """Why a name is refused: a retired silo keeps its name for good (in its entries and the log, a name
+    names one record for auditors), so the admin who retired a mis-registered silo is told to pick another."""
+    with db.read() as session:
+        holder = session.scalars(select(Silo).where(Silo.name == name)).one_or_none()
+    if holder is None or holder.retired_seq is None:
+        return f"a silo named {name!r} exists already"
+    return (f"a silo named {name!r} exists already (silo {holder.id}, retired: {holder.retired_reason}); "
+            "register the corrected silo under another name")
+
+
+class Retired(Conflict):
+    """A request that would approve budget on a retired silo: it approves nothing, ever again."""
+
+    def __init__(self, silo: Silo) -> None:
+        super().__init__(f"silo {silo.id} is retired (entry {silo.retired_seq}: {silo.retired_reason}): it approves "
+                         "nothing; register a new silo")
+        self.silo_id = silo.id
+        self.seq = silo.retired_seq
+        self.reason = silo.retired_reason
+
+
+def refuse_if_retired(silo: Silo) -> None:
+    """The one check every path that approves or plans budget makes (reserve, hence searches and the
+    pending filter's fix; a plan; σ calibration and round quotes; a seal), after its silo is loaded and
+    checked (seals.check covers the retire entry). Settling a reservation made before the retirement
+    does not call it: a round that may have touched data must still be committed."""
+    if silo.retired_seq is not None:
+        raise Retired(silo)
+
+
+def retire(db: Database, silo_id: int, *, reason: str) -> int:
+    """Retires the silo for good in a `retire` entry of its chain and of the transparency log, whose hash
+    covers the silo's identity and `reason`; returns the entry's seq. Nothing is refunded, edited or
+    hidden: the record, its charges and its entries stay as they are. A 409 if it is retired already,
+    or if its record is tampered (restored or sealed first, so the entry covers a sound record)."""
+    with db.write() as session:
+        silo = lock(session, silo_id)
+        if silo.retired_seq is not None:
+            raise Conflict(f"silo {silo_id} is retired already (entry {silo.retired_seq}: {silo.retired_reason})")
+        silo.retired_reason = reason  # before the entry, whose hash covers it (chain.retire_fields)
+        position = append_entry(session, silo, event=EntryEvent.retire, charge=None,
+                                epsilon_spent=epsilon_spent(silo), now=datetime.now(UTC))
+        silo.retired_seq = position.seq
+        return position.seq
 
 
 def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime) -> None:
@@ -174,6 +222,7 @@ def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plan
     plan's share of δ, plans.PLAN_DELTA_SHARE) fits. The filter keeps approving beside it."""
     with db.read() as session:
         silo = get(session, silo_id)
+        refuse_if_retired(silo)  # before its price is computed: a retired silo plans nothing
         dataset_size, delta, budget = silo.dataset_size, silo.delta, silo.epsilon
     try:
         resolved = resolve(mechanism, dataset_size=dataset_size)
@@ -186,6 +235,7 @@ def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plan
     declared = plans.Plan(mechanism=resolved.model_dump_json(), segments=tuple(segments), epsilon=price)
     with db.write() as session:
         silo = lock(session, silo_id)
+        refuse_if_retired(silo)  # again under the lock: a retirement may have landed since the read
         closed = plan_closed(session, silo)
         if closed is not None:
             raise Conflict(closed)
@@ -207,6 +257,7 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
     what the silo has left (reserved charges count as spent). Reserves nothing. `first_steps`: the
     steps of one charge of them (default: all in one), which fixes a pending silo's filter."""
+    refuse_if_retired(silo)  # a σ for rounds that would all be refused would only start a doomed job
     if silo.relation != Relation.add_remove:
         raise InvalidRequest(
             "silo_id", f"DP-SGD is analysed under add_remove; this silo is registered with relation={silo.relation}"

@@ -408,12 +408,12 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
 
 
 def _silo_subject(entry: LedgerEntry, silo: Silo) -> dict[str, Any]:
-    """What a charge-less entry covers: its create, filter, plan or seal subject (chain.subject)."""
+    """What a charge-less entry covers: its create, filter, plan, seal or retire subject (chain.subject)."""
     try:
         event = EntryEvent(entry.event)
     except ValueError:  # an edited event: recomputed as a create, so the leaf no longer matches
         event = EntryEvent.create
-    if event not in (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal):
+    if event not in (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire):
         event = EntryEvent.create
     return chain.subject(event, silo, None)
 
