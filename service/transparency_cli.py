@@ -357,6 +357,9 @@ def _compare_served(get: Get, silo_id: int, composed: Composition, out: Outcome)
             out.problems.append(f"{name}: the ledger serves a filter other than the one its signed "
                                 f"{composed.record_event} entry fixed (orders {served.get('orders')} "
                                 f"weights {served.get('weights')})")
+    if composed.retired_seq is not None and detail.get("retired_seq") != composed.retired_seq:
+        out.problems.append(f"{name}: its signed entry {composed.retired_seq} retired it, but the ledger serves it "
+                            f"with retired_seq={detail.get('retired_seq')!r}")
     stated = math.inf if detail.get("epsilon_spent") is None else float(detail["epsilon_spent"])
     if not _same_epsilon(stated, composed.epsilon):
         out.problems.append(f"{name}: the ledger says ε={stated:.6g} is spent now, but the mechanisms of its "
@@ -465,6 +468,7 @@ class Composition:
     spec: Any  # accounting.filter.FilterSpec, or None for a silo from before filters
     record_event: str  # the entry that fixed them: "create", or "seal" where an admin sealed the record since
     epsilon: float  # after the silo's last entry
+    retired_seq: int | None = None  # the seq of the silo's signed retire entry: it approves nothing after it
 
 
 def _same_epsilon(stated: float, composed: float) -> bool:
@@ -509,6 +513,7 @@ def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None
     total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
     composed, read = 0.0, False
     prev_hash, seq = "0" * 64, 0
+    retired: int | None = None  # the seq of the silo's retire entry, once replayed
     curves: dict[str, np.ndarray] = {}  # a job repeats one mechanism: parse and check it once
     while (record := (yield)) is not None:
         entry, subject = record["entry"], record["subject"]
@@ -536,6 +541,14 @@ def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None
             out.problems.append(f"{name}: the silo's create entry is missing")
             return None
         charge_id = entry["charge_id"]
+        if event == "retire":
+            if retired is not None:
+                out.problems.append(f"{name} retires the silo again, after its retire entry {retired}")
+            retired = retired or entry["seq"]
+        if event == "reserve" and retired is not None:
+            # The operator may null the record's retirement and approve again: the signed entries say otherwise.
+            out.problems.append(f"{name} (reserve of charge {charge_id}) comes after the silo's retire entry {retired}: "
+                                "a retired silo approves nothing")
         if event == "reserve":
             stored_json = subject["rdp"]
             curve = curves.get(subject["mechanism"] + stored_json)
@@ -591,7 +604,7 @@ def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None
         return None
     if spec is not None and plan is not None and plan.alongside:
         spec = rdp_filter.scaled(spec, plan.filter_share)  # as the ledger serves it beside its plan
-    return Composition(budget, delta, spec, fixed_by, composed)
+    return Composition(budget, delta, spec, fixed_by, composed, retired)
 
 
 @functools.lru_cache(maxsize=1)

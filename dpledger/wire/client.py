@@ -259,6 +259,10 @@ class LedgerClient:
         """Accepts a tampered silo's record as it stands (admin; POST /v1/silos/{id}/seal)."""
         return self._expect(self._send("POST", f"/v1/silos/{silo_id}/seal"), SiloDetail, 200)
 
+    def retire_silo(self, silo_id: int, *, reason: str) -> SiloDetail:
+        """Retires a mis-registered silo for good: it approves nothing from then on (admin; POST /v1/silos/{id}/retire)."""
+        return self._expect(self._send("POST", f"/v1/silos/{silo_id}/retire", {"reason": reason}), SiloDetail, 200)
+
     # --- a silo's own ------------------------------------------------------------------------------
     def silo(self, silo_id: int) -> SiloDetail:
         return self._expect(self._send("GET", f"/v1/silos/{silo_id}"), SiloDetail, 200)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -113,6 +114,9 @@ class SiloCreated(_SiloFields):
 
 class SiloSummary(_SiloFields):
     epsilon_spent: float | None
+    retired_seq: int | None = Field(None, description="the silo's retire entry, where an admin retired it: it approves "
+                                    "nothing since (its earlier reservations are still settled); null: in service")
+    retired_reason: str | None = Field(None, description="why an admin retired the silo, as its retire entry covers it")
 
 
 class FilterView(BaseModel):
@@ -148,6 +152,23 @@ class SiloDetail(SiloSummary):
     gated_on: Literal["rdp_filter", "plan", "plan_and_filter"] = Field(
         "rdp_filter", description="rdp_filter; plan_and_filter: the lower of the plan's ε and the filter's while "
         "every charge follows the plan; plan: a plan of the rule before, alone")
+
+
+def _one_line_reason(value: str) -> str:
+    # Quoted in every refusal of the silo, which is one line: no line breaks or other control characters.
+    if not value.strip():
+        raise ValueError("must say why the silo is retired, not only spaces")
+    found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+    if found is not None:
+        raise ValueError(f"must be one line of text: no control characters (found {found!r})")
+    return value
+
+
+class SiloRetireRequest(_Request):
+    """Why the silo is retired: kept in its retire entry and quoted in every refusal from then on."""
+
+    reason: Annotated[str, Field(min_length=1, max_length=500, description="1 to 500 characters on one line"),
+                      AfterValidator(_one_line_reason)]
 
 
 class PlanRequest(_WithMechanism):

@@ -1,15 +1,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, inspect, text
 
 from dpledger.cli import openapi_document
+from dpledger.service.api.app import create_app
 from dpledger.service.ledger.db import alembic_config
 from dpledger.service.ledger.models import Base
+from dpledger.service.settings import Settings
+from tests.conftest import ADMIN, ADMIN_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,4 +42,41 @@ def test_migrations_build_exactly_the_models_and_downgrade_cleanly(database_url:
     assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
     command.upgrade(alembic_config(database_url), "head")
     assert {"silos", "charges", "ledger_entries", "api_keys"} <= set(inspect(create_engine(database_url)).get_table_names())
+    engine.dispose()
+
+
+def test_revision_0012_keeps_silos_across_a_round_trip_and_refuses_to_downgrade_a_retired_one(database_url: str) -> None:
+    """The retirement's columns come and go with revision 0012; a ledger holding a retired silo is not
+    downgraded below it, since the code there would approve on that silo again."""
+    def serve() -> TestClient:
+        app = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
+        served.append(app)
+        return TestClient(app)
+
+    served: list[Any] = []
+    config, engine = alembic_config(database_url), create_engine(database_url)
+
+    def columns() -> set[str]:
+        return {c["name"] for c in inspect(engine).get_columns("silos")}
+
+    def version() -> str:
+        with engine.connect() as connection:
+            return str(connection.execute(text("SELECT version_num FROM alembic_version")).scalar_one())
+
+    body = {"name": "ward", "epsilon": 3.0, "delta": 1e-5, "dataset_size": 1000}
+    with serve() as client:
+        silo_id = client.post("/v1/silos", json=body, headers=ADMIN).json()["id"]
+    served[-1].state.engine.dispose()
+    command.downgrade(config, "0011")
+    assert {"retired_seq", "retired_reason"}.isdisjoint(columns()) and version() == "0011"
+    command.upgrade(config, "head")
+    assert {"retired_seq", "retired_reason"} <= columns()
+    with serve() as client:
+        assert client.get(f"/v1/silos/{silo_id}", headers=ADMIN).json()["retired_seq"] is None  # in service, as it was
+        retired = client.post(f"/v1/silos/{silo_id}/retire", json={"reason": "wrong size"}, headers=ADMIN)
+        assert retired.status_code == 200 and retired.json()["retired_seq"] == 2
+    served[-1].state.engine.dispose()
+    with pytest.raises(RuntimeError, match=rf"silos {silo_id} are retired: code below revision 0012 would approve"):
+        command.downgrade(config, "0011")
+    assert {"retired_seq", "retired_reason"} <= columns() and version() == "0012"
     engine.dispose()

@@ -28,6 +28,7 @@ from dpledger.wire.schemas import (
     SiloCreated,
     SiloCreateRequest,
     SiloDetail,
+    SiloRetireRequest,
     SiloSummary,
     finite_or_none,
 )
@@ -39,6 +40,7 @@ def _summary(silo: Silo) -> SiloSummary:
     return SiloSummary(
         id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size,
         relation=silo.relation, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
+        retired_seq=silo.retired_seq, retired_reason=silo.retired_reason,
     )
 
 
@@ -142,6 +144,8 @@ def _subject(event: str, silo: Silo) -> dict[str, object] | None:
             return {"filter": json.loads(silo.filter_spec)}
         if event == EntryEvent.plan and silo.plan is not None:
             return {"plan": json.loads(silo.plan)}
+        if event == EntryEvent.retire:
+            return {"reason": silo.retired_reason}
     except ValueError:  # an edited row: shown as missing here, and named by /v1/audit/verify
         return None
     return None
@@ -160,6 +164,24 @@ def seal_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
     approvals resume. The edit stays visible: the create entry's leaf no longer matches its record."""
     caller.require(Role.admin)
     seals.seal(db, silo_id)
+    return get_silo(silo_id, caller, db)
+
+
+@router.post(
+    "/{silo_id}/retire",
+    response_model=SiloDetail,
+    name="retire_silo",
+    responses={409: {"description": "the silo is retired already, or its record is tampered (restore or seal it "
+                     "first): nothing was written"}},
+)
+def retire_silo(silo_id: IdPath, body: SiloRetireRequest, caller: PrincipalDep, db: DbDep) -> SiloDetail:
+    """Admin only: retires a silo registered wrongly (its dataset size, its budget), for good, in a `retire`
+    entry of its chain and of the transparency log covering its identity and the reason. From then on every
+    approval on it (a charge, a search, a plan, a σ calibration) is refused with a 409 quoting the reason;
+    reservations made before are still committed or released, and everything stays readable. Nothing is
+    refunded or hidden, and its name stays its own: register the corrected silo under another name."""
+    caller.require(Role.admin)
+    silos.retire(db, silo_id, reason=body.reason)
     return get_silo(silo_id, caller, db)
 
 
