@@ -127,7 +127,12 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-SILO_HEADER = ("id", "name", "ε budget", "δ", "ε spent", "remaining")
+SILO_HEADER = ("id", "name", "ε budget", "δ", "ε spent", "remaining", "state")
+
+
+def state(silo: SiloSummary) -> str:
+    """Empty for a silo in service (the common case adds nothing to read); a retired one says so."""
+    return "" if silo.retired_seq is None else f"retired at entry {silo.retired_seq}"
 
 
 @_reports_errors
@@ -138,7 +143,7 @@ def silos_list(args: argparse.Namespace) -> int:
         print(as_json(silos))
         return 0
     rows = [
-        (str(s.id), s.name, number(s.epsilon), number(s.delta), number(s.epsilon_spent), number(remaining(s)))
+        (str(s.id), s.name, number(s.epsilon), number(s.delta), number(s.epsilon_spent), number(remaining(s)), state(s))
         for s in silos
     ]
     print(table(SILO_HEADER, rows))
@@ -195,6 +200,8 @@ def silos_show(args: argparse.Namespace) -> int:
         value = getattr(silo, field)
         shown = str(value) if field in {"id", "name", "dataset_size"} else number(value)
         print(f"{label.ljust(width)}  {shown}")
+    retired = "no" if silo.retired_seq is None else f"at entry {silo.retired_seq}: {silo.retired_reason}"
+    print(f"{'retired'.ljust(width)}  {visible(retired)}")
     return 0
 
 
@@ -204,6 +211,16 @@ def silos_seal(args: argparse.Namespace) -> int:
         silo = client.seal_silo(args.silo_id)
     print(f"silo {silo.id} {silo.name!r} sealed as it stands: ε = {number(silo.epsilon)}, δ = {number(silo.delta)}, "
           f"ε spent {number(silo.epsilon_spent)}; approvals resume, and auditors still see the edit in the log")
+    return 0
+
+
+@_reports_errors
+def silos_retire(args: argparse.Namespace) -> int:
+    with ledger() as client:
+        silo = client.retire_silo(args.silo_id, reason=args.reason)
+    print(visible(f"silo {silo.id} {silo.name!r} retired at entry {silo.retired_seq}: {silo.retired_reason}. It approves "
+                  f"nothing from now on (ε spent stays {number(silo.epsilon_spent)}, nothing is refunded); reservations "
+                  "made before are still committed or released; register the corrected silo under another name"))
     return 0
 
 
@@ -344,6 +361,17 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     seal.add_argument("silo_id", type=int, metavar="ID")
     seal.set_defaults(run=silos_seal)
+    retire = actions.add_parser(
+        "retire", help="retire a mis-registered silo for good (admin key): it approves nothing from then on",
+        description=f"{env_note} A silo registered wrongly (its dataset size, its budget) cannot be edited. This "
+        "writes a `retire` entry to its chain and to the transparency log, covering the silo and the reason; every "
+        "later charge, search, plan or σ calibration on it is refused (409), while reservations made before are still "
+        "committed or released. Nothing is refunded or hidden, and the name stays the retired silo's.",
+    )
+    retire.add_argument("silo_id", type=int, metavar="ID")
+    retire.add_argument("--reason", required=True, help="why (1 to 500 characters, one line): kept in the retire entry "
+                        "and quoted in every refusal")
+    retire.set_defaults(run=silos_retire)
 
     hist = commands.add_parser("history", help="a silo's hash-chained ε history (over HTTP)", description=env_note)
     hist.add_argument("silo_id", type=int, metavar="ID")

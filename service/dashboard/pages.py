@@ -29,6 +29,7 @@ tr.bad td { background: #fdecea; }
 .message { color: #c0392b; }
 p.alert { background: #fdecea; border: 1px solid #c0392b; padding: 0.5rem 0.8rem; }
 .note { color: #555; font-size: 0.9rem; }
+.retired { color: #7d6608; font-weight: 600; }
 form.login { background: #fff; padding: 1rem; display: inline-block; border: 1px solid #ddd; }
 form.login input[type=password] { width: 28rem; }
 """.strip()
@@ -55,6 +56,8 @@ class SiloRow:
     refusals: int = 0  # refused requests seen by this server process
     epsilon_dp_accounting: float | None = None  # for reference: dp-accounting's non-adaptive ε of what is spent
     tampered: str | None = None  # why the record is refused (seals.Tampered): its numbers are not shown
+    retired_seq: int | None = None  # the silo's retire entry: it approves nothing since (ledger/silos.py retire)
+    retired_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -196,9 +199,12 @@ def _silo_row(row: SiloRow) -> str:
     spent = float("inf") if row.epsilon_spent is None else row.epsilon_spent
     marked = "" if row.chain_ok else ' class="bad"'
     chain = '<td class="ok" data-chain="ok">ok</td>' if row.chain_ok else '<td class="failed" data-chain="broken">BROKEN</td>'
+    retired = "" if row.retired_seq is None else (
+        f' <span class="retired" data-retired-seq="{row.retired_seq}">retired: {escape(row.retired_reason or "")}</span>'
+    )
     return (
         f'<tr data-silo-id="{row.id}"{marked}>'
-        f'<td data-name="{escape(row.name)}"><a href="/dashboard/silos/{row.id}">{escape(row.name)}</a></td>'
+        f'<td data-name="{escape(row.name)}"><a href="/dashboard/silos/{row.id}">{escape(row.name)}</a>{retired}</td>'
         f'<td class="num">{row.id}</td>'
         f'<td class="num" data-epsilon="{exact(row.epsilon)}">{shown(row.epsilon)}</td>'
         f'<td class="num" data-delta="{exact(row.delta)}">{shown(row.delta)}</td>'
@@ -223,7 +229,12 @@ def silo(
         "</span> (adaptive choices may exceed it).</p>"
     )
     chart = f'<h2>ε after each ledger entry</h2><figure id="epsilon-chart">{svg.line_chart(points, budget=row.epsilon)}</figure>'
-    body = summary + _verification(verification) + _refusals(refusals) + chart + _charges(charges, verification)
+    retired = "" if row.retired_seq is None else (
+        f'<p id="retired" class="alert" data-retired-seq="{row.retired_seq}">This silo is retired (entry {row.retired_seq}: '
+        f"{escape(row.retired_reason or '')}): it approves nothing. Its reservations made before are still settled, and "
+        "nothing it spent was refunded.</p>"
+    )
+    body = retired + summary + _verification(verification) + _refusals(refusals) + chart + _charges(charges, verification)
     return _document(f"silo {row.name}", body, signed_in=True)
 
 

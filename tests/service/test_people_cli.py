@@ -68,11 +68,12 @@ def test_silos_list_prints_the_apis_numbers(as_admin: Ledger, capsys: pytest.Cap
     assert main(["silos", "list"]) == 0
     header, *rows = capsys.readouterr().out.splitlines()
 
-    assert header.split() == ["id", "name", "ε", "budget", "δ", "ε", "spent", "remaining"]
+    assert header.split() == ["id", "name", "ε", "budget", "δ", "ε", "spent", "remaining", "state"]
     silos = api(as_admin, "/v1/silos").json()
     assert [row.split() for row in rows] == [
         [str(s["id"]), s["name"], number(s["epsilon"]), number(s["delta"]), number(s["epsilon_spent"]),
-         number(s["epsilon"] - s["epsilon_spent"])]
+         number(s["epsilon"] - s["epsilon_spent"]),
+         *([] if s["retired_seq"] is None else ["retired", "at", "entry", str(s["retired_seq"])])]  # in service: blank
         for s in silos
     ]
     assert silos[0]["epsilon_spent"] > 0 and silos[1]["epsilon_spent"] == 0.0

@@ -6,6 +6,7 @@ silo's own `verify --receipts`."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,9 +16,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, create_engine, text
 
+from dpledger.cli import main
+from dpledger.harness import running_server
 from dpledger.service.transparency_cli import Get, RefusedError, audit, verify_receipts
 from dpledger.wire.receipts import Receipt
-from tests.conftest import ADMIN, bearer
+from tests.conftest import ADMIN, ADMIN_KEY, bearer
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 SEARCH = {"trial": STEP, "mean_trials": 2, "distribution": {"kind": "geometric"}}
@@ -270,3 +273,61 @@ def test_a_retired_silos_name_stays_its_own(client: TestClient) -> None:
                             json={"name": "ward-7b", "epsilon": 3.0, "delta": 1e-5, "dataset_size": 100})
     assert corrected.status_code == 201
 
+
+def test_dpledger_silos_retire_end_to_end(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with running_server(database_url=f"sqlite:///{tmp_path}/l.db", admin_key=ADMIN_KEY) as url:
+        created = httpx.post(f"{url}/v1/silos", headers=ADMIN,
+                             json={"name": "ward", "epsilon": 3.0, "delta": 1e-5, "dataset_size": 1000}).json()
+        own = bearer(created["api_key"])
+        assert httpx.post(f"{url}/v1/silos/{created['id']}/charges", headers=own,
+                          json={"mechanism": STEP, "idempotency_key": "k"}).status_code == 201
+        monkeypatch.setenv("DPLEDGER_URL", url)
+        monkeypatch.setenv("DPLEDGER_KEY", created["api_key"])
+        assert main(["silos", "retire", str(created["id"]), "--reason", REASON]) == 2  # a silo's key may not
+        assert "403 forbidden" in capsys.readouterr().err
+
+        monkeypatch.setenv("DPLEDGER_KEY", ADMIN_KEY)
+        assert main(["silos", "retire", str(created["id"]), "--reason", REASON]) == 0
+        spent = httpx.get(f"{url}/v1/silos/{created['id']}", headers=ADMIN).json()["epsilon_spent"]
+        assert capsys.readouterr().out == (
+            f"silo {created['id']} 'ward' retired at entry 4: {REASON}. It approves nothing from now on (ε spent stays "
+            f"{spent:.6g}, nothing is refunded); reservations made before are still committed or released; register the "
+            "corrected silo under another name\n")
+        assert main(["silos", "retire", str(created["id"]), "--reason", "again"]) == 2
+        assert f"HTTP 409 from /v1/silos/{created['id']}/retire: silo {created['id']} is retired already (entry 4: " \
+               f"{REASON})" in capsys.readouterr().err
+        assert main(["silos", "retire", str(created["id"]), "--reason", ""]) == 2
+        assert "HTTP 422" in (err := capsys.readouterr().err) and "reason: String should have at least 1 character" in err
+
+        assert main(["silos", "list"]) == 0
+        header, row = capsys.readouterr().out.splitlines()
+        assert header.split()[-1] == "state" and row.endswith("retired at entry 4")
+        assert main(["silos", "show", str(created["id"])]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].split(None, 1) == ["retired", f"at entry 4: {REASON}"]
+        refused = httpx.post(f"{url}/v1/silos/{created['id']}/charges", headers=own,
+                             json={"mechanism": STEP, "idempotency_key": "k2"})
+        assert refused.status_code == 409 and refused.json()["detail"] == refusal(created["id"], 4)
+
+
+def test_the_dashboard_marks_a_retired_silo_on_the_overview_and_its_page(client: TestClient) -> None:
+    target, headers = silo(client, "target")
+    kept, _ = silo(client, "kept")
+    assert charge(client, target, headers, "before").status_code == 201
+    reason = "size <wrong> & budget"  # shown escaped, as every value from the database
+    seq = retire(client, target, reason=reason).json()["retired_seq"]
+    auditor = client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
+    signed = client.post("/dashboard/login", content=f"api_key={auditor}",
+                         headers={"content-type": "application/x-www-form-urlencoded"}, follow_redirects=False)
+    assert signed.status_code == 303
+
+    overview = client.get("/dashboard").text
+    row = re.search(rf'<tr data-silo-id="{target}".*?</tr>', overview).group(0)  # type: ignore[union-attr]
+    assert (f'<span class="retired" data-retired-seq="{seq}">retired: size &lt;wrong&gt; &amp; budget</span>' in row
+            and 'data-chain="ok"' in row and "data-epsilon-spent=" in row)  # its numbers, as they were
+    assert 'class="retired"' not in re.search(rf'<tr data-silo-id="{kept}".*?</tr>', overview).group(0)  # type: ignore[union-attr]
+    page = client.get(f"/dashboard/silos/{target}")
+    assert page.status_code == 200
+    assert (f'<p id="retired" class="alert" data-retired-seq="{seq}">This silo is retired (entry {seq}: size &lt;wrong&gt; '
+            "&amp; budget): it approves nothing." in page.text)
+    assert 'id="retired"' not in client.get(f"/dashboard/silos/{kept}").text

@@ -110,6 +110,7 @@ def _row(silo: Silo, *, chain_ok: bool = True, refusals: int = 0) -> pages.SiloR
         epsilon_committed=finite_or_none(budget.epsilon_committed),
         epsilon_remaining=budget.epsilon_remaining, chain_ok=chain_ok, refusals=refusals,
         epsilon_dp_accounting=finite_or_none(ledger_history.dp_accounting_epsilon(silo)),
+        retired_seq=silo.retired_seq, retired_reason=silo.retired_reason,
     )
 
 
