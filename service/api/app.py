@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
 
 from dpledger.service.api import errors, metrics
+from dpledger.service.api.known import Known
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.api.routes import (
     audit,
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.engine = db.engine
     app.state.refusals = RefusalLog()
+    app.state.known = Known()  # keys and silos this process has approved for (service/api/known.py)
     # The log's sequencer runs in every serving process; one per database leads (ledger/sequencer.py).
     # Started here, not at the lifespan's start, so that an app driven without one (a test client
     # outside `with`) sequences too; it ends at shutdown, when the engine is disposed, or with the app.

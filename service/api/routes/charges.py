@@ -6,9 +6,12 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.security import HTTPAuthorizationCredentials
 
-from dpledger.service.api.deps import READERS, BearerDep, DbDep, IdPath, PrincipalDep, authenticate
+from dpledger.service.accounting.events import MechanismError
+from dpledger.service.api.deps import READERS, BearerDep, DbDep, IdPath, Principal, PrincipalDep, authenticate
 from dpledger.service.api.errors import spend_route
+from dpledger.service.api.known import Known
 from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
@@ -50,15 +53,24 @@ def reserve_charge(
     """201: a fresh reservation, the only answer that lets a round touch the data. 200 with
     `replayed: true`: this idempotency key was seen before; `status` says what became of its charge."""
     # The hot path, in one hop to the threadpool: no sync dependency (each would be a hop of its
-    # own), the caller's key read in the same session as the silo and its earlier charge.
+    # own). A key and silo this process has served before: priced at once, then one write
+    # transaction; else the key, the silo and its earlier charge are read in one session first.
     db: Database = request.app.state.db
-    with db.read() as session:
-        caller = authenticate(request, session, credentials)
-        caller.require_silo(silo_id)
-        started = charges.start_reserve(
-            session, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
-            job_id=body.job_id, round=body.round,
-        )
+    known: Known = request.app.state.known
+    fast = _start_known(request, known, silo_id, body, credentials)
+    started: charges.ChargeView | charges.Started
+    if fast is not None:
+        caller, started = fast
+    else:
+        with db.read() as session:
+            caller = authenticate(request, session, credentials)
+            caller.require_silo(silo_id)
+            started = charges.start_reserve(
+                session, silo_id=silo_id, mechanism=body.mechanism, idempotency_key=body.idempotency_key,
+                job_id=body.job_id, round=body.round,
+            )
+        if credentials is not None and isinstance(started, charges.Started):
+            known.remember(credentials, caller, silo_id, started.terms)
     try:
         result = started if isinstance(started, charges.ChargeView) else charges.finish_reserve(
             db, started, silo_id=silo_id, idempotency_key=body.idempotency_key, job_id=body.job_id, round=body.round,
@@ -86,6 +98,22 @@ def reserve_charge(
         status_code=status.HTTP_200_OK if result.replayed else status.HTTP_201_CREATED,
         headers=headers, media_type="application/json",
     )
+
+
+def _start_known(
+    request: Request, known: Known, silo_id: int, body: ChargeRequest, credentials: HTTPAuthorizationCredentials | None,
+) -> tuple[Principal, charges.Started] | None:
+    """The request priced with no read, where this process knows the key and the silo; else None."""
+    caller = known.principal(credentials)
+    terms = known.terms(silo_id)
+    if caller is None or terms is None:
+        return None
+    caller.require_silo(silo_id)
+    request.state.principal = caller
+    try:
+        return caller, charges.start_known(terms, mechanism=body.mechanism, job_id=body.job_id, round=body.round)
+    except MechanismError:
+        return None  # the read path answers it: a replay of the key first, as always, else this error
 
 
 @router.get("/v1/charges/{charge_id}", response_model=ChargeReserved, name="get_charge")
