@@ -48,6 +48,7 @@ from dpledger.service.ledger.models import (
     Search,
     Silo,
 )
+from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
 
 _CHARGES = cast(Table, Charge.__table__)  # Core statements on the hot path (reserve_locked)
@@ -113,7 +114,20 @@ def request_hash(*, mechanism: AnyMechanism, job_id: str | None, round: int | No
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def price(mechanism: AnyMechanism, *, silo: Silo | None, charged: bool, path: str = "mechanism") -> Priced:
+@dataclass(frozen=True)
+class SiloTerms:
+    """What pricing reads of a silo: fixed at registration and covered by its create entry (only an
+    admin's seal of an edited record can change them), so a serving process may keep them."""
+
+    dataset_size: int
+    relation: Relation
+
+    @classmethod
+    def of(cls, silo: Silo) -> SiloTerms:
+        return cls(silo.dataset_size, Relation(silo.relation))
+
+
+def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bool, path: str = "mechanism") -> Priced:
     """Resolves q (the service's on a charge: see `events.resolve`), checks the neighbouring
     relation, bounds the work (`cost.check`) and only then computes the curve. Outside any lock: a
     new (q, σ) pair costs dp-accounting tens of milliseconds. Raises MechanismError (a 422)."""
@@ -170,10 +184,23 @@ def reserve_position(session: Session, charge_id: int) -> transparency.Position:
 
 @dataclass(frozen=True)
 class Started:
-    """A request read and priced outside any lock, ready for `finish_reserve`."""
+    """A request priced outside any lock, ready for `finish_reserve`, with the silo terms it was
+    priced under (checked again under the lock)."""
 
     digest: str
     priced: Priced
+    mechanism: AnyMechanism  # as requested, to price again if the terms changed meanwhile
+    terms: SiloTerms
+
+
+def start_known(
+    terms: SiloTerms, *, mechanism: AnyMechanism, job_id: str | None, round: int | None
+) -> Started:
+    """A request priced under silo terms the caller already holds, reading nothing: the approval is
+    then one write transaction (finish_reserve). Raises MechanismError where pricing fails: the
+    caller then takes `start_reserve`, which answers a replay of the key first, as always."""
+    digest = request_hash(mechanism=mechanism, job_id=job_id, round=round)
+    return Started(digest, price(mechanism, silo=terms, charged=True), mechanism, terms)
 
 
 def start_reserve(
@@ -198,7 +225,7 @@ def start_reserve(
     except Exception:
         seals.check(session, silo)  # an edited record is named (409) before anything priced from it
         raise
-    return Started(digest, priced)
+    return Started(digest, priced, mechanism, SiloTerms.of(silo))
 
 
 def finish_reserve(
@@ -210,7 +237,7 @@ def finish_reserve(
         keys.require_live(session, key_id)
         return reserve_locked(
             session, silo_id=silo_id, priced=started.priced, digest=started.digest, idempotency_key=idempotency_key,
-            job_id=job_id, round=round, attempt_id=attempt_id,
+            job_id=job_id, round=round, attempt_id=attempt_id, repricing=(started.mechanism, started.terms),
         )
 
 
@@ -250,14 +277,18 @@ def reserve_locked(
     job_id: str | None,
     round: int | None,
     attempt_id: str | None = None,
+    repricing: tuple[AnyMechanism, SiloTerms] | None = None,
 ) -> ChargeView:
-    """Check, then append, inside the caller's write transaction (the silo is locked here)."""
+    """Check, then append, inside the caller's write transaction (the silo is locked here).
+    `repricing`: the request and the terms `priced` was computed under, priced again here if the
+    locked record's differ (a seal since: the pair is then priced under the lock, once)."""
     silo = silos.lock(session, silo_id)
     earlier = by_key(session, silo_id, idempotency_key)
-    if earlier is not None:  # a concurrent retry landed between the caller's read and this lock
+    if earlier is not None:  # a replay, or a concurrent retry that landed before this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
-    silos.refuse_if_retired(silo)  # after a replay (a read of a charge made before), before any approval
+    if repricing is not None and repricing[1] != SiloTerms.of(silo):
+        priced = price(repricing[0], silo=silo, charged=True)
     step = gate.follow_plan(silo, priced.mechanism)  # on a plan of the rule before: only its next units, else a 409
     decision = check_budget(silo, priced.curve, on_plan=step.on_plan)
     if not decision.fits:
