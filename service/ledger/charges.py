@@ -289,6 +289,7 @@ def reserve_locked(
         return view(session, silo, earlier, replayed=True)
     if repricing is not None and repricing[1] != SiloTerms.of(silo):
         priced = price(repricing[0], silo=silo, charged=True)
+    silos.refuse_if_retired(silo)  # after a replay (a read of a charge made before), before any approval
     step = gate.follow_plan(silo, priced.mechanism)  # on a plan of the rule before: only its next units, else a 409
     decision = check_budget(silo, priced.curve, on_plan=step.on_plan)
     if not decision.fits:
