@@ -151,6 +151,14 @@ def read(spec: FilterSpec, curve: np.ndarray, *, delta: float) -> Reading:
     return Reading(float(eps[best]), float(orders[best]))
 
 
+def read_many(spec: FilterSpec, curves: np.ndarray, *, delta: float) -> np.ndarray:
+    """`read(spec, row, delta=delta).epsilon` of each row of `curves`, in one numpy pass: an audit
+    reads a silo's running sum after each of its entries (~30 µs a read, one at a time)."""
+    orders, weights, indices = _arrays(spec)
+    eps: np.ndarray = order_epsilons(orders, curves[:, indices], np.nextafter(delta * weights, 0.0)).min(axis=1)
+    return eps
+
+
 @functools.lru_cache(maxsize=4096)
 def _arrays(spec: FilterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array(spec.orders), np.array(spec.weights), np.array(spec.indices)

@@ -92,24 +92,30 @@ def leaf_record(entry: Any, *, subject: dict[str, Any], salt: str) -> str:
     """The bytes a leaf commits to: the entry, what its chain hash covers, and a random salt.
     Recomputed from the live rows whenever it is served, so an edit of any of them changes it.
     Never change this encoding: stored leaf hashes depend on it (a new one would be "v": 2)."""
+    return _record_text(entry, subject_text=canonical(subject), salt=salt)
+
+
+def canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _record_text(entry: Any, *, subject_text: str, salt: str) -> str:
+    """`canonical` of {"v": 1, "salt", "entry", "subject"} with the subject's text given: a page of
+    the log encodes each charge's subject (its RDP curve is most of a record) once for its reserve and
+    its commit. The keys are written in canonical (sorted) order, as `canonical` writes them."""
     epsilon = entry.epsilon_spent
-    body = {
-        "v": 1,
-        "salt": salt,
-        "entry": {
-            "silo_id": entry.silo_id,
-            "seq": entry.seq,
-            "event": str(getattr(entry.event, "value", entry.event)),
-            "charge_id": entry.charge_id,
-            # JSON has no infinity: an infinite ε is null, as on the rest of the API.
-            "epsilon_spent": epsilon if math.isfinite(epsilon) else None,
-            "created_at": chain.timestamp(entry.created_at),
-            "prev_hash": entry.prev_hash,
-            "hash": entry.hash,
-        },
-        "subject": subject,
+    fields = {
+        "silo_id": entry.silo_id,
+        "seq": entry.seq,
+        "event": str(getattr(entry.event, "value", entry.event)),
+        "charge_id": entry.charge_id,
+        # JSON has no infinity: an infinite ε is null, as on the rest of the API.
+        "epsilon_spent": epsilon if math.isfinite(epsilon) else None,
+        "created_at": chain.timestamp(entry.created_at),
+        "prev_hash": entry.prev_hash,
+        "hash": entry.hash,
     }
-    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return f'{{"entry":{canonical(fields)},"salt":{json.dumps(salt)},"subject":{subject_text},"v":1}}'
 
 
 def new_salt() -> str:
@@ -377,9 +383,11 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
     entry_columns, charge_columns = LedgerEntry.__table__.columns, Charge.__table__.columns
     if high - low < 2 * len(rows):  # a page of the log: a range of the index, no list of ids to bind
         in_page = LogLeaf.idx.between(low, high)
-        entry_rows = session.execute(select(*entry_columns).join(LogLeaf, LogLeaf.entry_id == LedgerEntry.id).where(in_page))
-        charge_rows = session.execute(select(*charge_columns).join(LedgerEntry, LedgerEntry.charge_id == Charge.id)
-                                      .join(LogLeaf, LogLeaf.entry_id == LedgerEntry.id).where(in_page))
+        # On the session's connection: Core rows without the ORM's loading pass over 10,000 of them.
+        connection = session.connection()
+        entry_rows = connection.execute(select(*entry_columns).join(LogLeaf, LogLeaf.entry_id == LedgerEntry.id).where(in_page))
+        charge_rows = connection.execute(select(*charge_columns).join(LedgerEntry, LedgerEntry.charge_id == Charge.id)
+                                         .join(LogLeaf, LogLeaf.entry_id == LedgerEntry.id).where(in_page))
         entries = {e.id: e for e in entry_rows}
         charges = {c.id: c for c in charge_rows}
     else:  # one silo's leaves, spread over the log
@@ -392,6 +400,7 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
     silo_ids = {e.silo_id for e in entries.values() if e.charge_id is None}
     silos = {s.id: s for s in session.scalars(select(Silo).where(Silo.id.in_(silo_ids)))} if silo_ids else {}
     out: list[tuple[LedgerEntry | None, str | None]] = []
+    charge_texts: dict[int, str] = {}  # a charge's reserve and commit cover the same subject
     for row in rows:
         entry = entries.get(row.entry_id)
         if entry is None:
@@ -399,11 +408,11 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
             continue
         if entry.charge_id is None:
             silo = silos.get(entry.silo_id)
-            subject = {} if silo is None else _silo_subject(cast(LedgerEntry, entry), silo)
-        else:
+            text = canonical({} if silo is None else _silo_subject(cast(LedgerEntry, entry), silo))
+        elif (text := charge_texts.get(entry.charge_id)) is None:
             charge = charges.get(entry.charge_id)
-            subject = {} if charge is None else chain.charge_fields(cast(Charge, charge))  # a row of its columns
-        out.append((cast(LedgerEntry, entry), leaf_record(entry, subject=subject, salt=row.salt)))
+            text = charge_texts[entry.charge_id] = canonical({} if charge is None else chain.charge_fields(cast(Charge, charge)))
+        out.append((cast(LedgerEntry, entry), _record_text(entry, subject_text=text, salt=row.salt)))
     return out
 
 
@@ -420,7 +429,8 @@ def _silo_subject(entry: LedgerEntry, silo: Silo) -> dict[str, Any]:
 
 def leaves(session: Session, *, start: int, limit: int) -> list[LogLeaf]:
     # Core rows with the leaf's columns (read-only here): an audit reads the log in pages of 10,000.
-    found = session.execute(select(*LogLeaf.__table__.columns).where(LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit))
+    found = session.connection().execute(
+        select(*LogLeaf.__table__.columns).where(LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit))
     return cast(list[LogLeaf], list(found))
 
 

@@ -322,3 +322,17 @@ def test_the_bench_rows_with_no_horizon_and_with_a_plan_meet_the_issues_goals() 
     assert [round(ratio(silo(None), r), 3) for r in (1, 3, 20)] == [1.138, 1.088, 1.019]
     assert ratio(silo(declared), 3) <= 1.15 and ratio(silo(declared), 20) <= 0.95
     assert ratio(silo(declared), 20) == pytest.approx(declared.epsilon / budget, rel=1e-12)  # the plan's PLD ε
+
+
+def test_reading_many_sums_at_once_is_reading_each() -> None:
+    """An audit reads a block of running sums in one pass (read_many): each row's reading must be the
+    one the gate gave that sum, to the bit, through finite, zero and infinite orders alike."""
+    rng = np.random.default_rng(7)
+    spec = rdp_filter.spread_spec(rdp.ORDERS[10], source="test")
+    step = rdp.certified_curve(DpSgd(sampling_rate=0.01, noise_multiplier=1.1, steps=1))
+    rows = [step * k for k in range(0, 400, 7)] + [rng.uniform(0, 3, len(rdp.ORDERS)) for _ in range(20)]
+    rows.append(np.where(np.arange(len(rdp.ORDERS)) < 3, np.inf, step * 50))
+    matrix = np.stack(rows)
+    for delta in (1e-5, 1e-9, 0.3):
+        many = rdp_filter.read_many(spec, matrix, delta=delta)
+        assert [float(e) for e in many] == [rdp_filter.read(spec, row, delta=delta).epsilon for row in rows]
