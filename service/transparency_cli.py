@@ -51,7 +51,9 @@ from dpledger.wire.receipts import (
 
 _DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, when the environment is final
 Get = Callable[[str, dict[str, Any] | None], Any]  # path, query → the JSON body; raises on an error status
-PAGE = 2_000  # leaves per request (/v1/log/leaves gives up to 10,000): small pages keep the ledger serving the next one while the auditor checks this one, from the first page to the last
+# Leaves per request (/v1/log/leaves gives up to 10,000): small pages keep the ledger serving the next
+# one while the auditor checks this one, from the first page to the last.
+PAGE = 2_000
 SILO_PAGE = 10_000  # a silo's own leaves per request (the most /v1/log/leaves gives)
 T = TypeVar("T")
 EPSILON_RTOL = 1e-6  # the ledger's running sum and a fresh sum of the same curves differ by rounding only
