@@ -409,7 +409,9 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
         if entry.charge_id is None:
             silo = silos.get(entry.silo_id)
             text = canonical({} if silo is None else _silo_subject(cast(LedgerEntry, entry), silo))
-        elif (text := charge_texts.get(entry.charge_id)) is None:
+        elif entry.charge_id in charge_texts:
+            text = charge_texts[entry.charge_id]
+        else:
             charge = charges.get(entry.charge_id)
             text = charge_texts[entry.charge_id] = canonical({} if charge is None else chain.charge_fields(cast(Charge, charge)))
         out.append((cast(LedgerEntry, entry), _record_text(entry, subject_text=text, salt=row.salt)))
