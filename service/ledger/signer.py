@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dpledger.service.settings import Settings
+from dpledger.wire import note
 from dpledger.wire.receipts import Promise, PublicKey, SignedTreeHead, head_message, key_id, promise_message
 
 log = logging.getLogger("dpledger.signer")
@@ -40,6 +41,12 @@ class TreeHeadSigner:
                                   deadline=deadline, key=self.key_id)
         return Promise(leaf_hash=leaf_hash, silo_id=silo_id, seq=seq, timestamp=timestamp, deadline=deadline,
                        key_id=self.key_id, signature=base64.b64encode(self._key.sign(message)).decode())
+
+    def note_signer(self, name: str) -> note.Signer:
+        """This key as a C2SP note signer under `name` (the log's origin): a checkpoint is signed by the
+        very key that signs the heads and promises. A note's text holds no NUL, which the bytes of a
+        head or a promise always do, so one key serves the three without ambiguity."""
+        return note.Signer(name, self._key)
 
     def public(self) -> PublicKey:
         return PublicKey(public_key=self.public_key.hex(), key_id=self.key_id)

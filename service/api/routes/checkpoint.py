@@ -54,9 +54,7 @@ def default_origin(key_id: str) -> str:
 
 
 def log_signer(signer: TreeHeadSigner) -> note.Signer:
-    # The head signer keeps its private key to itself (no method signs arbitrary bytes); the checkpoint
-    # must be signed by that very key, so it is read here. A `sign_note` on TreeHeadSigner would do instead.
-    return note.Signer(configured_origin() or default_origin(signer.key_id), signer._key)
+    return signer.note_signer(configured_origin() or default_origin(signer.key_id))
 
 
 def checkpoint_text(signer: TreeHeadSigner, *, size: int, root_hash: str) -> str:
