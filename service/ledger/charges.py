@@ -320,14 +320,17 @@ def reserve_locked(
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
     )
-    own = rdp.epsilon(priced.curve, delta=silo.delta)[0]
+    own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised
     return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:
-    return session.scalars(
-        select(Charge).where(Charge.silo_id == silo_id, Charge.idempotency_key == idempotency_key)
-    ).one_or_none()
+    # A fresh key (every approval) costs one Core read of the unique index, no ORM load; a replay
+    # then loads its charge.
+    found = session.connection().execute(
+        select(_CHARGES.c.id).where(_CHARGES.c.silo_id == silo_id, _CHARGES.c.idempotency_key == idempotency_key)
+    ).scalar_one_or_none()
+    return None if found is None else session.get(Charge, found)
 
 
 def _same_request(earlier: Charge, digest: str) -> None:

@@ -66,8 +66,12 @@ def require_live(session: Session, key_id: int | None) -> None:
     this transaction (which then happened before it); SQLite's write lock already orders them."""
     if key_id is None:
         return
-    key = session.scalars(select(ApiKey).where(ApiKey.id == key_id).with_for_update(read=True)).one_or_none()
-    if key is None or key.revoked_at is not None:
+    table = ApiKey.__table__
+    # Core, the one row: every approval makes this read, and needs no key object from it.
+    found = session.connection().execute(
+        select(table.c.revoked_at).where(table.c.id == key_id).with_for_update(read=True)
+    ).one_or_none()
+    if found is None or found.revoked_at is not None:
         raise Unauthorized("unknown or revoked API key")
 
 

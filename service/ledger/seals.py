@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
+from typing import cast
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -59,8 +60,10 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         # Last, so that a retired_seq moved onto another record entry is read as a retire entry there and
         # refused (the entry it names is no retire entry), never as that entry's own.
         wanted[silo.retired_seq] = EntryEvent.retire
-    found = {e.seq: e for e in session.scalars(
-        select(LedgerEntry).where(LedgerEntry.silo_id == silo.id, LedgerEntry.seq.in_(list(wanted)))
+    table = LedgerEntry.__table__
+    # Core rows (they carry an entry's attributes, all that a hash reads): every approval makes this read.
+    found = {e.seq: cast(LedgerEntry, e) for e in session.connection().execute(
+        select(*table.c).where(table.c.silo_id == silo.id, table.c.seq.in_(list(wanted)))
     )}
     out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
     if silo.plan is not None:
