@@ -2,9 +2,10 @@
 
 A key's principal: its role and silo are fixed when it is issued, and the approval's write
 transaction reads the key again (keys.require_live) before it writes, so a revoked key still writes
-nothing. A silo's pricing terms (charges.SiloTerms): fixed at registration, and compared with the
-locked record before the charge is approved. A key that is not known here (an unknown one included)
-is authenticated by a read first, as on every other route: no write transaction starts for it.
+nothing, and is forgotten here (its next request is refused before it is priced). A silo's pricing
+terms (charges.SiloTerms): fixed at registration, and compared with the locked record before the
+charge is approved. A key that is not known here (an unknown one included) is authenticated by a
+read first, as on every other route: no write transaction starts for it.
 """
 
 from __future__ import annotations
@@ -38,3 +39,8 @@ class Known:
                 found.clear()
         self._principals[keys.hash_key(credentials.credentials)] = caller
         self._terms[silo_id] = terms
+
+    def forget(self, credentials: HTTPAuthorizationCredentials | None) -> None:
+        """A key found revoked: its next request is authenticated by a read again, refused before it is priced."""
+        if credentials is not None:
+            self._principals.pop(keys.hash_key(credentials.credentials), None)

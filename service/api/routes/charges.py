@@ -17,7 +17,7 @@ from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
 from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.errors import OverBudget
+from dpledger.service.ledger.errors import OverBudget, Unauthorized
 from dpledger.service.ledger.models import Role
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.schemas import (
@@ -76,6 +76,10 @@ def reserve_charge(
             db, started, silo_id=silo_id, idempotency_key=body.idempotency_key, job_id=body.job_id, round=body.round,
             key_id=caller.key_id, attempt_id=body.attempt_id,
         )
+    except Unauthorized:
+        # Revoked since this process kept it: from now on the key is read (and refused) before any pricing.
+        known.forget(credentials)
+        raise
     except OverBudget as refusal:
         request.app.state.refusals.record(silo_id, Refusal(
             at=datetime.now(UTC), job_id=body.job_id, round=body.round,

@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
+from dpledger.service.accounting import rdp
 from dpledger.service.api.deps import Principal
 from dpledger.service.api.known import Known
 from dpledger.service.ledger.charges import SiloTerms
@@ -53,6 +54,11 @@ def test_a_key_revoked_after_it_was_served_writes_nothing(client: TestClient, da
     assert refused.status_code == 401, refused.text
     assert refused.json()["detail"] == "unknown or revoked API key"
     assert charge_count(database_url) == before
+    # Forgotten: the next request is read and refused before it is priced (a new pair is not computed).
+    fresh = {**STEP, "noise_multiplier": 1.2345}
+    misses = rdp._sampled_gaussian_cached.cache_info().misses
+    again = client.post(f"/v1/silos/{silo_id}/charges", headers=headers, json={"mechanism": fresh, "idempotency_key": "x"})
+    assert again.status_code == 401 and rdp._sampled_gaussian_cached.cache_info().misses == misses
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
