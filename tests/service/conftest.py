@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine, create_engine
 
 from dpledger.service.ledger.db import migrate
 
@@ -15,3 +17,11 @@ def url(tmp_path: Path) -> str:
     database_url = f"sqlite:///{tmp_path}/ledger.db"
     migrate(database_url)
     return database_url
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    """An engine of its own on the test's ledger (`database_url`), for raw SQL as an operator would run it."""
+    made = create_engine(database_url)
+    yield made
+    made.dispose()

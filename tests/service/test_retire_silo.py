@@ -8,39 +8,23 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine
 
 from dpledger.cli import main
 from dpledger.harness import running_server
 from dpledger.service.transparency_cli import Get, RefusedError, audit, verify_receipts
 from dpledger.wire.receipts import Receipt
 from tests.conftest import ADMIN, ADMIN_KEY, bearer
+from tests.service.rows import entries, sql
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 SEARCH = {"trial": STEP, "mean_trials": 2, "distribution": {"kind": "geometric"}}
 REASON = "registered with dataset_size 1000; the ward holds 100 records"
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    made = create_engine(database_url)
-    yield made
-    made.dispose()
-
-
-def sql(engine: Engine, statement: str, **params: Any) -> Any:
-    with engine.begin() as connection:
-        return connection.execute(text(statement), params)
-
-
-def entries(engine: Engine) -> int:
-    return int(sql(engine, "SELECT count(*) FROM ledger_entries").scalar_one())
 
 
 def sums(engine: Engine, silo_id: int) -> tuple[str, str]:

@@ -5,33 +5,17 @@ is an entry of the silo's chain and of the transparency log, and does not hide t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine
 
 from dpledger.service.transparency_cli import audit
 from tests.conftest import ADMIN, bearer
+from tests.service.rows import entries, sql
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
-
-
-@pytest.fixture
-def engine(database_url: str) -> Iterator[Engine]:
-    made = create_engine(database_url)
-    yield made
-    made.dispose()
-
-
-def sql(engine: Engine, statement: str, **params: Any) -> Any:
-    with engine.begin() as connection:
-        return connection.execute(text(statement), params)
-
-
-def entries(engine: Engine) -> int:
-    return int(sql(engine, "SELECT count(*) FROM ledger_entries").scalar_one())
 
 
 def silo(client: TestClient, name: str) -> tuple[int, dict[str, str]]:
