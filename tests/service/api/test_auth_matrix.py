@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import pytest
+from sqlalchemy import text
 
 from tests.conftest import ADMIN, bearer
 
@@ -45,6 +47,35 @@ class World:
         )
         assert response.status_code == 201
         return int(response.json()["search_id"])
+
+    def fresh_silo(self) -> tuple[int, dict[str, str]]:
+        """A new silo and its key, for a route that changes a silo for good (a plan, a seal, a
+        retirement): the world's own silo must stay as it is for the other roles' calls. Registered
+        with a horizon, so its filter is fixed (a silo whose first charge is still to fix it cannot be sealed)."""
+        self.counter += 1
+        body = {"name": f"fresh-{self.counter}", "epsilon": 1000.0, "delta": 1e-5, "dataset_size": 1000, "horizon": STEP}
+        response = self.client.post("/v1/silos", json=body, headers=ADMIN)  # type: ignore[attr-defined]
+        assert response.status_code == 201, response.text
+        return int(response.json()["id"]), bearer(response.json()["api_key"])
+
+    def tampered_silo(self) -> int:
+        """A fresh silo whose row was edited in the database, the only kind an admin may seal
+        (an intact one answers 409, nothing to seal)."""
+        silo_id, _ = self.fresh_silo()
+        with self.client.app.state.engine.begin() as connection:  # type: ignore[attr-defined]
+            connection.execute(text("UPDATE silos SET epsilon = epsilon * 2 WHERE id = :id"), {"id": silo_id})
+        return silo_id
+
+    def own_leaf(self) -> tuple[int, str]:
+        """(log index, leaf hash) of the own silo's create entry, once the sequencer (every 100 ms)
+        has given it an index: a pending leaf answers 404 to a proof by hash."""
+        deadline = time.monotonic() + 10
+        while True:
+            leaves = self.client.get(f"/v1/log/leaves?silo_id={self.silo_id}", headers=ADMIN).json()  # type: ignore[attr-defined]
+            if leaves:
+                return int(leaves[0]["log_index"]), str(leaves[0]["leaf_hash"])
+            assert time.monotonic() < deadline, "the own silo's create entry was never sequenced"
+            time.sleep(0.05)
 
 
 @pytest.fixture
@@ -141,6 +172,31 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
             return "GET", "/v1/log/head", None
         case "log_inclusion_proof":  # log index 0 is the own silo's create entry (it was registered first)
             return "GET", "/v1/log/proofs/inclusion?index=0", None
+        case "log_inclusion_by_hash":
+            return "GET", f"/v1/log/proofs/by-hash?leaf_hash={world.own_leaf()[1]}", None
+        case "log_proofs":  # an inclusion proof of the own silo's entry, and a consistency proof
+            return "GET", f"/v1/log/proofs?inclusion={world.own_leaf()[0]}&consistency=1", None
+        case "log_checkpoint":
+            return "GET", "/v1/log/checkpoint", None
+        case "who_am_i":
+            return "GET", "/v1/keys/me", None
+        case "calibrate_silo":
+            return "POST", f"/v1/silos/{s}/calibrate", {"batch_size": 10, "steps_per_round": 1, "rounds": 5}
+        case "quote_rounds":
+            return "POST", "/v1/quote/rounds", {"silo_id": s, "rounds": 2, "runs": [{"mechanism": STEP, "count": 2}]}
+        case "quote_rounds_calibrate":
+            return "POST", "/v1/quote/rounds", {
+                "silo_id": s, "rounds": 2, "runs": [{"mechanism": STEP, "count": 2}], "calibrate": True,
+            }
+        case "declare_plan":
+            # A plan is declared once, before a silo's first charge: each call plans a fresh silo,
+            # whose key is the own silo's key for this call (the other silo's key stays another's).
+            fresh, world.keys["own_silo"] = world.fresh_silo()
+            return "POST", f"/v1/silos/{fresh}/plan", {"mechanism": {**STEP, "steps": 10}}
+        case "seal_silo":
+            return "POST", f"/v1/silos/{world.tampered_silo()}/seal", None
+        case "retire_silo":  # once per silo, and never the world's own (later calls need it approving)
+            return "POST", f"/v1/silos/{world.fresh_silo()[0]}/retire", {"reason": "registered with the wrong dataset size"}
         case "log_consistency_proof":
             return "GET", "/v1/log/proofs/consistency?first=1", None
         case "log_leaves":
@@ -187,7 +243,23 @@ EXPECTED = {
     "log_consistency_proof": [200, 200, 200, 200, 403, *A],
     "log_leaves":       [200, 200, 200, 200, 403, *A],
     "log_record_verified_head": [201, 403, 403, 201, 403, *A],
+    "log_inclusion_by_hash": [200, 200, 403, 200, 403, *A],
+    "log_proofs":       [200, 200, 403, 200, 403, *A],
+    "log_checkpoint":   [200, 200, 200, 200, 403, *A],
+    "who_am_i":         [200, 200, 200, 200, 200, *A],
+    # A σ for the silo's rounds, a plan, rounds priced with calibrate: functions of its budget, for
+    # its own key and admins only (an auditor may read a silo, not plan its spending).
+    "calibrate_silo":   [200, 200, 404, 403, 404, *A],
+    "declare_plan":     [201, 201, 404, 403, 404, *A],
+    "quote_rounds":     [200, 200, 404, 200, 404, *A],
+    "quote_rounds_calibrate": [200, 200, 404, 403, 404, *A],
+    # Admin only, whatever the silo: a role refused before the id is read learns nothing of it.
+    "seal_silo":        [200, 403, 403, 403, 403, *A],
+    "retire_silo":      [200, 403, 403, 403, 403, *A],
 }
+# Matrix rows that are another request to one operation of the app (a query parameter, a body
+# field), not an operation of their own: each names the operation it varies.
+VARIANTS = {"silo_history_csv": "silo_history", "quote_for_silo": "quote", "quote_rounds_calibrate": "quote_rounds"}
 
 
 @pytest.mark.parametrize("route", sorted(EXPECTED))
@@ -201,8 +273,12 @@ def test_every_role_gets_the_answer_of_the_role_table(world: World, route: str) 
 
 
 def test_every_route_of_the_app_is_in_the_matrix(app) -> None:  # type: ignore[no-untyped-def]
-    names = {route.name for route in app.routes if getattr(route, "include_in_schema", False)}
-    assert names <= set(EXPECTED)
+    """Read from the OpenAPI document, whose operation ids are the route names (app._operation_id):
+    `app.routes` holds each included router as one wrapper, not its routes, and saw only /healthz."""
+    paths = app.openapi()["paths"]
+    operations = {operation["operationId"] for methods in paths.values() for operation in methods.values()}
+    assert set(EXPECTED) - set(VARIANTS) == operations
+    assert set(VARIANTS.values()) <= operations
 
 
 def test_a_refused_coordinator_learns_nothing_of_a_budget(world: World) -> None:
@@ -233,6 +309,24 @@ def test_an_id_the_caller_may_not_see_answers_exactly_like_one_that_does_not_exi
                 assert a.json()["detail"].replace(seen.split("/")[3], "N") == b.json()["detail"].replace(str(missing), "N")
             else:  # a coordinator may not settle any charge: refused by its role, whatever the id
                 assert a.status_code == b.status_code == 403 and a.json() == b.json()
+
+    def budget_requests(silo_id: int) -> list[tuple[str, dict[str, object]]]:
+        """What answers from a silo's budget (a σ, a plan, rounds priced), for the silo `silo_id`."""
+        runs = [{"mechanism": STEP, "count": 1}]
+        return [
+            (f"/v1/silos/{silo_id}/calibrate", {"batch_size": 10, "steps_per_round": 1, "rounds": 2}),
+            (f"/v1/silos/{silo_id}/plan", {"mechanism": STEP}),
+            ("/v1/quote/rounds", {"silo_id": silo_id, "rounds": 1, "runs": runs}),
+            ("/v1/quote/rounds", {"silo_id": silo_id, "rounds": 1, "runs": runs, "calibrate": True}),
+        ]
+
+    budget_pairs = list(zip(budget_requests(world.silo_id), budget_requests(missing), strict=True))
+    for role in ("coordinator", "other_silo"):
+        for (seen, seen_body), (unseen, unseen_body) in budget_pairs:
+            a = client.post(seen, json=seen_body, headers=world.keys[role])  # type: ignore[attr-defined]
+            b = client.post(unseen, json=unseen_body, headers=world.keys[role])  # type: ignore[attr-defined]
+            assert a.status_code == b.status_code == 404, (role, seen, a.text)
+            assert a.json()["detail"].replace(str(world.silo_id), "N") == b.json()["detail"].replace(str(missing), "N")
     # A job of silos the coordinator names: the error says no more than "not all exist".
     body = {"name": "j", "silo_ids": [world.silo_id, missing]}
     response = client.post("/v1/jobs", json=body, headers=world.keys["coordinator"])  # type: ignore[attr-defined]
