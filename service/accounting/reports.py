@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,16 +62,61 @@ def dpsgd_epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, 
 CALIBRATION_MARGIN = 1e-9
 
 
+# A σ search is priced as it runs: each of its steps composes a new (q, σ) pair, tens of milliseconds
+# (~0.1 s near q = 1), and how many steps it takes depends on where the root lies; so its CPU is
+# counted step by step and the search is refused (a 422) past the bound every request has
+# (accounting/cost.py), after its σ range was bounded before it started.
+MAX_CALIBRATION_SECONDS = 2.0
+
+
+class _OutOfTime(Exception):
+    """The search spent its CPU bound (no ValueError: the searches' own error handling must not catch it)."""
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.start = time.thread_time()  # the request's own thread: what it costs, not what others do meanwhile
+
+    def tick(self) -> None:
+        if time.thread_time() - self.start > MAX_CALIBRATION_SECONDS:
+            raise _OutOfTime
+
+
+def _out_of_time(field: str) -> MechanismError:
+    return MechanismError(field, f"the σ search was stopped after {MAX_CALIBRATION_SECONDS:g} s of CPU, the most one request "
+                                 "may cost (each of its steps composes a new (q, σ) pair): ask for fewer steps, a smaller "
+                                 "sampling rate or a larger ε")
+
+
 def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float, steps: int) -> tuple[float, float]:
     """The smallest σ (within 1e-6 relative) whose DP-SGD ε at δ stays below `epsilon` by the
-    margin above.
+    margin above, at most SIGMA_CEILING.
 
     dp-accounting brackets the root; we then step σ up until the ε it gives is within the target,
     so rounding in the search can only cost noise, never privacy (as Opacus does).
     """
     epsilon = epsilon * (1 - CALIBRATION_MARGIN)
+    clock = _Clock()
+    try:
+        return _calibrate_dpsgd_noise(epsilon=epsilon, delta=delta, sampling_rate=sampling_rate, steps=steps, clock=clock)
+    except _OutOfTime:
+        raise _out_of_time("epsilon") from None
+
+
+def _calibrate_dpsgd_noise(
+    *, epsilon: float, delta: float, sampling_rate: float, steps: int, clock: _Clock
+) -> tuple[float, float]:
+    # Bounded before the search: past σ = SIGMA_CEILING the noise drowns any gradient, and a search that
+    # would end there walks a bracket up to it step by step (~10 s was seen at q = 0.5, 10^5 steps).
+    at_ceiling = dpsgd_epsilon(noise_multiplier=SIGMA_CEILING, sampling_rate=sampling_rate, steps=steps, delta=delta)
+    if at_ceiling > epsilon:
+        raise MechanismError(
+            "epsilon", f"even σ={SIGMA_CEILING:g} gives ε={at_ceiling:.6g} > {epsilon:.6g} at δ={delta!r} with "
+            f"sampling_rate={sampling_rate!r} and steps={steps}: ask for fewer steps, a smaller sampling rate or a larger ε"
+        )
 
     def make_event(sigma: float) -> de.DpEvent:
+        clock.tick()
         return dpsgd_event(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps)
 
     try:
@@ -92,6 +138,7 @@ def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float,
         ) from error
     eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
     while eps > epsilon:
+        clock.tick()
         sigma *= 1 + 1e-6
         eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
     return sigma, eps
@@ -129,12 +176,21 @@ def calibrate_remaining(
     if not math.isfinite(budget) or budget <= 0:
         raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
     budget = budget * (1 - CALIBRATION_MARGIN)  # the ledger's gate has no tolerance
+    clock = _Clock()
 
     def epsilon_after(sigma: float) -> float:
+        clock.tick()
         planned = DpSgd(sampling_rate=sampling_rate, noise_multiplier=sigma, steps=steps)
         return epsilon_of(spent + rdp.certified_curve(planned))
 
-    already = epsilon_of(spent)
+    try:
+        return _search_remaining(epsilon_after, epsilon_of(spent), budget=budget)
+    except _OutOfTime:
+        raise _out_of_time("rounds") from None
+
+
+def _search_remaining(epsilon_after: Callable[[float], float], already: float, *, budget: float) -> RemainingCalibration:
+
     if not already < budget:
         raise MechanismError("rounds", f"nothing is left to plan with: the silo has spent ε={already:.6g} of {budget:.6g}")
     high = 1.0

@@ -196,3 +196,30 @@ def test_15_sampled_leaves_pass_and_16_are_refused_everywhere(server: ServerProc
             assert response.status_code == 422 and "more than 8 distinct leaves" in response.text, response.text
         else:
             assert response.status_code in (200, 201), response.text
+
+
+def test_a_calibration_past_the_sigma_ceiling_is_refused_at_once(server: ServerProcess) -> None:
+    """It took ~10 s of CPU (σ 1.6e7 found by walking a bracket up from 1): now one ε at σ = 10^4 says no."""
+    body = {"epsilon": 1e-3, "delta": 1e-5, "sampling_rate": 0.5, "steps": 100_000}
+    response, seconds, cpu = ask(server, "/v1/calibrate", body)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", "epsilon"]
+    assert "even σ=10000 gives ε=" in response.json()["detail"][0]["msg"]
+    assert seconds < LIMIT_S and cpu < LIMIT_S
+
+
+@pytest.mark.parametrize("route", ["/v1/calibrate", "silo"])
+def test_a_sigma_search_is_stopped_at_its_cpu_bound(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process, the bound set to 0: the first step of either search stops it with a 422 naming why."""
+    from dpledger.service.accounting import rdp, reports
+    from dpledger.service.accounting.events import MechanismError
+
+    monkeypatch.setattr(reports, "MAX_CALIBRATION_SECONDS", 0.0)
+    with pytest.raises(MechanismError) as refused:
+        if route == "silo":
+            reports.calibrate_remaining(rdp.zero_curve(), budget=3.0, sampling_rate=0.01, steps=100,
+                                        epsilon_of=lambda curve: rdp.epsilon(curve, delta=1e-5)[0])
+        else:
+            reports.calibrate_dpsgd_noise(epsilon=3.0, delta=1e-5, sampling_rate=0.01, steps=100)
+    assert refused.value.field == ("rounds" if route == "silo" else "epsilon")
+    assert "σ search was stopped after 0 s of CPU" in refused.value.message
