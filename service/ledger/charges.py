@@ -124,7 +124,7 @@ class SiloTerms:
 
     @classmethod
     def of(cls, silo: Silo) -> SiloTerms:
-        return cls(silo.dataset_size, Relation(silo.relation))
+        return cls(silo.dataset_size, silo.relation)  # as stored: an edited row is compared, never parsed here
 
 
 def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bool, path: str = "mechanism") -> Priced:
