@@ -6,8 +6,12 @@ silo's own `verify --receipts`."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,6 +28,7 @@ from tests.service.rows import entries, sql
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 SEARCH = {"trial": STEP, "mean_trials": 2, "distribution": {"kind": "geometric"}}
+ROOT = Path(__file__).resolve().parents[2]
 REASON = "registered with dataset_size 1000; the ward holds 100 records"
 
 
@@ -315,3 +320,25 @@ def test_the_dashboard_marks_a_retired_silo_on_the_overview_and_its_page(client:
     assert (f'<p id="retired" class="alert" data-retired-seq="{seq}">This silo is retired (entry {seq}: size &lt;wrong&gt; '
             "&amp; budget): it approves nothing." in page.text)
     assert 'id="retired"' not in client.get(f"/dashboard/silos/{kept}").text
+
+
+def test_the_operator_guides_retire_block_runs_as_written(tmp_path: Any) -> None:
+    """docs/guides/operator.md's block, pasted into an empty folder against a served ledger that holds
+    silos 1 to 3 (DPLEDGER_URL and DPLEDGER_ADMIN_KEY set, as an operator's shell has them)."""
+    guide = (ROOT / "docs" / "guides" / "operator.md").read_text()
+    heading = "## Retiring a mis-registered silo\n"
+    block = guide.split(heading, 1)[1].split("```\n", 2)[1]
+    with running_server(database_url=f"sqlite:///{tmp_path}/l.db", admin_key=ADMIN_KEY) as url:
+        for n in range(3):
+            assert httpx.post(f"{url}/v1/silos", headers=ADMIN, json={
+                "name": f"ward-{n + 1}", "epsilon": 4.0, "delta": 1e-5, "dataset_size": 6740}).status_code == 201
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DPLEDGER_")}
+        env |= {"DPLEDGER_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+        folder = tmp_path / "empty"
+        folder.mkdir()
+        done = subprocess.run(["bash", "-eu", "-c", block], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        retired = httpx.get(f"{url}/v1/silos/3", headers=ADMIN).json()
+        assert retired["retired_reason"] == "registered with dataset_size 6740; the ward holds 674 records"
+        corrected = [s for s in httpx.get(f"{url}/v1/silos", headers=ADMIN).json() if s["name"] == "ward-3b"]
+        assert [(c["epsilon"], c["delta"], c["dataset_size"], c["retired_seq"]) for c in corrected] == [(4.0, 1e-5, 674, None)]
