@@ -170,7 +170,7 @@ def view(
 ) -> ChargeView:
     """`own`, `spent`: the charge's ε and the silo's where the caller has just computed them."""
     spent = silos.epsilon_spent(silo) if spent is None else spent
-    own = rdp.epsilon(curve_from_json(charge.rdp), delta=silo.delta)[0] if own is None else own
+    own = float(rdp.epsilons(curve_from_json(charge.rdp), delta=silo.delta)[0]) if own is None else own
     where = position if position is not None else reserve_position(session, charge.id)
     return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where)
 
@@ -320,7 +320,7 @@ def reserve_locked(
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
     )
-    own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised
+    own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised (as view)
     return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
 
 
