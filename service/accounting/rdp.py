@@ -17,10 +17,9 @@ from importlib.metadata import version
 
 import numpy as np
 from dp_accounting import privacy_accountant
-from dp_accounting.dp_event import GaussianDpEvent, PoissonSampledDpEvent
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from dpledger.service.accounting import sampled_gaussian
+from dpledger.service.accounting import reference_curve, sampled_gaussian
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
@@ -49,8 +48,8 @@ CONVERSION_ID = f"dp_accounting.rdp.compute_epsilon@{version('dp-accounting')}"
 LEDGER_CONVERSION_ID = f"dpledger.filter.union_bound+certified_fractional@{version('dp-accounting')}"
 
 # The cache holds one curve per distinct leaf mechanism (a (q, σ) pair for DP-SGD): computing one
-# costs dp-accounting 50–65 ms (the certified curve a few ms), and a training job repeats the same
-# pair every round.
+# costs dp-accounting 50–65 ms (the ledger's certified curve, dp-accounting's values included, ~9 ms),
+# and a training job repeats the same pair every round.
 CACHE_SIZE = 4096
 
 
@@ -103,12 +102,12 @@ def _sampled_gaussian_cached(q: float, sigma: float) -> tuple[float, ...]:
     # never charges above dp-accounting's own value at any order either, so that every quoted ε lies
     # between the exact one and dp-accounting's: ours is exact + ~1e-10 at worst, and dp-accounting's
     # sums can read a hair below exact (~1e-8 at q ~ 1e-5), so neither may replace the other, and the
-    # lower of the two is kept at each order (dp-accounting's loops are most of a new pair's cost).
+    # lower of the two is kept at each order. dp-accounting's values come from reference_curve.py,
+    # equal to its accountant's to the bit and 5–10× faster than its own loops.
     curve, _ = sampled_gaussian.curve_upper(q=q, sigma=sigma, orders=_ORDERS_ARRAY)
-    accountant = rdp_lib.RdpAccountant(list(ORDERS))
-    accountant.compose(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)))
+    theirs = reference_curve.curve(q, sigma, ORDERS)
     # (dp-accounting's rounding can read a hair below 0 at σ ~ 10^9; a divergence never is.)
-    curve = np.maximum(np.fmin(curve, accountant.rdp), 0.0)
+    curve = np.maximum(np.fmin(curve, theirs), 0.0)
     return tuple(curve.tolist())
 
 
