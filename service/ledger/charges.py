@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import cast
 
 import numpy as np
-from sqlalchemy import Table, insert, select
+from sqlalchemy import Table, bindparam, insert, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
@@ -51,7 +51,12 @@ from dpledger.service.ledger.models import (
 from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
 
-_CHARGES = cast(Table, Charge.__table__)  # Core statements on the hot path (reserve_locked)
+_CHARGES = cast(Table, Charge.__table__)
+# Every approval runs these two: built once, so an execution skips building and keying a statement.
+_INSERT_CHARGE = insert(_CHARGES).returning(_CHARGES.c.id)
+_CHARGE_BY_KEY = select(_CHARGES.c.id).where(
+    _CHARGES.c.silo_id == bindparam("silo_id"), _CHARGES.c.idempotency_key == bindparam("idempotency_key")
+)
 
 
 @dataclass(frozen=True)
@@ -314,7 +319,7 @@ def reserve_locked(
     }
     # One INSERT … RETURNING, not the unit of work's flush of a new object: the row is not read back
     # in this transaction, and the answer needs only these values and the id.
-    charge_id = session.execute(insert(_CHARGES).values(values).returning(_CHARGES.c.id)).scalar_one()
+    charge_id = session.connection().execute(_INSERT_CHARGE, values).scalar_one()
     charge = Charge(id=charge_id, **values)  # transient: never added to the session, so never flushed again
     silo.rdp_spent = decision.candidate.to_json()
     position = silos.append_entry(
@@ -328,7 +333,7 @@ def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | Non
     # A fresh key (every approval) costs one Core read of the unique index, no ORM load; a replay
     # then loads its charge.
     found = session.connection().execute(
-        select(_CHARGES.c.id).where(_CHARGES.c.silo_id == silo_id, _CHARGES.c.idempotency_key == idempotency_key)
+        _CHARGE_BY_KEY, {"silo_id": silo_id, "idempotency_key": idempotency_key}
     ).scalar_one_or_none()
     return None if found is None else session.get(Charge, found)
 

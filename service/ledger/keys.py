@@ -7,7 +7,7 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -60,17 +60,17 @@ def revoke(db: Database, key_id: int) -> None:
         key.revoked_at = datetime.now(UTC)
 
 
+_KEYS = ApiKey.__table__
+_REVOKED_AT = select(_KEYS.c.revoked_at).where(_KEYS.c.id == bindparam("key_id")).with_for_update(read=True)
+
 def require_live(session: Session, key_id: int | None) -> None:
     """Inside a write transaction: the caller's key is still live. A key revoked while its request
     was in flight writes nothing. On PostgreSQL the row is share-locked, so a revocation waits for
     this transaction (which then happened before it); SQLite's write lock already orders them."""
     if key_id is None:
         return
-    table = ApiKey.__table__
     # Core, the one row: every approval makes this read, and needs no key object from it.
-    found = session.connection().execute(
-        select(table.c.revoked_at).where(table.c.id == key_id).with_for_update(read=True)
-    ).one_or_none()
+    found = session.connection().execute(_REVOKED_AT, {"key_id": key_id}).one_or_none()
     if found is None or found.revoked_at is not None:
         raise Unauthorized("unknown or revoked API key")
 

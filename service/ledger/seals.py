@@ -19,7 +19,7 @@ import math
 from datetime import UTC, datetime
 from typing import cast
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
@@ -32,6 +32,10 @@ from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Silo
 # The events whose entries cover the silo's record rather than a charge.
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
 
+_TABLE = LedgerEntry.__table__
+_ENTRIES_AT = select(*_TABLE.c).where(  # built once: every approval runs it
+    _TABLE.c.silo_id == bindparam("silo_id"), _TABLE.c.seq.in_(bindparam("seqs", expanding=True))
+)
 
 class Tampered(Conflict):
     """The silo's row no longer recomputes to the hash of the entry that covers it."""
@@ -60,10 +64,9 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         # Last, so that a retired_seq moved onto another record entry is read as a retire entry there and
         # refused (the entry it names is no retire entry), never as that entry's own.
         wanted[silo.retired_seq] = EntryEvent.retire
-    table = LedgerEntry.__table__
     # Core rows (they carry an entry's attributes, all that a hash reads): every approval makes this read.
     found = {e.seq: cast(LedgerEntry, e) for e in session.connection().execute(
-        select(*table.c).where(table.c.silo_id == silo.id, table.c.seq.in_(list(wanted)))
+        _ENTRIES_AT, {"silo_id": silo.id, "seqs": list(wanted)}
     )}
     out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
     if silo.plan is not None:

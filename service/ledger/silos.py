@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import cast
 
 import numpy as np
-from sqlalchemy import Table, insert, select
+from sqlalchemy import Table, bindparam, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -33,6 +33,11 @@ class BudgetStatus:
     rho: float | None
     order: float
 
+
+_ENTRIES = cast(Table, LedgerEntry.__table__)
+# Every approval runs these: built once, so an execution skips building and keying a statement.
+_INSERT_ENTRY = insert(_ENTRIES).returning(_ENTRIES.c.id)
+_LOCK_SILO = select(Silo).where(Silo.id == bindparam("silo_id")).with_for_update()
 
 def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyMechanism | None = None) -> rdp_filter.FilterSpec:
     """The filter a new silo commits to: from its budget and a declared horizon (the workload it
@@ -149,11 +154,11 @@ def append_entry(
     # The silo's changes (and anything else the caller added) first, then the entry in one INSERT …
     # RETURNING rather than the unit of work's flush of a new object: the leaf row names its id.
     session.flush()
-    table = cast(Table, LedgerEntry.__table__)
-    entry.id = session.execute(insert(table).values(
-        silo_id=entry.silo_id, seq=entry.seq, event=entry.event, charge_id=entry.charge_id,
-        epsilon_spent=entry.epsilon_spent, created_at=entry.created_at, prev_hash=entry.prev_hash, hash=entry.hash,
-    ).returning(table.c.id)).scalar_one()
+    entry.id = session.connection().execute(_INSERT_ENTRY, {
+        "silo_id": entry.silo_id, "seq": entry.seq, "event": entry.event, "charge_id": entry.charge_id,
+        "epsilon_spent": entry.epsilon_spent, "created_at": entry.created_at, "prev_hash": entry.prev_hash,
+        "hash": entry.hash,
+    }).scalar_one()
     return transparency.enqueue(session, entry, subject=subject)
 
 
@@ -170,7 +175,7 @@ def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
 def lock(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
     """The silo row, locked until the transaction ends (FOR UPDATE; SQLite's IMMEDIATE lock already
     serialises writers); `checked` as in `get`, under the lock, so no approval reads an edited record."""
-    silo = session.scalars(select(Silo).where(Silo.id == silo_id).with_for_update()).one_or_none()
+    silo = session.scalars(_LOCK_SILO, {"silo_id": silo_id}).one_or_none()
     if silo is None:
         raise NotFound(f"silo {silo_id} not found")
     if checked:

@@ -122,6 +122,8 @@ def new_salt() -> str:
     return os.urandom(16).hex()
 
 
+_INSERT_PENDING = insert(cast(Table, LogPending.__table__))  # every approval: built once
+
 def enqueue(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> Position:
     """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
     holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
@@ -130,8 +132,9 @@ def enqueue(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) ->
     timestamp = milliseconds(entry.created_at)
     deadline = timestamp + MERGE_DELAY_MS  # read at each call: a test shortens it to see a promise broken
     # Core, not the ORM's bulk path: nothing reads the row back in this transaction.
-    pending = cast(Table, LogPending.__table__)
-    session.execute(insert(pending).values(entry_id=entry.id, salt=salt, leaf_hash=leaf, promised_by=deadline))
+    session.connection().execute(
+        _INSERT_PENDING, {"entry_id": entry.id, "salt": salt, "leaf_hash": leaf, "promised_by": deadline}
+    )
     return Position(entry.silo_id, entry.seq, leaf, timestamp, deadline, None)
 
 
