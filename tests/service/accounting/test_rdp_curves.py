@@ -9,6 +9,7 @@ pool of them.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -600,3 +601,14 @@ def test_the_cached_curve_is_dp_accountings_curve() -> None:
     oracle.compose(to_dp_event(m))
     assert_curves_agree(rdp.rdp_curve(m), oracle.rdp)
     assert rdp.ORDERS == tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
+
+
+def test_a_curves_json_is_the_json_of_its_floats_whatever_its_layout_and_however_often() -> None:
+    # curve_to_json keeps the JSON of each curve it wrote (keyed by its bytes): the text must stay
+    # exactly json.dumps of the values, for a strided view, a -0.0, ∞ and an int array alike.
+    base = np.array([0.0, -0.0, 1e-300, 0.1 + 0.2, np.inf, 2.5, 7.0, 1 / 3])
+    for curve in (base, base[::2], base[::-1], np.arange(8), np.full(156, 0.1)):
+        expected = json.dumps([float(x) for x in curve])
+        assert curve_to_json(curve) == expected
+        assert curve_to_json(curve) == expected  # the second time, from what was kept
+        assert np.array_equal(curve_from_json(curve_to_json(curve)), curve.astype(float))
