@@ -63,6 +63,7 @@ def revoke(db: Database, key_id: int) -> None:
 _KEYS = ApiKey.__table__
 _REVOKED_AT = select(_KEYS.c.revoked_at).where(_KEYS.c.id == bindparam("key_id")).with_for_update(read=True)
 
+
 def require_live(session: Session, key_id: int | None) -> None:
     """Inside a write transaction: the caller's key is still live. A key revoked while its request
     was in flight writes nothing. On PostgreSQL the row is share-locked, so a revocation waits for

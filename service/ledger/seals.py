@@ -37,6 +37,7 @@ _ENTRIES_AT = select(*_TABLE.c).where(  # built once: every approval runs it
     _TABLE.c.silo_id == bindparam("silo_id"), _TABLE.c.seq.in_(bindparam("seqs", expanding=True))
 )
 
+
 class Tampered(Conflict):
     """The silo's row no longer recomputes to the hash of the entry that covers it."""
 

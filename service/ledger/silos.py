@@ -39,6 +39,7 @@ _ENTRIES = cast(Table, LedgerEntry.__table__)
 _INSERT_ENTRY = insert(_ENTRIES).returning(_ENTRIES.c.id)
 _LOCK_SILO = select(Silo).where(Silo.id == bindparam("silo_id")).with_for_update()
 
+
 def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyMechanism | None = None) -> rdp_filter.FilterSpec:
     """The filter a new silo commits to: from its budget and a declared horizon (the workload it
     expects); with none, a pending filter that its first charge replaces (fix_filter); never from

@@ -124,6 +124,7 @@ def new_salt() -> str:
 
 _INSERT_PENDING = insert(cast(Table, LogPending.__table__))  # every approval: built once
 
+
 def enqueue(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> Position:
     """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
     holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
