@@ -28,7 +28,7 @@ from dpledger.wire import mechanisms as m
 MIN_NOISE_MULTIPLIER = 0.01
 # One limit on sampled leaves, for charges, quotes, plans and horizons alike: a request may hold at
 # most this many distinct sampled leaves (dpsgd, poisson_sampled, sampled_without_replacement); one
-# more is refused. A new Poisson-sampled pair costs a few ms (sampled_gaussian.py), but a leaf
+# more is refused. A new Poisson-sampled pair costs ~10 ms (sampled_gaussian.py, reference_curve.py), but a leaf
 # sampled without replacement still costs dp-accounting ~250 ms: the seconds below bound those.
 MAX_SAMPLED_LEAVES = 15
 _SAMPLED = (m.SampledWithoutReplacement, m.PoissonSampled, m.DpSgd)
