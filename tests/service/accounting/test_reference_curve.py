@@ -25,11 +25,6 @@ def dp_accounting(q: float, sigma: float) -> np.ndarray:
     return np.asarray(accountant.rdp)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_absl() -> None:
-    logging.getLogger("absl").setLevel(logging.ERROR)  # dp-accounting's warning for a series that never stops
-
-
 @pytest.mark.parametrize(("q", "sigma"), PAIRS)
 def test_equals_dp_accountings_curve_to_the_bit(q: float, sigma: float) -> None:
     ours = reference_curve.curve(q, sigma, ORDERS)
