@@ -321,9 +321,9 @@ def reserve_locked(
     # in this transaction, and the answer needs only these values and the id.
     charge_id = session.connection().execute(_INSERT_CHARGE, values).scalar_one()
     charge = Charge(id=charge_id, **values)  # transient: never added to the session, so never flushed again
-    silo.rdp_spent = decision.candidate.to_json()
     position = silos.append_entry(
-        session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now
+        session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
+        rdp_spent=decision.candidate.to_json(),
     )
     own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised (as view)
     return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
@@ -400,14 +400,18 @@ def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int 
         if event is EntryEvent.release:
             _check_untouched(session, charge)
         curve = curve_from_json(charge.rdp)
+        spent = RunningSum.from_json(silo.rdp_spent)
+        sums: dict[str, str] = {}
         if event is EntryEvent.commit:
             charge.status = ChargeStatus.committed
-            silo.rdp_committed = RunningSum.from_json(silo.rdp_committed).add(curve).to_json()
+            sums["rdp_committed"] = RunningSum.from_json(silo.rdp_committed).add(curve).to_json()
         else:
             charge.status = ChargeStatus.released
-            silo.rdp_spent = RunningSum.from_json(silo.rdp_spent).subtract(curve).to_json()
-        eps = silos.epsilon_spent(silo)
-        position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps, now=datetime.now(UTC))
+            spent = spent.subtract(curve)
+            sums["rdp_spent"] = spent.to_json()
+        eps = gate.reading(silo, spent).epsilon  # as silos.epsilon_spent reads the stored sum
+        position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps,
+                                      now=datetime.now(UTC), **sums)
         return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
 
 

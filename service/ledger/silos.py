@@ -3,14 +3,16 @@ retirement (an admin stops a mis-registered silo for good: `retire`, `refuse_if_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Table, bindparam, insert, select
+from sqlalchemy import Table, Update, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
@@ -35,9 +37,29 @@ class BudgetStatus:
 
 
 _ENTRIES = cast(Table, LedgerEntry.__table__)
+_SILOS = cast(Table, Silo.__table__)
 # Every approval runs these: built once, so an execution skips building and keying a statement.
 _INSERT_ENTRY = insert(_ENTRIES).returning(_ENTRIES.c.id)
 _LOCK_SILO = select(Silo).where(Silo.id == bindparam("silo_id")).with_for_update()
+
+
+@functools.cache
+def _store_statement(columns: tuple[str, ...]) -> Update:
+    # One per set of columns an entry writes (its chain fields, and a running sum or none): a handful.
+    return update(_SILOS).where(_SILOS.c.id == bindparam("silo_id")).values(
+        {column: bindparam(f"new_{column}") for column in columns}
+    )
+
+
+def _store(session: Session, silo: Silo, **columns: Any) -> None:
+    """Writes these columns of a locked, stored silo in one UPDATE and sets them on the object as
+    stored, so the unit of work does not write them again: its flush of the row cost an approval as
+    much as the entry's and the charge's inserts together."""
+    session.connection().execute(
+        _store_statement(tuple(columns)), {"silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()}}
+    )
+    for column, value in columns.items():
+        set_committed_value(silo, column, value)
 
 
 def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyMechanism | None = None) -> rdp_filter.FilterSpec:
@@ -139,22 +161,26 @@ def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime
 
 
 def append_entry(
-    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime
+    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime,
+    rdp_spent: str | None = None, rdp_committed: str | None = None,
 ) -> transparency.Position:
     """Appends one entry to the silo's chain and, in the same transaction, its leaf to the
     transparency log's pending leaves (sequenced within the promised delay, transparency.py); the
-    caller holds the silo's lock. Returns the entry's leaf and its promise."""
+    caller holds the silo's lock. `rdp_spent`, `rdp_committed`: the silo's running sums after the
+    entry's event, written with its chain fields. Returns the entry's leaf and its promise."""
     entry = LedgerEntry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
     )
     subject = chain.subject(event, silo, charge)
     entry.hash = chain.entry_hash(entry, subject=subject)
-    silo.chain_seq = entry.seq
-    silo.chain_head = entry.hash
-    # The silo's changes (and anything else the caller added) first, then the entry in one INSERT …
-    # RETURNING rather than the unit of work's flush of a new object: the leaf row names its id.
+    # What the caller changed through the ORM (a charge's status, a plan; nothing on an approval's
+    # path), then the silo's chain and sums in one UPDATE, then the entry in one INSERT … RETURNING
+    # rather than the unit of work's flush of a new object: the leaf row names its id.
     session.flush()
+    sums = {"rdp_spent": rdp_spent, "rdp_committed": rdp_committed}
+    _store(session, silo, chain_seq=entry.seq, chain_head=entry.hash,
+          **{column: text for column, text in sums.items() if text is not None})
     entry.id = session.connection().execute(_INSERT_ENTRY, {
         "silo_id": entry.silo_id, "seq": entry.seq, "event": entry.event, "charge_id": entry.charge_id,
         "epsilon_spent": entry.epsilon_spent, "created_at": entry.created_at, "prev_hash": entry.prev_hash,

@@ -539,6 +539,26 @@ def test_running_sum_round_trips_through_json_with_infinities() -> None:
     assert np.array_equal(RunningSum.from_json(empty.to_json()).curve(), np.zeros(len(ORDERS)))
 
 
+def test_a_sum_written_here_is_read_back_without_parsing_and_equal_to_its_text() -> None:
+    # An approval reads the sum the previous one wrote (running_sum._PARSED): what it gets must be
+    # what parsing that text gives, and no reader may change it for the next one.
+    rng = np.random.default_rng(11)
+    s = RunningSum.empty(len(ORDERS)).add(random_curve(rng, infinite=True)).add(random_curve(rng, infinite=False))
+    text = s.to_json()
+    data = json.loads(text)  # the text, parsed independently
+    kept = RunningSum.from_json(text)
+    assert kept.finite.tobytes() == np.array(data["finite"], dtype=float).tobytes()
+    assert np.array_equal(kept.infinite, np.array(data["infinite"], dtype=np.int64))
+    with pytest.raises(ValueError, match="read-only"):
+        kept.finite[0] = 1.0
+    # The writer's own arrays stay its own: changing them changes nothing read back from the text.
+    s.finite[0] += 1.0
+    assert RunningSum.from_json(text).finite[0] == data["finite"][0]
+    # A text this process never wrote (an edited row, another worker's write) is parsed as it reads.
+    edited = json.dumps({"finite": [x * 2 for x in data["finite"]], "infinite": data["infinite"]})
+    assert RunningSum.from_json(edited).finite.tobytes() == (np.array(data["finite"]) * 2).tobytes()
+
+
 def test_a_charge_curve_round_trips_through_json_with_infinities() -> None:
     curve = rdp.rdp_curve(PoissonSampled(sampling_rate=0.05, event=Gaussian(noise_multiplier=0.7)))
     assert np.any(np.isinf(curve))
