@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,13 @@ class RunningSum:
         return RunningSum(np.maximum(finite, 0.0), self.infinite - inf)
 
     def to_json(self) -> str:
-        text = json.dumps({"finite": self.finite.tolist(), "infinite": self.infinite.tolist()})
+        if np.isfinite(self.finite).all():
+            # orjson writes each float's shortest text that parses back to it, as json does, in ~5 µs
+            # against ~75 (an approval writes one sum). It would write an overflowed ∞ as null, which
+            # parses as NaN, so a sum that is not all finite is written by json (as Infinity).
+            text = orjson.dumps({"finite": self.finite, "infinite": self.infinite}, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+        else:
+            text = json.dumps({"finite": self.finite.tolist(), "infinite": self.infinite.tolist()})
         _remember(text, RunningSum(self.finite.copy(), self.infinite.copy()))
         return text
 

@@ -539,6 +539,22 @@ def test_running_sum_round_trips_through_json_with_infinities() -> None:
     assert np.array_equal(RunningSum.from_json(empty.to_json()).curve(), np.zeros(len(ORDERS)))
 
 
+def test_a_sum_is_written_as_text_that_parses_back_to_the_same_floats_and_an_overflow_stays_infinite() -> None:
+    # to_json writes finite sums with orjson, not json: the text must parse (by the standard library,
+    # as every reader parses it) to the very floats, and an overflowed order must read ∞, never NaN.
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        finite = rng.random(len(ORDERS)) * 10.0 ** rng.integers(-320, 308, len(ORDERS))
+        finite[:6] = [5e-324, 1e-5, 0.1 + 0.2, 1e16, 1.7976931348623157e308, 0.0]
+        text = RunningSum(finite, np.zeros(len(ORDERS), dtype=np.int64)).to_json()
+        assert np.array(json.loads(text)["finite"], dtype=float).tobytes() == finite.tobytes()
+    big = RunningSum.empty(len(ORDERS)).add(np.full(len(ORDERS), 1.7976931348623157e308))
+    overflowed = big.add(np.full(len(ORDERS), 1.7976931348623157e308))
+    assert np.all(np.isinf(overflowed.finite))
+    parsed = np.array(json.loads(overflowed.to_json())["finite"], dtype=float)
+    assert np.all(np.isposinf(parsed))
+
+
 def test_a_sum_written_here_is_read_back_without_parsing_and_equal_to_its_text() -> None:
     # An approval reads the sum the previous one wrote (running_sum._PARSED): what it gets must be
     # what parsing that text gives, and no reader may change it for the next one.
