@@ -11,7 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Silo
+from dpledger.service.ledger.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Silo
 from dpledger.wire.enums import Relation
 
 GENESIS = "0" * 64
@@ -72,7 +72,7 @@ def retire_fields(silo: Silo) -> dict[str, Any]:
     return {**silo_fields(silo), "reason": silo.retired_reason}
 
 
-def subject(event: EntryEvent, silo: Silo, charge: Charge | None) -> dict[str, Any]:
+def subject(event: EntryEvent, silo: Silo, charge: Charge | ChargeRecord | None) -> dict[str, Any]:
     """What an entry of this kind covers besides itself."""
     if event is EntryEvent.create:
         return create_fields(silo)
@@ -89,7 +89,7 @@ def subject(event: EntryEvent, silo: Silo, charge: Charge | None) -> dict[str, A
     return charge_fields(charge)
 
 
-def charge_fields(charge: Charge) -> dict[str, Any]:
+def charge_fields(charge: Charge | ChargeRecord) -> dict[str, Any]:
     return {
         "id": charge.id,
         "silo_id": charge.silo_id,
@@ -106,7 +106,7 @@ def charge_fields(charge: Charge) -> dict[str, Any]:
     }
 
 
-def entry_hash(entry: LedgerEntry, *, subject: dict[str, Any]) -> str:
+def entry_hash(entry: LedgerEntry | EntryRecord, *, subject: dict[str, Any]) -> str:
     payload = {
         "silo_id": entry.silo_id,
         "seq": entry.seq,

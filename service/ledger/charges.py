@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 from sqlalchemy import Table, bindparam, insert, select
@@ -39,9 +39,11 @@ from dpledger.service.ledger.errors import (
     NotFound,
     OverBudget,
     SettledAlready,
+    Unauthorized,
 )
 from dpledger.service.ledger.models import (
     Charge,
+    ChargeRecord,
     ChargeStatus,
     EntryEvent,
     LedgerEntry,
@@ -57,13 +59,23 @@ _INSERT_CHARGE = insert(_CHARGES).returning(_CHARGES.c.id)
 _CHARGE_BY_KEY = select(_CHARGES.c.id).where(
     _CHARGES.c.silo_id == bindparam("silo_id"), _CHARGES.c.idempotency_key == bindparam("idempotency_key")
 )
+# A reservation's reads in one statement: the silo locked, the caller's key live (share-locked on
+# PostgreSQL, as keys.require_live does, so a revocation waits for this transaction) and, on SQLite,
+# the charge its idempotency key already names. SQLite reads all of it under the write lock taken
+# at BEGIN; a PostgreSQL statement that waited for the silo's lock reads other tables as they were
+# when it started, so there that charge is read by a statement of its own after the lock (a retry
+# that committed meanwhile is then seen and replayed).
+_LOCK_AND_KEY = select(
+    Silo, keys.LIVE.with_for_update(read=True).scalar_subquery().label("key_live")
+).where(Silo.id == bindparam("silo_id")).with_for_update(of=Silo)
+_LOCK_KEY_AND_EARLIER = _LOCK_AND_KEY.add_columns(_CHARGE_BY_KEY.scalar_subquery().label("earlier"))
 
 
 @dataclass(frozen=True)
 class ChargeView:
     """A charge as it stands, with its silo's ε now: what a reservation, a replay and a read answer."""
 
-    charge: Charge
+    charge: Charge | ChargeRecord  # a record where this answer inserted it
     epsilon: float  # the charge's own ε at the silo's δ
     epsilon_spent: float  # the silo's, reserved + committed
     epsilon_remaining: float
@@ -170,7 +182,7 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
 
 
 def view(
-    session: Session, silo: Silo, charge: Charge, *, replayed: bool, position: transparency.Position | None = None,
+    session: Session, silo: Silo, charge: Charge | ChargeRecord, *, replayed: bool, position: transparency.Position | None = None,
     own: float | None = None, spent: float | None = None,
 ) -> ChargeView:
     """`own`, `spent`: the charge's ε and the silo's where the caller has just computed them."""
@@ -239,10 +251,10 @@ def finish_reserve(
 ) -> ChargeView:
     """The write transaction of a reservation: the key still live, then check and append."""
     with db.write() as session:
-        keys.require_live(session, key_id)
         return reserve_locked(
             session, silo_id=silo_id, priced=started.priced, digest=started.digest, idempotency_key=idempotency_key,
             job_id=job_id, round=round, attempt_id=attempt_id, repricing=(started.mechanism, started.terms),
+            key_id=key_id,
         )
 
 
@@ -283,12 +295,13 @@ def reserve_locked(
     round: int | None,
     attempt_id: str | None = None,
     repricing: tuple[AnyMechanism, SiloTerms] | None = None,
+    key_id: int | None = None,
 ) -> ChargeView:
-    """Check, then append, inside the caller's write transaction (the silo is locked here).
+    """Check, then append, inside the caller's write transaction (the silo is locked here, and the
+    caller's key `key_id` read live first: a key revoked meanwhile writes nothing).
     `repricing`: the request and the terms `priced` was computed under, priced again here if the
     locked record's differ (a seal since: the pair is then priced under the lock, once)."""
-    silo = silos.lock(session, silo_id)
-    earlier = by_key(session, silo_id, idempotency_key)
+    silo, earlier = _lock(session, silo_id, key_id=key_id, idempotency_key=idempotency_key)
     if earlier is not None:  # a replay, or a concurrent retry that landed before this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
@@ -310,7 +323,7 @@ def reserve_locked(
     if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it
         silos.fix_filter(session, silo, priced.curve, now=now)
     gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
-    values = {
+    values: dict[str, Any] = {
         "silo_id": silo_id, "idempotency_key": idempotency_key, "request_hash": digest,
         "mechanism": priced.mechanism.model_dump_json(), "rdp": curve_to_json(priced.curve),
         "order_grid": rdp.ORDER_GRID_ID, "conversion": rdp.LEDGER_CONVERSION_ID, "status": ChargeStatus.reserved,
@@ -320,13 +333,32 @@ def reserve_locked(
     # One INSERT … RETURNING, not the unit of work's flush of a new object: the row is not read back
     # in this transaction, and the answer needs only these values and the id.
     charge_id = session.connection().execute(_INSERT_CHARGE, values).scalar_one()
-    charge = Charge(id=charge_id, **values)  # transient: never added to the session, so never flushed again
+    charge = ChargeRecord(id=charge_id, **values)
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
         rdp_spent=decision.candidate.to_json(),
     )
     own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised (as view)
     return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
+
+
+def _lock(session: Session, silo_id: int, *, key_id: int | None, idempotency_key: str) -> tuple[Silo, Charge | None]:
+    """keys.require_live, silos.lock and by_key, in that order of refusals, in one or two statements."""
+    in_one = session.connection().dialect.name == "sqlite"
+    found = session.execute(
+        _LOCK_KEY_AND_EARLIER if in_one else _LOCK_AND_KEY,
+        {"silo_id": silo_id, "key_id": key_id, "idempotency_key": idempotency_key},
+    ).one_or_none()
+    if found is None:
+        keys.require_live(session, key_id)  # a revoked key learns nothing about the silo
+        raise NotFound(f"silo {silo_id} not found")
+    silo, live = found[0], found[1]
+    if key_id is not None and live is None:
+        raise Unauthorized("unknown or revoked API key")
+    seals.check(session, silo)
+    if not in_one:
+        return silo, by_key(session, silo_id, idempotency_key)
+    return silo, None if found[2] is None else session.get(Charge, found[2])
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:
@@ -338,7 +370,7 @@ def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | Non
     return None if found is None else session.get(Charge, found)
 
 
-def _same_request(earlier: Charge, digest: str) -> None:
+def _same_request(earlier: Charge | ChargeRecord, digest: str) -> None:
     if earlier.request_hash != digest:
         raise InvalidRequest(
             "idempotency_key",

@@ -62,6 +62,8 @@ def revoke(db: Database, key_id: int) -> None:
 
 _KEYS = ApiKey.__table__
 _REVOKED_AT = select(_KEYS.c.revoked_at).where(_KEYS.c.id == bindparam("key_id")).with_for_update(read=True)
+# The key `key_id` if it is live (a reservation reads it in its lock's statement, charges._lock).
+LIVE = select(_KEYS.c.id).where(_KEYS.c.id == bindparam("key_id"), _KEYS.c.revoked_at.is_(None))
 
 
 def require_live(session: Session, key_id: int | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
@@ -140,6 +141,40 @@ class LedgerEntry(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     prev_hash: Mapped[str] = mapped_column(String(64))
     hash: Mapped[str] = mapped_column(String(64))
+
+
+# An approval's new charge and entry as plain records of the values it inserted (INSERT … RETURNING
+# id): it hashes and answers them and never flushes them, and an ORM instance costs ~10–20 µs to build.
+@dataclass(slots=True)
+class ChargeRecord:
+    id: int
+    silo_id: int
+    idempotency_key: str
+    request_hash: str
+    mechanism: str
+    rdp: str
+    order_grid: str
+    conversion: str
+    status: ChargeStatus
+    job_id: str | None
+    round: int | None
+    epsilon_spent_after: float
+    created_at: datetime
+    touched_at: datetime | None
+    attempt_id: str | None
+
+
+@dataclass(slots=True)
+class EntryRecord:
+    silo_id: int
+    seq: int
+    event: EntryEvent
+    charge_id: int | None
+    epsilon_spent: float
+    created_at: datetime
+    prev_hash: str
+    hash: str
+    id: int = 0  # set once inserted
 
 
 class ApiKey(Base):

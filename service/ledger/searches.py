@@ -22,7 +22,7 @@ from dpledger.service.accounting.trial_counts import TrialDistribution, distribu
 from dpledger.service.ledger import charges, keys, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, NotFound, SettledAlready
-from dpledger.service.ledger.models import Charge, ChargeStatus, Search, SearchStatus
+from dpledger.service.ledger.models import Charge, ChargeRecord, ChargeStatus, Search, SearchStatus
 from dpledger.wire.mechanisms import AnyMechanism, RepeatAndSelect
 
 
@@ -86,7 +86,7 @@ def start(
     return StartedSearch(search, reservation.epsilon_spent, False, reservation.position)
 
 
-def _replay(session: Session, earlier: Charge, digest: str) -> StartedSearch:
+def _replay(session: Session, earlier: Charge | ChargeRecord, digest: str) -> StartedSearch:
     charges._same_request(earlier, digest)
     search = _by_charge(session, earlier.id)
     if search is None:

@@ -22,7 +22,7 @@ from dpledger.service.ledger import chain, gate, seals, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Role, Silo
+from dpledger.service.ledger.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Role, Silo
 from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
 
@@ -161,14 +161,14 @@ def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime
 
 
 def append_entry(
-    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | None, epsilon_spent: float, now: datetime,
-    rdp_spent: str | None = None, rdp_committed: str | None = None,
+    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | ChargeRecord | None, epsilon_spent: float,
+    now: datetime, rdp_spent: str | None = None, rdp_committed: str | None = None,
 ) -> transparency.Position:
     """Appends one entry to the silo's chain and, in the same transaction, its leaf to the
     transparency log's pending leaves (sequenced within the promised delay, transparency.py); the
     caller holds the silo's lock. `rdp_spent`, `rdp_committed`: the silo's running sums after the
     entry's event, written with its chain fields. Returns the entry's leaf and its promise."""
-    entry = LedgerEntry(
+    entry = EntryRecord(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
     )

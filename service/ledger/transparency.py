@@ -39,6 +39,7 @@ from dpledger.service.ledger import chain
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.models import (
     Charge,
+    EntryRecord,
     LedgerEntry,
     LogHead,
     LogLeaf,
@@ -125,7 +126,7 @@ def new_salt() -> str:
 _INSERT_PENDING = insert(cast(Table, LogPending.__table__))  # every approval: built once
 
 
-def enqueue(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> Position:
+def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject: dict[str, Any]) -> Position:
     """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
     holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
     salt = new_salt()
