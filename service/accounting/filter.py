@@ -133,10 +133,23 @@ def order_epsilons(orders: np.ndarray, rdp_values: np.ndarray, deltas: np.ndarra
     """order_epsilon at many orders at once: the same branches as dp-accounting's compute_epsilon
     (Canonne, Kamath & Steinke 2020, Proposition 12), vectorised because one call per order costs
     ~20 µs of Python and a legacy filter has 156 orders. Checked against it in the tests."""
+    return _epsilons(_order_terms(orders, deltas), rdp_values)
+
+
+_Terms = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _order_terms(orders: np.ndarray, deltas: np.ndarray) -> _Terms:
+    """What order_epsilons computes from the orders and δs alone: fixed for a silo's filter."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        formula = rdp_values + np.log1p(-1 / orders) - np.log(deltas * orders) / (orders - 1)
-        eps = np.where(orders > 1.01, formula, np.inf)
-        eps = np.where(deltas**2 + np.expm1(-rdp_values) > 0, 0.0, eps)  # the KL bound: δ ≥ sqrt(1 − e^{−KL})
+        return orders > 1.01, np.log1p(-1 / orders), np.log(deltas * orders) / (orders - 1), deltas**2
+
+
+def _epsilons(terms: _Terms, rdp_values: np.ndarray) -> np.ndarray:
+    above, log_term, delta_term, squared = terms
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        eps = np.where(above, rdp_values + log_term - delta_term, np.inf)
+        eps = np.where(squared + np.expm1(-rdp_values) > 0, 0.0, eps)  # the KL bound: δ ≥ sqrt(1 − e^{−KL})
         eps = np.where(rdp_values < 0, 0.0, eps)
         eps = np.where(np.isfinite(rdp_values), eps, np.inf)
     return np.maximum(eps, 0.0)
@@ -144,11 +157,21 @@ def order_epsilons(orders: np.ndarray, rdp_values: np.ndarray, deltas: np.ndarra
 
 def read(spec: FilterSpec, curve: np.ndarray, *, delta: float) -> Reading:
     """The proven ε of a running sum (a curve on rdp.ORDERS) under the silo's filter."""
-    orders, weights, indices = _arrays(spec)
-    # One ulp down from the rounded product: each δ_i ≤ δ·w_i exactly, so Σδ_i ≤ δ.
-    eps = order_epsilons(orders, curve[indices], np.nextafter(delta * weights, 0.0))
+    orders, indices, terms = _read_terms(spec, delta)
+    eps = _epsilons(terms, curve[indices])
     best = int(np.argmin(eps))
     return Reading(float(eps[best]), float(orders[best]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_terms(spec: FilterSpec, delta: float) -> tuple[np.ndarray, np.ndarray, _Terms]:
+    # Every approval reads its silo's filter at its δ: the terms of the orders and δ shares once.
+    orders, weights, indices = _arrays(spec)
+    # One ulp down from the rounded product: each δ_i ≤ δ·w_i exactly, so Σδ_i ≤ δ.
+    terms = _order_terms(orders, np.nextafter(delta * weights, 0.0))
+    for shared in (orders, indices, *terms):
+        shared.flags.writeable = False  # kept for every later read of this filter
+    return orders, indices, terms
 
 
 def read_many(spec: FilterSpec, curves: np.ndarray, *, delta: float) -> np.ndarray:

@@ -106,8 +106,20 @@ def charge_fields(charge: Charge | ChargeRecord) -> dict[str, Any]:
     }
 
 
-def entry_hash(entry: LedgerEntry | EntryRecord, *, subject: dict[str, Any]) -> str:
-    payload = {
+def canonical(value: Any) -> str:
+    """The JSON every hash of the ledger reads: keys sorted, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def entry_hash(entry: LedgerEntry | EntryRecord, *, subject: dict[str, Any] | None = None,
+               subject_text: str | None = None) -> str:
+    """SHA-256 of the canonical JSON of the entry with its `subject`, or with `subject_text`, the
+    subject's canonical JSON where the caller has it: an approval writes the same text into its leaf,
+    and it is most of the bytes (a charge's curve). Every other key sorts before "subject", so the
+    text is spliced in last: the very bytes of canonical(the whole payload)."""
+    if subject_text is None:
+        subject_text = canonical(subject)
+    head = canonical({
         "silo_id": entry.silo_id,
         "seq": entry.seq,
         "event": str(getattr(entry.event, "value", entry.event)),
@@ -115,6 +127,5 @@ def entry_hash(entry: LedgerEntry | EntryRecord, *, subject: dict[str, Any]) -> 
         "epsilon_spent": entry.epsilon_spent,
         "created_at": timestamp(entry.created_at),
         "prev_hash": entry.prev_hash,
-        "subject": subject,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    })
+    return hashlib.sha256(f'{head[:-1]},"subject":{subject_text}}}'.encode()).hexdigest()

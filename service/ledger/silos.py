@@ -172,8 +172,8 @@ def append_entry(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
     )
-    subject = chain.subject(event, silo, charge)
-    entry.hash = chain.entry_hash(entry, subject=subject)
+    subject_text = chain.canonical(chain.subject(event, silo, charge))  # for the entry's hash and its leaf
+    entry.hash = chain.entry_hash(entry, subject_text=subject_text)
     # What the caller changed through the ORM (a charge's status, a plan; nothing on an approval's
     # path), then the silo's chain and sums in one UPDATE, then the entry in one INSERT … RETURNING
     # rather than the unit of work's flush of a new object: the leaf row names its id.
@@ -186,7 +186,7 @@ def append_entry(
         "epsilon_spent": entry.epsilon_spent, "created_at": entry.created_at, "prev_hash": entry.prev_hash,
         "hash": entry.hash,
     }).scalar_one()
-    return transparency.enqueue(session, entry, subject=subject)
+    return transparency.enqueue(session, entry, subject_text=subject_text)
 
 
 def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:

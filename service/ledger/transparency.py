@@ -96,8 +96,7 @@ def leaf_record(entry: Any, *, subject: dict[str, Any], salt: str) -> str:
     return _record_text(entry, subject_text=canonical(subject), salt=salt)
 
 
-def canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+canonical = chain.canonical
 
 
 def _record_text(entry: Any, *, subject_text: str, salt: str) -> str:
@@ -126,11 +125,12 @@ def new_salt() -> str:
 _INSERT_PENDING = insert(cast(Table, LogPending.__table__))  # every approval: built once
 
 
-def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject: dict[str, Any]) -> Position:
+def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject_text: str) -> Position:
     """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
-    holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
+    holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index.
+    `subject_text`: canonical(what the entry's hash covers), as its chain hash read it."""
     salt = new_salt()
-    leaf = merkle.leaf_hash(leaf_record(entry, subject=subject, salt=salt).encode()).hex()
+    leaf = merkle.leaf_hash(_record_text(entry, subject_text=subject_text, salt=salt).encode()).hex()
     timestamp = milliseconds(entry.created_at)
     deadline = timestamp + MERGE_DELAY_MS  # read at each call: a test shortens it to see a promise broken
     # Core, not the ORM's bulk path: nothing reads the row back in this transaction.

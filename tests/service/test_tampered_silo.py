@@ -157,3 +157,19 @@ def test_a_silo_whose_first_charge_is_to_fix_its_filter_is_restored_not_sealed(c
                                      "before a seal")
     assert charge(client, sealed, sealed_headers, "second").status_code == 201
     assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+
+
+@pytest.mark.parametrize("database_url", [pytest.param("postgres")], indirect=True)
+def test_an_edit_that_python_reads_as_equal_is_still_named_after_the_record_was_found_sound(
+    client: TestClient, engine: Engine,
+) -> None:
+    # The record check keeps what it found sound (seals._SOUND), by the values the hash reads. -0.0
+    # equals 0.0 in Python but is written "-0.0" in the JSON the create entry's hash covers: the
+    # edit must be named at the next approval, as without anything kept. (SQLite stores -0.0 as 0.0.)
+    tampered, headers = silo(client, "signed-zero")
+    assert charge(client, tampered, headers, "before").status_code == 201  # found sound, and kept
+    assert charge(client, tampered, headers, "again").status_code == 201
+    sql(engine, "UPDATE ledger_entries SET epsilon_spent = '-0'::float8 WHERE silo_id = :id AND seq = 1", id=tampered)
+    assert sql(engine, "SELECT epsilon_spent::text FROM ledger_entries WHERE silo_id = :id AND seq = 1",
+               id=tampered).scalar_one() == "-0"
+    assert_names(charge(client, tampered, headers, "after"), tampered, 1, "create")
