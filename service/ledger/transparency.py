@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, delete, func, insert, select, update
+from sqlalchemy import Table, and_, bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
@@ -123,6 +123,12 @@ def new_salt() -> str:
 
 
 _INSERT_PENDING = insert(cast(Table, LogPending.__table__))  # every approval: built once
+# A batch's statements, built once and run as Core executemany: the ORM's bulk path and an IN list
+# built from literals cost the sequencer about a third of its time.
+_PENDING = cast(Table, LogPending.__table__)
+_INSERT_LEAVES = insert(cast(Table, LogLeaf.__table__))
+_INSERT_NODES = insert(cast(Table, LogNode.__table__))
+_DELETE_PENDING = delete(_PENDING).where(_PENDING.c.id.in_(bindparam("ids", expanding=True)))
 
 
 def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject_text: str) -> Position:
@@ -161,10 +167,11 @@ def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, li
         leaf_rows.append({"idx": index, "entry_id": row.entry_id, "salt": row.salt, "leaf_hash": row.leaf_hash,
                           "promised_by": row.promised_by})
         node_rows += [{"level": w.bit_length() - 1, "idx": start // w, "hash": h.hex()} for start, w, h in completed]
-    session.execute(insert(LogLeaf), leaf_rows)
+    connection = session.connection()
+    connection.execute(_INSERT_LEAVES, leaf_rows)
     if node_rows:
-        session.execute(insert(LogNode), node_rows)
-    session.execute(delete(LogPending).where(LogPending.id.in_([row.id for row in pending])))
+        connection.execute(_INSERT_NODES, node_rows)
+    connection.execute(_DELETE_PENDING, {"ids": [row.id for row in pending]})
     new_size = size + len(pending)
     root = merkle.frontier_root(frontier).hex()
     session.execute(update(LogState).where(LogState.id == STATE_ID).values(
