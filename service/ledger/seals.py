@@ -33,8 +33,13 @@ from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Silo
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
 
 _TABLE = LedgerEntry.__table__
-_ENTRIES_AT = select(*_TABLE.c).where(  # built once: every approval runs it
-    _TABLE.c.silo_id == bindparam("silo_id"), _TABLE.c.seq.in_(bindparam("seqs", expanding=True))
+# Built once (every approval runs it), with a fixed list of seqs rather than an expanding one, which
+# would be rendered again at each execution: a record is covered by at most three entries (its
+# create or seal entry, its filter entry, its retire entry), and a shorter list repeats its first.
+_COVERING_AT_MOST = 3
+_ENTRIES_AT = select(*_TABLE.c).where(
+    _TABLE.c.silo_id == bindparam("silo_id"),
+    _TABLE.c.seq.in_([bindparam(f"seq{i}") for i in range(_COVERING_AT_MOST)]),
 )
 
 
@@ -66,8 +71,9 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         # refused (the entry it names is no retire entry), never as that entry's own.
         wanted[silo.retired_seq] = EntryEvent.retire
     # Core rows (they carry an entry's attributes, all that a hash reads): every approval makes this read.
+    seqs = list(wanted)
     found = {e.seq: cast(LedgerEntry, e) for e in session.connection().execute(
-        _ENTRIES_AT, {"silo_id": silo.id, "seqs": list(wanted)}
+        _ENTRIES_AT, {"silo_id": silo.id, **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(_COVERING_AT_MOST)}}
     )}
     out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
     if silo.plan is not None:
