@@ -63,9 +63,9 @@ def start(
         field = error.field.replace("search.event", "trial", 1).replace("search", "trial", 1)
         raise MechanismError(field, error.message) from error
     with db.write() as session:
-        keys.require_live(session, key_id)
         reservation = charges.reserve_locked(
             session, silo_id=silo_id, priced=priced, digest=digest, idempotency_key=idempotency_key, job_id=None, round=None,
+            key_id=key_id,
         )
         if reservation.replayed:  # a concurrent retry got in between our read and the lock
             return _replay(session, reservation.charge, digest)
