@@ -91,7 +91,7 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
 # What `check` found sound, by every value its hash reads (the entry's columns, the record's fields):
 # an approval reads the same silo record and entries as the one before, and recomputing their
 # hashes re-encodes the silo's filter each time. Emptied at this size.
-_SOUND_LIMIT = 4096
+_SOUND_LIMIT = 1024  # keys hold the record's texts (its filter: a few kB), so at most a few MB
 _SOUND: set[tuple[object, ...]] = set()
 
 
