@@ -132,6 +132,13 @@ class Database:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._sessions = sessionmaker(engine, expire_on_commit=False)
+        # A read sees one snapshot, as every SQLite transaction does: under PostgreSQL's READ
+        # COMMITTED each statement sees its own, so a read of a leaf, then of the pending leaves,
+        # missed one that the sequencer moved between the two (a replayed search answered 404).
+        # Writes stay READ COMMITTED: a statement that waited for a row lock reads the row as committed.
+        self._read_sessions = self._sessions if engine.dialect.name == "sqlite" else sessionmaker(
+            engine.execution_options(isolation_level="REPEATABLE READ"), expire_on_commit=False
+        )
         self._writers = SqliteWriters(engine.url.database) if engine.dialect.name == "sqlite" else None
 
     @classmethod
@@ -140,8 +147,8 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[Session]:
-        """A session for reads; whatever it holds is rolled back on exit, never committed."""
-        with self._sessions() as session:
+        """A session for reads, on one snapshot; whatever it holds is rolled back on exit, never committed."""
+        with self._read_sessions() as session:
             yield session
 
     @contextmanager

@@ -343,14 +343,17 @@ def position_of(session: Session, entry: LedgerEntry) -> Position:
     head of its batch. The same receipt on every read (Ed25519 signatures are deterministic), so a
     replayed request answers the first answer's promise, with the inclusion it has gained since."""
     timestamp = milliseconds(entry.created_at)
+    # Pending first, then sequenced: the order in which the sequencer moves a leaf (in one
+    # transaction), so that a write's READ COMMITTED statements, each on its own snapshot, cannot
+    # miss one moved between the two reads.
+    waiting = session.execute(select(LogPending.leaf_hash, LogPending.promised_by)
+                              .where(LogPending.entry_id == entry.id)).one_or_none()
+    if waiting is not None:
+        return Position(entry.silo_id, entry.seq, waiting.leaf_hash, timestamp, waiting.promised_by, None)
     row = session.execute(select(LogLeaf.idx, LogLeaf.leaf_hash, LogLeaf.promised_by)
                           .where(LogLeaf.entry_id == entry.id)).one_or_none()
     if row is None:
-        waiting = session.execute(select(LogPending.leaf_hash, LogPending.promised_by)
-                                  .where(LogPending.entry_id == entry.id)).one_or_none()
-        if waiting is None:
-            raise NotFound(f"entry {entry.seq} of silo {entry.silo_id} is not in the transparency log")
-        return Position(entry.silo_id, entry.seq, waiting.leaf_hash, timestamp, waiting.promised_by, None)
+        raise NotFound(f"entry {entry.seq} of silo {entry.silo_id} is not in the transparency log")
     return Position(entry.silo_id, entry.seq, row.leaf_hash, timestamp, row.promised_by,
                     inclusion_in_batch(session, row.idx, timestamp=timestamp))
 
