@@ -37,6 +37,10 @@ class SqliteWriters:
         self._path = None if in_memory else f"{database}.writer-lock"
         self._file: IO[bytes] | None = None
 
+    @property
+    def on_file(self) -> bool:
+        return self._path is not None
+
     def __enter__(self) -> None:
         self._threads.acquire()
         try:
@@ -54,6 +58,116 @@ class SqliteWriters:
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
         finally:
             self._threads.release()
+
+
+# SQLite: at most this many writers share one COMMIT (each waits for it: a bound on its wait).
+GROUP_AT_MOST = 32
+
+
+class CommitFailed(RuntimeError):
+    """The COMMIT of a group of writes failed: none of them is in the database."""
+
+
+class _Outcome:
+    def __init__(self) -> None:
+        self._settled = threading.Event()
+        self._error: BaseException | None = None
+
+    def settle(self, error: BaseException | None) -> None:
+        self._error = error
+        self._settled.set()
+
+    def wait(self) -> None:
+        self._settled.wait()
+        if self._error is not None:  # each writer raises its own exception: they run in other threads
+            raise CommitFailed(f"the transaction that held this write failed: {self._error}") from self._error
+
+
+class GroupCommit:
+    """SQLite: the writes of this process that queue behind one another share one transaction and
+    one fsync (group commit, as PostgreSQL and InnoDB do for their own logs), each in a savepoint of
+    its own, so that a writer's error undoes its changes only. A writer returns only once the COMMIT
+    that holds its changes has returned: nothing is answered before it is durable. The write lock
+    (SqliteWriters) is held from the group's first write to its COMMIT; the last writer in the
+    queue, or the GROUP_AT_MOST-th, commits."""
+
+    def __init__(self, engine: Engine, writers: SqliteWriters, *, at_most: int = GROUP_AT_MOST) -> None:
+        self._engine = engine
+        self._writers = writers
+        self._at_most = at_most
+        self._turn = threading.Lock()  # one writer of this process at a time
+        self._queued = 0  # writers of this process waiting for their turn
+        self._counting = threading.Lock()
+        self._connection: Connection | None = None  # the group's, from its first write to its COMMIT
+        self._members: list[_Outcome] = []
+
+    @contextmanager
+    def session(self, sessions: sessionmaker[Session]) -> Iterator[Session]:
+        with self._counting:
+            self._queued += 1
+        self._turn.acquire()
+        with self._counting:
+            self._queued -= 1
+        outcome = _Outcome()
+        try:
+            # The group's first writer needs no savepoint (two statements more): its error rolls
+            # back the whole transaction, which holds its changes only.
+            first = self._connection is None
+            session = sessions(bind=self._open(), join_transaction_mode="rollback_only" if first else "create_savepoint")
+            try:
+                yield session
+                session.commit()  # a flush into the group's transaction; after the first, RELEASE SAVEPOINT
+            except BaseException:
+                try:
+                    session.rollback()  # the first: ROLLBACK; after it, ROLLBACK TO SAVEPOINT (its own changes)
+                except BaseException as broken:
+                    self._end(broken)  # the transaction itself is lost: so is every write in it
+                    raise
+                if first:
+                    self._end(None)  # rolled back: nothing to commit
+                raise
+            finally:
+                session.close()
+            self._members.append(outcome)
+        finally:
+            try:
+                if self._connection is not None and (self._queued == 0 or len(self._members) >= self._at_most):
+                    self._end(None)
+            finally:
+                self._turn.release()
+        outcome.wait()
+
+    def _open(self) -> Connection:
+        if self._connection is None:
+            self._writers.__enter__()
+            try:
+                connection = self._engine.connect()
+                connection.execution_options(**{_IMMEDIATE: True})
+                connection.begin()
+            except BaseException:
+                self._writers.__exit__()
+                raise
+            self._connection = connection
+        return self._connection
+
+    def _end(self, error: BaseException | None) -> None:
+        """COMMIT the group (or, given the error that lost it, roll it back) and settle its writers."""
+        connection, members = self._connection, self._members
+        assert connection is not None
+        self._connection, self._members = None, []
+        try:
+            if error is not None:
+                connection.invalidate()
+            elif connection.in_transaction():
+                connection.commit()
+        except BaseException as failed:
+            error = failed
+            connection.invalidate()
+        finally:
+            connection.close()
+            self._writers.__exit__()
+        for member in members:
+            member.settle(error)
 
 
 def make_engine(url: str) -> Engine:
@@ -140,6 +254,9 @@ class Database:
             engine.execution_options(isolation_level="REPEATABLE READ"), expire_on_commit=False
         )
         self._writers = SqliteWriters(engine.url.database) if engine.dialect.name == "sqlite" else None
+        # A file's writers commit in groups; PostgreSQL groups its own WAL flushes, and an in-memory
+        # database has a connection per thread, which a group could not share.
+        self._group = GroupCommit(engine, self._writers) if self._writers is not None and self._writers.on_file else None
 
     @classmethod
     def connect(cls, url: str) -> Database:
@@ -153,7 +270,12 @@ class Database:
 
     @contextmanager
     def write(self) -> Iterator[Session]:
-        """One transaction that holds the write lock from its first statement; commits on exit."""
+        """One transaction that holds the write lock from its first statement; commits on exit
+        (SQLite: in a savepoint of the group's transaction, durable when this returns)."""
+        if self._group is not None:
+            with self._group.session(self._sessions) as session:
+                yield session
+            return
         # The session opens and closes (its connection back to the pool) outside the writers' queue.
         with self._sessions() as session, self._writers if self._writers is not None else nullcontext():
             session.connection(execution_options={_IMMEDIATE: True})
