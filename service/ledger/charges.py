@@ -60,16 +60,19 @@ _CHARGE_BY_KEY = select(_CHARGES.c.id).where(
     _CHARGES.c.silo_id == bindparam("silo_id"), _CHARGES.c.idempotency_key == bindparam("idempotency_key")
 )
 # A reservation's reads in one statement: the silo locked, the caller's key live (share-locked on
-# PostgreSQL, as keys.require_live does, so a revocation waits for this transaction) and, on SQLite,
-# the charge its idempotency key already names. SQLite reads all of it under the write lock taken
-# at BEGIN; a PostgreSQL statement that waited for the silo's lock reads other tables as they were
-# when it started, so there that charge is read by a statement of its own after the lock (a retry
-# that committed meanwhile is then seen and replayed).
-_LOCK_AND_KEY = select(
-    Silo, keys.LIVE.with_for_update(read=True).scalar_subquery().label("key_live")
+# PostgreSQL, as keys.require_live does, so a revocation waits for this transaction), the charge its
+# idempotency key already names, and the silo's chain_seq as the statement's snapshot saw it. SQLite
+# reads all of it under the write lock taken at BEGIN. A PostgreSQL statement that waited for the
+# silo's lock returns the row as committed since, but reads everything else as it was when the
+# statement started: a retry of this key that committed meanwhile is missed there. Such a retry
+# moved the silo's chain (a charge commits only with its entry), so the two chain_seqs differ, and
+# then the key's charge is read again by a statement of its own (`_lock`).
+_SEEN = cast(Table, Silo.__table__).alias("seen")
+_LOCK_KEY_AND_EARLIER = select(
+    Silo, keys.LIVE.with_for_update(read=True).scalar_subquery().label("key_live"),
+    _CHARGE_BY_KEY.scalar_subquery().label("earlier"),
+    select(_SEEN.c.chain_seq).where(_SEEN.c.id == bindparam("silo_id")).scalar_subquery().label("seen_seq"),
 ).where(Silo.id == bindparam("silo_id")).with_for_update(of=Silo)
-_LOCK_KEY_AND_EARLIER = _LOCK_AND_KEY.add_columns(_CHARGE_BY_KEY.scalar_subquery().label("earlier"))
-
 
 @dataclass(frozen=True)
 class ChargeView:
@@ -343,22 +346,21 @@ def reserve_locked(
 
 
 def _lock(session: Session, silo_id: int, *, key_id: int | None, idempotency_key: str) -> tuple[Silo, Charge | None]:
-    """keys.require_live, silos.lock and by_key, in that order of refusals, in one or two statements."""
-    in_one = session.connection().dialect.name == "sqlite"
+    """keys.require_live, silos.lock and by_key, in that order of refusals, in one statement (two
+    where the lock was waited for while the silo's chain moved: see _LOCK_KEY_AND_EARLIER)."""
     found = session.execute(
-        _LOCK_KEY_AND_EARLIER if in_one else _LOCK_AND_KEY,
-        {"silo_id": silo_id, "key_id": key_id, "idempotency_key": idempotency_key},
+        _LOCK_KEY_AND_EARLIER, {"silo_id": silo_id, "key_id": key_id, "idempotency_key": idempotency_key}
     ).one_or_none()
     if found is None:
         keys.require_live(session, key_id)  # a revoked key learns nothing about the silo
         raise NotFound(f"silo {silo_id} not found")
-    silo, live = found[0], found[1]
+    silo, live, earlier, seen_seq = found
     if key_id is not None and live is None:
         raise Unauthorized("unknown or revoked API key")
     seals.check(session, silo)
-    if not in_one:
+    if seen_seq != silo.chain_seq:
         return silo, by_key(session, silo_id, idempotency_key)
-    return silo, None if found[2] is None else session.get(Charge, found[2])
+    return silo, None if earlier is None else session.get(Charge, earlier)
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Table, Update, bindparam, insert, select, update
+from sqlalchemy import Insert, Table, Update, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
@@ -22,7 +22,16 @@ from dpledger.service.ledger import chain, gate, seals, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.ledger.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Role, Silo
+from dpledger.service.ledger.models import (
+    Charge,
+    ChargeRecord,
+    EntryEvent,
+    EntryRecord,
+    LedgerEntry,
+    LogPending,
+    Role,
+    Silo,
+)
 from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
 
@@ -51,6 +60,23 @@ def _store_statement(columns: tuple[str, ...]) -> Update:
     )
 
 
+_PENDING = cast(Table, LogPending.__table__)
+_ENTRY_COLUMNS = ("silo_id", "seq", "event", "charge_id", "epsilon_spent", "created_at", "prev_hash", "hash")
+_LEAF_COLUMNS = ("salt", "leaf_hash", "promised_by")
+
+
+@functools.cache
+def _append_statement(columns: tuple[str, ...]) -> Insert:
+    """PostgreSQL: the silo's new columns, its entry and the entry's pending leaf in one statement
+    (data-modifying CTEs), where the three cost three round trips, about 0.1 ms of the server's CPU each."""
+    stored = _store_statement(columns).cte("stored")
+    entry = insert(_ENTRIES).values(
+        {column: bindparam(f"entry_{column}", type_=_ENTRIES.c[column].type) for column in _ENTRY_COLUMNS}
+    ).returning(_ENTRIES.c.id).cte("entry")
+    leaf = select(entry.c.id, *(bindparam(column, type_=_PENDING.c[column].type) for column in _LEAF_COLUMNS))
+    return insert(_PENDING).from_select(["entry_id", *_LEAF_COLUMNS], leaf).add_cte(stored)
+
+
 def _store(session: Session, silo: Silo, **columns: Any) -> None:
     """Writes these columns of a locked, stored silo in one UPDATE and sets them on the object as
     stored, so the unit of work does not write them again: its flush of the row cost an approval as
@@ -58,6 +84,10 @@ def _store(session: Session, silo: Silo, **columns: Any) -> None:
     session.connection().execute(
         _store_statement(tuple(columns)), {"silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()}}
     )
+    _stored(silo, columns)
+
+
+def _stored(silo: Silo, columns: dict[str, Any]) -> None:
     for column, value in columns.items():
         set_committed_value(silo, column, value)
 
@@ -175,18 +205,25 @@ def append_entry(
     subject_text = chain.canonical(chain.subject(event, silo, charge))  # for the entry's hash and its leaf
     entry.hash = chain.entry_hash(entry, subject_text=subject_text)
     # What the caller changed through the ORM (a charge's status, a plan; nothing on an approval's
-    # path), then the silo's chain and sums in one UPDATE, then the entry in one INSERT … RETURNING
-    # rather than the unit of work's flush of a new object: the leaf row names its id.
+    # path), then the silo's chain and sums in one UPDATE, the entry in one INSERT and its leaf, rather
+    # than the unit of work's flush of the row and of a new object.
     session.flush()
-    sums = {"rdp_spent": rdp_spent, "rdp_committed": rdp_committed}
-    _store(session, silo, chain_seq=entry.seq, chain_head=entry.hash,
-          **{column: text for column, text in sums.items() if text is not None})
-    entry.id = session.connection().execute(_INSERT_ENTRY, {
-        "silo_id": entry.silo_id, "seq": entry.seq, "event": entry.event, "charge_id": entry.charge_id,
-        "epsilon_spent": entry.epsilon_spent, "created_at": entry.created_at, "prev_hash": entry.prev_hash,
-        "hash": entry.hash,
-    }).scalar_one()
-    return transparency.enqueue(session, entry, subject_text=subject_text)
+    columns = {"chain_seq": entry.seq, "chain_head": entry.hash,
+               **{column: text for column, text in (("rdp_spent", rdp_spent), ("rdp_committed", rdp_committed))
+                  if text is not None}}
+    connection = session.connection()
+    if connection.dialect.name != "postgresql":  # SQLite runs a statement in-process: three cost little
+        _store(session, silo, **columns)
+        entry.id = connection.execute(_INSERT_ENTRY, {column: getattr(entry, column) for column in _ENTRY_COLUMNS}
+                                      ).scalar_one()
+        return transparency.enqueue(session, entry, subject_text=subject_text)
+    leaf, position = transparency.pending_leaf(entry, subject_text=subject_text)
+    connection.execute(_append_statement(tuple(columns)), {
+        "silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()},
+        **{f"entry_{column}": getattr(entry, column) for column in _ENTRY_COLUMNS}, **leaf,
+    })
+    _stored(silo, columns)
+    return position
 
 
 def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:

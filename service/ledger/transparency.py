@@ -131,19 +131,24 @@ _INSERT_NODES = insert(cast(Table, LogNode.__table__))
 _DELETE_PENDING = delete(_PENDING).where(_PENDING.c.id.in_(bindparam("ids", expanding=True)))
 
 
-def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject_text: str) -> Position:
-    """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
-    holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index.
-    `subject_text`: canonical(what the entry's hash covers), as its chain hash read it."""
+def pending_leaf(entry: LedgerEntry | EntryRecord, *, subject_text: str) -> tuple[dict[str, Any], Position]:
+    """`entry`'s pending leaf (the row's values but its `entry_id`) and the receipt's position;
+    writes nothing. `subject_text`: canonical(what the entry's hash covers), as its chain hash read it."""
     salt = new_salt()
     leaf = merkle.leaf_hash(_record_text(entry, subject_text=subject_text, salt=salt).encode()).hex()
     timestamp = milliseconds(entry.created_at)
     deadline = timestamp + MERGE_DELAY_MS  # read at each call: a test shortens it to see a promise broken
+    row = {"salt": salt, "leaf_hash": leaf, "promised_by": deadline}
+    return row, Position(entry.silo_id, entry.seq, leaf, timestamp, deadline, None)
+
+
+def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject_text: str) -> Position:
+    """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
+    holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
+    row, position = pending_leaf(entry, subject_text=subject_text)
     # Core, not the ORM's bulk path: nothing reads the row back in this transaction.
-    session.connection().execute(
-        _INSERT_PENDING, {"entry_id": entry.id, "salt": salt, "leaf_hash": leaf, "promised_by": deadline}
-    )
-    return Position(entry.silo_id, entry.seq, leaf, timestamp, deadline, None)
+    session.connection().execute(_INSERT_PENDING, {"entry_id": entry.id, **row})
+    return position
 
 
 def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, limit: int = BATCH) -> int:
