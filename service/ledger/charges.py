@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import Table, bindparam, insert, select
+from sqlalchemy import Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
@@ -73,6 +73,11 @@ _LOCK_KEY_AND_EARLIER = select(
     _CHARGE_BY_KEY.scalar_subquery().label("earlier"),
     select(_SEEN.c.chain_seq).where(_SEEN.c.id == bindparam("silo_id")).scalar_subquery().label("seen_seq"),
 ).where(Silo.id == bindparam("silo_id")).with_for_update(of=Silo)
+# PostgreSQL: and the id a new charge would take, from the charges' sequence, so that the charge is
+# inserted in its entry's statement (silos.append_entry; the entry's hash names the id). A lock that
+# approves nothing leaves a gap in the ids, as a rolled-back insert does.
+_LOCK_WITH_NEXT_ID = _LOCK_KEY_AND_EARLIER.add_columns(
+    func.nextval(func.pg_get_serial_sequence("charges", "id")).label("next_id"))
 
 @dataclass(frozen=True)
 class ChargeView:
@@ -304,7 +309,7 @@ def reserve_locked(
     caller's key `key_id` read live first: a key revoked meanwhile writes nothing).
     `repricing`: the request and the terms `priced` was computed under, priced again here if the
     locked record's differ (a seal since: the pair is then priced under the lock, once)."""
-    silo, earlier = _lock(session, silo_id, key_id=key_id, idempotency_key=idempotency_key)
+    silo, earlier, next_id = _lock(session, silo_id, key_id=key_id, idempotency_key=idempotency_key)
     if earlier is not None:  # a replay, or a concurrent retry that landed before this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
@@ -333,34 +338,45 @@ def reserve_locked(
         "job_id": job_id, "round": round, "epsilon_spent_after": decision.epsilon_if_approved, "created_at": now,
         "touched_at": None, "attempt_id": attempt_id,
     }
-    # One INSERT … RETURNING, not the unit of work's flush of a new object: the row is not read back
-    # in this transaction, and the answer needs only these values and the id.
-    charge_id = session.connection().execute(_INSERT_CHARGE, values).scalar_one()
-    charge = ChargeRecord(id=charge_id, **values)
+    # Core, not the unit of work's flush of a new object: the row is not read back in this
+    # transaction, and the answer needs only these values and the id. SQLite: one INSERT … RETURNING;
+    # PostgreSQL: with the entry, under the id the lock's statement took.
+    if next_id is None:
+        next_id = session.connection().execute(_INSERT_CHARGE, values).scalar_one()
+        new_charge = None
+    else:
+        new_charge = {"id": next_id, **values}
+    charge = ChargeRecord(id=next_id, **values)
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
-        rdp_spent=decision.candidate.to_json(),
+        rdp_spent=decision.candidate.to_json(), new_charge=new_charge,
     )
     own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised (as view)
     return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
 
 
-def _lock(session: Session, silo_id: int, *, key_id: int | None, idempotency_key: str) -> tuple[Silo, Charge | None]:
+def _lock(
+    session: Session, silo_id: int, *, key_id: int | None, idempotency_key: str
+) -> tuple[Silo, Charge | None, int | None]:
     """keys.require_live, silos.lock and by_key, in that order of refusals, in one statement (two
-    where the lock was waited for while the silo's chain moved: see _LOCK_KEY_AND_EARLIER)."""
+    where the lock was waited for while the silo's chain moved: see _LOCK_KEY_AND_EARLIER); and, on
+    PostgreSQL, the id a new charge takes (None on SQLite: its insert returns it)."""
+    sequenced = session.connection().dialect.name == "postgresql"
     found = session.execute(
-        _LOCK_KEY_AND_EARLIER, {"silo_id": silo_id, "key_id": key_id, "idempotency_key": idempotency_key}
+        _LOCK_WITH_NEXT_ID if sequenced else _LOCK_KEY_AND_EARLIER,
+        {"silo_id": silo_id, "key_id": key_id, "idempotency_key": idempotency_key},
     ).one_or_none()
     if found is None:
         keys.require_live(session, key_id)  # a revoked key learns nothing about the silo
         raise NotFound(f"silo {silo_id} not found")
-    silo, live, earlier, seen_seq = found
+    silo, live, earlier, seen_seq = found[:4]
+    next_id = found[4] if sequenced else None
     if key_id is not None and live is None:
         raise Unauthorized("unknown or revoked API key")
     seals.check(session, silo)
     if seen_seq != silo.chain_seq:
-        return silo, by_key(session, silo_id, idempotency_key)
-    return silo, None if earlier is None else session.get(Charge, earlier)
+        return silo, by_key(session, silo_id, idempotency_key), next_id
+    return silo, None if earlier is None else session.get(Charge, earlier), next_id
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:

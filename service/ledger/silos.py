@@ -61,20 +61,27 @@ def _store_statement(columns: tuple[str, ...]) -> Update:
 
 
 _PENDING = cast(Table, LogPending.__table__)
+_CHARGES = cast(Table, Charge.__table__)
 _ENTRY_COLUMNS = ("silo_id", "seq", "event", "charge_id", "epsilon_spent", "created_at", "prev_hash", "hash")
 _LEAF_COLUMNS = ("salt", "leaf_hash", "promised_by")
 
 
 @functools.cache
-def _append_statement(columns: tuple[str, ...]) -> Insert:
-    """PostgreSQL: the silo's new columns, its entry and the entry's pending leaf in one statement
-    (data-modifying CTEs), where the three cost three round trips, about 0.1 ms of the server's CPU each."""
+def _append_statement(columns: tuple[str, ...], *, with_charge: bool) -> Insert:
+    """PostgreSQL: the silo's new columns, its entry and the entry's pending leaf (and, `with_charge`,
+    the charge it names, first) in one statement (data-modifying CTEs), where each would cost a round
+    trip, about 0.1 ms of the server's CPU."""
     stored = _store_statement(columns).cte("stored")
+    ctes = [stored]
+    if with_charge:
+        ctes.insert(0, insert(_CHARGES).values(
+            {column.name: bindparam(f"charge_{column.name}", type_=column.type) for column in _CHARGES.c}
+        ).cte("charge"))
     entry = insert(_ENTRIES).values(
         {column: bindparam(f"entry_{column}", type_=_ENTRIES.c[column].type) for column in _ENTRY_COLUMNS}
     ).returning(_ENTRIES.c.id).cte("entry")
     leaf = select(entry.c.id, *(bindparam(column, type_=_PENDING.c[column].type) for column in _LEAF_COLUMNS))
-    return insert(_PENDING).from_select(["entry_id", *_LEAF_COLUMNS], leaf).add_cte(stored)
+    return insert(_PENDING).from_select(["entry_id", *_LEAF_COLUMNS], leaf).add_cte(*ctes)
 
 
 def _store(session: Session, silo: Silo, **columns: Any) -> None:
@@ -193,11 +200,14 @@ def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | ChargeRecord | None, epsilon_spent: float,
     now: datetime, rdp_spent: str | None = None, rdp_committed: str | None = None,
+    new_charge: dict[str, Any] | None = None,
 ) -> transparency.Position:
     """Appends one entry to the silo's chain and, in the same transaction, its leaf to the
     transparency log's pending leaves (sequenced within the promised delay, transparency.py); the
     caller holds the silo's lock. `rdp_spent`, `rdp_committed`: the silo's running sums after the
-    entry's event, written with its chain fields. Returns the entry's leaf and its promise."""
+    entry's event, written with its chain fields. `new_charge`: PostgreSQL only, the row of `charge`
+    (its id taken from the sequence), inserted first in the same statement. Returns the entry's leaf
+    and its promise."""
     entry = EntryRecord(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
@@ -213,14 +223,16 @@ def append_entry(
                   if text is not None}}
     connection = session.connection()
     if connection.dialect.name != "postgresql":  # SQLite runs a statement in-process: three cost little
+        assert new_charge is None, "a charge is inserted with its entry only on PostgreSQL"
         _store(session, silo, **columns)
         entry.id = connection.execute(_INSERT_ENTRY, {column: getattr(entry, column) for column in _ENTRY_COLUMNS}
                                       ).scalar_one()
         return transparency.enqueue(session, entry, subject_text=subject_text)
     leaf, position = transparency.pending_leaf(entry, subject_text=subject_text)
-    connection.execute(_append_statement(tuple(columns)), {
+    connection.execute(_append_statement(tuple(columns), with_charge=new_charge is not None), {
         "silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()},
         **{f"entry_{column}": getattr(entry, column) for column in _ENTRY_COLUMNS}, **leaf,
+        **{f"charge_{column}": value for column, value in (new_charge or {}).items()},
     })
     _stored(silo, columns)
     return position

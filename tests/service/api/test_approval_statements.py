@@ -17,12 +17,12 @@ STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
 # Statements of one fresh approval on a silo whose filter is fixed, a (q, σ) pair seen before, a key
 # and silo this process has approved for (service/api/known.py) and a fresh idempotency key: one write
 # transaction (the silo locked with its caller's key read live and the idempotency key's earlier
-# charge, its record checked, the charge, then the silo's new state, its entry and the log's pending
-# leaf: on PostgreSQL those three in one statement, ledger/silos.py `_append_statement`). Its
+# charge, its record checked, the charge, the silo's new state, its entry and the log's pending leaf:
+# on PostgreSQL those four in one statement, ledger/silos.py `_append_statement`). Its
 # transaction's control is counted apart: SQLite's BEGIN IMMEDIATE, or a savepoint pair where the
 # approval joined a group of writers that another opened (ledger/db.py GroupCommit: the sequencer's
 # batch, say); none on PostgreSQL.
-APPROVAL_STATEMENTS = {"sqlite": 6, "postgresql": 4}
+APPROVAL_STATEMENTS = {"sqlite": 6, "postgresql": 3}
 CONTROL = {"sqlite": (["BEGIN IMMEDIATE"], ["SAVEPOINT", "RELEASE"]), "postgresql": ([],)}
 
 
