@@ -79,6 +79,7 @@ _LOCK_KEY_AND_EARLIER = select(
 _LOCK_WITH_NEXT_ID = _LOCK_KEY_AND_EARLIER.add_columns(
     func.nextval(func.pg_get_serial_sequence("charges", "id")).label("next_id"))
 
+
 @dataclass(frozen=True)
 class ChargeView:
     """A charge as it stands, with its silo's ε now: what a reservation, a replay and a read answer."""
@@ -342,11 +343,10 @@ def reserve_locked(
     # transaction, and the answer needs only these values and the id. SQLite: one INSERT … RETURNING;
     # PostgreSQL: with the entry, under the id the lock's statement took.
     if next_id is None:
-        next_id = session.connection().execute(_INSERT_CHARGE, values).scalar_one()
-        new_charge = None
+        charge_id, new_charge = session.connection().execute(_INSERT_CHARGE, values).scalar_one(), None
     else:
-        new_charge = {"id": next_id, **values}
-    charge = ChargeRecord(id=next_id, **values)
+        charge_id, new_charge = next_id, {"id": next_id, **values}
+    charge = ChargeRecord(id=charge_id, **values)
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
         rdp_spent=decision.candidate.to_json(), new_charge=new_charge,
@@ -451,17 +451,17 @@ def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int 
             _check_untouched(session, charge)
         curve = curve_from_json(charge.rdp)
         spent = RunningSum.from_json(silo.rdp_spent)
-        sums: dict[str, str] = {}
+        rdp_spent = rdp_committed = None  # the running sum the event changes, written with its entry
         if event is EntryEvent.commit:
             charge.status = ChargeStatus.committed
-            sums["rdp_committed"] = RunningSum.from_json(silo.rdp_committed).add(curve).to_json()
+            rdp_committed = RunningSum.from_json(silo.rdp_committed).add(curve).to_json()
         else:
             charge.status = ChargeStatus.released
             spent = spent.subtract(curve)
-            sums["rdp_spent"] = spent.to_json()
+            rdp_spent = spent.to_json()
         eps = gate.reading(silo, spent).epsilon  # as silos.epsilon_spent reads the stored sum
         position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps,
-                                      now=datetime.now(UTC), **sums)
+                                      now=datetime.now(UTC), rdp_spent=rdp_spent, rdp_committed=rdp_committed)
         return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
 
 
