@@ -213,3 +213,17 @@ def test_init_prints_the_first_admin_key_once_and_refuses_a_second_time(tmp_path
     with TestClient(app) as client:
         assert client.get("/v1/silos", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     app.state.engine.dispose()
+
+
+def test_a_served_app_is_frozen_out_of_the_collectors_reach(tmp_path) -> None:
+    # What a serving process builds lives as long as it: a full collection must not walk it again.
+    url = f"sqlite:///{tmp_path}/frozen.db"
+    subprocess.run([sys.executable, "-m", "dpledger.cli", "migrate"], env={**os.environ, "DATABASE_URL": url},
+                   check=True, capture_output=True)
+    probe = ("import gc; from dpledger.service.serving import served_app; "
+             "before = gc.get_freeze_count(); app = served_app(); print(before, gc.get_freeze_count(), type(app).__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "DATABASE_URL": url}, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.split()
+    before, after = int(out[0]), int(out[1])
+    assert before == 0 and after > 10_000, out  # the app's modules and objects: tens of thousands
+    assert out[2] == "FastAPI"
