@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import threading
+import time
 from typing import IO
 
 from sqlalchemy import Connection, create_engine, event, select, text
@@ -49,6 +50,7 @@ class _Leadership:
         self._held = False
         self._file: IO[bytes] | None = None
         self._connection: Connection | None = None
+        self._checked = 0.0  # when the lock's connection last answered
         database = db.engine.url.database
         self.dialect = db.engine.dialect.name
         self._path = f"{database}.sequencer-lock" if self.dialect == "sqlite" and database else None
@@ -75,18 +77,23 @@ class _Leadership:
             engine = create_engine(self._db.engine.url, poolclass=NullPool)
             connection = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
             if connection.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": _LOCK_KEY}).scalar_one():
-                self._connection, self._held = connection, True
+                self._connection, self._held, self._checked = connection, True, time.monotonic()
             else:
                 connection.close()
             engine.dispose()
         return self._held
 
     def still_held(self) -> bool:
-        """PostgreSQL: the lock lives as long as its connection: a dropped one means another may lead now."""
+        """PostgreSQL: the lock lives as long as its connection: a dropped one means another may lead
+        now. Asked at most every RETRY_S, as a standby tries to lead: a busy leader's batch is then not
+        one round trip longer, and two leaders for a moment are safe (the module's docstring)."""
         if not self._held or self._connection is None:
             return self._held
+        if time.monotonic() - self._checked < RETRY_S:
+            return True
         try:
             self._connection.execute(text("SELECT 1"))
+            self._checked = time.monotonic()
             return True
         except Exception:
             self.release()
@@ -128,6 +135,7 @@ class Sequencer:
         self._leadership = _Leadership(db)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one batch at a time in this process (the thread, or `run_once`)
+        self._busy = False  # the last batch sequenced leaves
 
     @property
     def leading(self) -> bool:
@@ -159,11 +167,14 @@ class Sequencer:
         with self._lock:
             if not self._leadership.try_take() or not self._leadership.still_held():
                 return 0
-            with self._db.read() as session:
-                if session.scalars(select(LogPending.id).limit(1)).first() is None:
-                    return 0  # the common idle case: no write lock taken
+            if not self._busy:  # while batches keep coming, the next is written at once: no read first
+                with self._db.read() as session:
+                    if session.scalars(select(LogPending.id).limit(1)).first() is None:
+                        return 0  # the common idle case: no write lock taken
             with self._db.write() as session:
-                return transparency.sequence(session, self._sign)
+                done = transparency.sequence(session, self._sign)
+            self._busy = done > 0
+            return done
 
     def _sign(self, size: int, root: str) -> SignedTreeHead:
         return self._signer.sign(tree_size=size, root_hash=root)

@@ -129,6 +129,12 @@ _PENDING = cast(Table, LogPending.__table__)
 _INSERT_LEAVES = insert(cast(Table, LogLeaf.__table__))
 _INSERT_NODES = insert(cast(Table, LogNode.__table__))
 _DELETE_PENDING = delete(_PENDING).where(_PENDING.c.id.in_(bindparam("ids", expanding=True)))
+_STATE = cast(Table, LogState.__table__)
+_LOCK_STATE = select(_STATE.c.size, _STATE.c.frontier).where(_STATE.c.id == STATE_ID).with_for_update()
+_NEXT_PENDING = select(_PENDING.c.id, _PENDING.c.entry_id, _PENDING.c.salt, _PENDING.c.leaf_hash,
+                       _PENDING.c.promised_by).order_by(_PENDING.c.id).limit(bindparam("limit"))
+_UPDATE_STATE = update(_STATE).where(_STATE.c.id == STATE_ID)
+_INSERT_HEAD = insert(cast(Table, LogHead.__table__))
 
 
 def pending_leaf(entry: LedgerEntry | EntryRecord, *, subject_text: str) -> tuple[dict[str, Any], Position]:
@@ -155,13 +161,9 @@ def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, li
     """Gives up to `limit` pending leaves, in `id` order, the next log indices, and signs one head
     (`sign(size, root)`) over the tree they end; returns how many. One transaction, the caller's:
     the state row is locked first (one sequencer at a time even if two were started by hand)."""
-    size, stored = session.execute(
-        select(LogState.size, LogState.frontier).where(LogState.id == STATE_ID).with_for_update()
-    ).one()
-    pending = session.execute(
-        select(LogPending.id, LogPending.entry_id, LogPending.salt, LogPending.leaf_hash, LogPending.promised_by)
-        .order_by(LogPending.id).limit(limit)
-    ).all()
+    connection = session.connection()
+    size, stored = connection.execute(_LOCK_STATE).one()
+    pending = connection.execute(_NEXT_PENDING, {"limit": limit}).all()
     if not pending:
         return 0
     frontier = [bytes.fromhex(h) for h in json.loads(stored)]
@@ -172,19 +174,16 @@ def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, li
         leaf_rows.append({"idx": index, "entry_id": row.entry_id, "salt": row.salt, "leaf_hash": row.leaf_hash,
                           "promised_by": row.promised_by})
         node_rows += [{"level": w.bit_length() - 1, "idx": start // w, "hash": h.hex()} for start, w, h in completed]
-    connection = session.connection()
     connection.execute(_INSERT_LEAVES, leaf_rows)
     if node_rows:
         connection.execute(_INSERT_NODES, node_rows)
     connection.execute(_DELETE_PENDING, {"ids": [row.id for row in pending]})
     new_size = size + len(pending)
     root = merkle.frontier_root(frontier).hex()
-    session.execute(update(LogState).where(LogState.id == STATE_ID).values(
-        size=new_size, frontier=json.dumps([h.hex() for h in frontier])
-    ))
+    connection.execute(_UPDATE_STATE, {"size": new_size, "frontier": json.dumps([h.hex() for h in frontier])})
     head = sign(new_size, root)
-    session.execute(insert(LogHead).values(tree_size=new_size, root_hash=root, timestamp=head.timestamp,
-                                           key_id=head.key_id, signature=head.signature))
+    connection.execute(_INSERT_HEAD, {"tree_size": new_size, "root_hash": root, "timestamp": head.timestamp,
+                                      "key_id": head.key_id, "signature": head.signature})
     return len(pending)
 
 
