@@ -59,25 +59,21 @@ _INSERT_CHARGE = insert(_CHARGES).returning(_CHARGES.c.id)
 _CHARGE_BY_KEY = select(_CHARGES.c.id).where(
     _CHARGES.c.silo_id == bindparam("silo_id"), _CHARGES.c.idempotency_key == bindparam("idempotency_key")
 )
-# A reservation's reads in one statement: the silo locked, the caller's key live (share-locked on
-# PostgreSQL, as keys.require_live does, so a revocation waits for this transaction), the charge its
-# idempotency key already names, and the silo's chain_seq as the statement's snapshot saw it. SQLite
-# reads all of it under the write lock taken at BEGIN. A PostgreSQL statement that waited for the
-# silo's lock returns the row as committed since, but reads everything else as it was when the
-# statement started: a retry of this key that committed meanwhile is missed there. Such a retry
-# moved the silo's chain (a charge commits only with its entry), so the two chain_seqs differ, and
-# then the key's charge is read again by a statement of its own (`_lock`).
-_SEEN = cast(Table, Silo.__table__).alias("seen")
-_LOCK_KEY_AND_EARLIER = select(
+# A reservation's lock in one statement: the silo locked, and the caller's key live (share-locked on
+# PostgreSQL, as keys.require_live does, so a revocation waits for this transaction).
+_LOCK_AND_KEY = select(
     Silo, keys.LIVE.with_for_update(read=True).scalar_subquery().label("key_live"),
-    _CHARGE_BY_KEY.scalar_subquery().label("earlier"),
-    select(_SEEN.c.chain_seq).where(_SEEN.c.id == bindparam("silo_id")).scalar_subquery().label("seen_seq"),
 ).where(Silo.id == bindparam("silo_id")).with_for_update(of=Silo)
 # PostgreSQL: and the id a new charge would take, from the charges' sequence, so that the charge is
 # inserted in its entry's statement (silos.append_entry; the entry's hash names the id). A lock that
 # approves nothing leaves a gap in the ids, as a rolled-back insert does.
-_LOCK_WITH_NEXT_ID = _LOCK_KEY_AND_EARLIER.add_columns(
+_LOCK_WITH_NEXT_ID = _LOCK_AND_KEY.add_columns(
     func.nextval(func.pg_get_serial_sequence("charges", "id")).label("next_id"))
+# The charge the idempotency key already names, read with the entries that cover the silo's record
+# (seals.check), in the statement after the lock: a PostgreSQL statement that waited for the lock
+# reads everything but the locked row as it was when it started, and would miss a retry of the same
+# key that committed meanwhile; the next statement sees it.
+_EARLIER = _CHARGE_BY_KEY.scalar_subquery().label("earlier")
 
 
 @dataclass(frozen=True)
@@ -358,24 +354,20 @@ def reserve_locked(
 def _lock(
     session: Session, silo_id: int, *, key_id: int | None, idempotency_key: str
 ) -> tuple[Silo, Charge | None, int | None]:
-    """keys.require_live, silos.lock and by_key, in that order of refusals, in one statement (two
-    where the lock was waited for while the silo's chain moved: see _LOCK_KEY_AND_EARLIER); and, on
-    PostgreSQL, the id a new charge takes (None on SQLite: its insert returns it)."""
+    """keys.require_live, silos.lock and by_key, in that order of refusals, in two statements; and,
+    on PostgreSQL, the id a new charge takes (None on SQLite: its insert returns it)."""
     sequenced = session.connection().dialect.name == "postgresql"
     found = session.execute(
-        _LOCK_WITH_NEXT_ID if sequenced else _LOCK_KEY_AND_EARLIER,
-        {"silo_id": silo_id, "key_id": key_id, "idempotency_key": idempotency_key},
+        _LOCK_WITH_NEXT_ID if sequenced else _LOCK_AND_KEY, {"silo_id": silo_id, "key_id": key_id},
     ).one_or_none()
     if found is None:
         keys.require_live(session, key_id)  # a revoked key learns nothing about the silo
         raise NotFound(f"silo {silo_id} not found")
-    silo, live, earlier, seen_seq = found[:4]
-    next_id = found[4] if sequenced else None
+    silo, live = found[:2]
+    next_id = found[2] if sequenced else None
     if key_id is not None and live is None:
         raise Unauthorized("unknown or revoked API key")
-    seals.check(session, silo)
-    if seen_seq != silo.chain_seq:
-        return silo, by_key(session, silo_id, idempotency_key), next_id
+    earlier = seals.check(session, silo, also=(_EARLIER, {"idempotency_key": idempotency_key}))
     return silo, None if earlier is None else session.get(Charge, earlier), next_id
 
 

@@ -15,11 +15,12 @@ edit: the create entry's leaf still no longer matches its record, which every si
 
 from __future__ import annotations
 
+import functools
 import math
 from datetime import UTC, datetime
-from typing import cast
+from typing import Any, cast
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import Label, Select, bindparam, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
@@ -57,8 +58,17 @@ class Tampered(Conflict):
         self.event = event
 
 
-def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, LedgerEntry | None]]:
-    """The entries that cover the silo's record now, as (event, seq, the entry or None if gone)."""
+@functools.cache
+def _entries_and(column: Label[Any] | None) -> Select[Any]:
+    return _ENTRIES_AT if column is None else _ENTRIES_AT.add_columns(column)
+
+
+def covering(
+    session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any]] | None = None,
+) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], Any]:
+    """The entries that cover the silo's record now, as (event, seq, the entry or None if gone), and
+    the value of `also` (a scalar column and its parameters) read in the same statement: None where
+    no covering entry was found, which `check` refuses before anyone reads it."""
     wanted: dict[int, EntryEvent] = {}
     if silo.sealed_seq is not None:
         wanted[silo.sealed_seq] = EntryEvent.seal
@@ -72,9 +82,12 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         wanted[silo.retired_seq] = EntryEvent.retire
     # Core rows (they carry an entry's attributes, all that a hash reads): every approval makes this read.
     seqs = list(wanted)
-    found = {e.seq: cast(LedgerEntry, e) for e in session.connection().execute(
-        _ENTRIES_AT, {"silo_id": silo.id, **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(_COVERING_AT_MOST)}}
-    )}
+    column, extra = also if also is not None else (None, {})
+    rows = session.connection().execute(_entries_and(column), {
+        **extra, "silo_id": silo.id, **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(_COVERING_AT_MOST)},
+    }).all()
+    found = {e.seq: cast(LedgerEntry, e) for e in rows}
+    value = rows[0][-1] if column is not None and rows else None
     out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
     if silo.plan is not None:
         # A plan is declared before any charge, so its entry is among the silo's first: the scan in
@@ -85,7 +98,7 @@ def covering(session: Session, silo: Silo) -> list[tuple[EntryEvent, int, Ledger
         ).first()
         if plan_entry is not None or silo.sealed_seq is None:
             out.append((EntryEvent.plan, 0 if plan_entry is None else plan_entry.seq, plan_entry))
-    return out
+    return out, value
 
 
 # What `check` found sound, by every value its hash reads (the entry's columns, the record's fields):
@@ -101,9 +114,11 @@ def _exactly(*values: object) -> tuple[object, ...]:
     return tuple((type(v), v.hex() if isinstance(v, float) else v) for v in values)
 
 
-def check(session: Session, silo: Silo) -> None:
-    """Raises Tampered unless every entry that covers the silo's record recomputes to its hash."""
-    for event, seq, entry in covering(session, silo):
+def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any]] | None = None) -> Any:
+    """Raises Tampered unless every entry that covers the silo's record recomputes to its hash.
+    Returns the value of `also`, read with the entries (see `covering`), once the record is sound."""
+    entries, value = covering(session, silo, also=also)
+    for event, seq, entry in entries:
         if entry is None:
             raise Tampered(silo_id=silo.id, seq=seq, event=event, why="is covered by no entry: the entry was removed")
         if entry.event != event:
@@ -127,6 +142,7 @@ def check(session: Session, silo: Silo) -> None:
         if fixed is not None:
             raise Tampered(silo_id=silo.id, seq=fixed, event=EntryEvent.filter,
                            why="says its filter is still to be fixed by its first charge, but this entry fixed it")
+    return value
 
 
 def sealable(silo: Silo) -> None:

@@ -1,9 +1,10 @@
 """A retry that waits for its silo's lock while the first attempt commits is answered as a replay of
 that attempt: never a second charge, never a 500 from the idempotency key's unique index.
 
-On PostgreSQL the statement that takes the lock (charges._LOCK_KEY_AND_EARLIER) reads the key's
-charge as it was when the statement started, before the first attempt committed; `charges._lock`
-sees that the silo's chain moved meanwhile and reads the key's charge again."""
+On PostgreSQL a statement that waited for the lock reads everything but the locked row as it was
+when it started, before the first attempt committed: so `charges._lock` reads the key's charge in
+the next statement (with the entries that cover the silo's record), never in the lock's own. Reading
+it in the lock's statement fails this test."""
 
 from __future__ import annotations
 
