@@ -49,6 +49,8 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from dpledger.service.accounting import rdp
 from dpledger.wire.mechanisms import DpSgd
 
+_U = 2.0**-53  # unit round-off of float64
+
 # The path allocation (see allocate): REST_WEIGHT of δ is spread evenly over every order the path
 # does not use. A Poisson-sampled Gaussian's RDP jumps by orders of magnitude within a few orders
 # (q = 0.01, σ = 1: 0.04 at α = 10, 0.98 at α = 12), so a workload unlike the horizon is cheapest at
@@ -148,8 +150,15 @@ def _order_terms(orders: np.ndarray, deltas: np.ndarray) -> _Terms:
 def _epsilons(terms: _Terms, rdp_values: np.ndarray) -> np.ndarray:
     above, log_term, delta_term, squared = terms
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        eps = np.where(above, rdp_values + log_term - delta_term, np.inf)
-        eps = np.where(squared + np.expm1(-rdp_values) > 0, 0.0, eps)  # the KL bound: δ ≥ sqrt(1 − e^{−KL})
+        eps = rdp_values + log_term - delta_term
+        # dp-accounting's branches, each read on its safe side: the sum moved up past its three
+        # roundings (and those of the log terms, a few ulps each), so the stated ε is never below
+        # the exact conversion of the exact sum; the KL branch taken only where δ² clears
+        # 1 − e^{−KL} by more than their rounding, so that a sum within rounding of the threshold is
+        # read above it (ε > 0), never as ε = 0.
+        slack = (np.abs(rdp_values) + np.abs(log_term) + np.abs(delta_term)) * (8 * _U)
+        eps = np.where(above, np.nextafter(eps + slack, np.inf), np.inf)
+        eps = np.where(squared * (1 - 32 * _U) + np.expm1(-rdp_values) > 0, 0.0, eps)  # the KL bound: δ ≥ sqrt(1 − e^{−KL})
         eps = np.where(rdp_values < 0, 0.0, eps)
         eps = np.where(np.isfinite(rdp_values), eps, np.inf)
     return np.maximum(eps, 0.0)

@@ -28,7 +28,13 @@ class RunningSum:
 
     def add(self, curve: np.ndarray) -> RunningSum:
         inf = np.isinf(curve)
-        return RunningSum(self.finite + np.where(inf, 0.0, curve), self.infinite + inf)
+        added = np.where(inf, 0.0, curve)
+        # Rounded up where something was added: fl(s + x) may sit half an ulp below s + x, and a sum
+        # within rounding of a conversion's threshold must be read on its safe side.
+        with np.errstate(over="ignore"):  # an overflowed sum stays ∞, as it would unrounded
+            total = self.finite + added
+            total = np.where(added != 0.0, np.nextafter(total, np.inf), total)
+        return RunningSum(total, self.infinite + inf)
 
     def subtract(self, curve: np.ndarray) -> RunningSum:
         inf = np.isinf(curve)
