@@ -44,12 +44,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import conversion, rdp
 from dpledger.wire.mechanisms import DpSgd
-
-_U = 2.0**-53  # unit round-off of float64
 
 # The path allocation (see allocate): REST_WEIGHT of δ is spread evenly over every order the path
 # does not use. A Poisson-sampled Gaussian's RDP jumps by orders of magnitude within a few orders
@@ -124,60 +121,24 @@ class Reading:
     order: float  # the order that gives it
 
 
-def order_epsilon(*, order: float, rdp_value: float, delta: float) -> float:
-    """dp-accounting's RDP → (ε, δ) conversion at one order (the one its compute_epsilon minimises)."""
-    if math.isnan(rdp_value) or math.isinf(rdp_value):
-        return math.inf
-    return float(rdp_lib.compute_epsilon([order], [rdp_value], delta)[0])
-
-
-def order_epsilons(orders: np.ndarray, rdp_values: np.ndarray, deltas: np.ndarray) -> np.ndarray:
-    """order_epsilon at many orders at once: the same branches as dp-accounting's compute_epsilon
-    (Canonne, Kamath & Steinke 2020, Proposition 12), vectorised because one call per order costs
-    ~20 µs of Python and a legacy filter has 156 orders. Checked against it in the tests."""
-    return _epsilons(_order_terms(orders, deltas), rdp_values)
-
-
-_Terms = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def _order_terms(orders: np.ndarray, deltas: np.ndarray) -> _Terms:
-    """What order_epsilons computes from the orders and δs alone: fixed for a silo's filter."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return orders > 1.01, np.log1p(-1 / orders), np.log(deltas * orders) / (orders - 1), deltas**2
-
-
-def _epsilons(terms: _Terms, rdp_values: np.ndarray) -> np.ndarray:
-    above, log_term, delta_term, squared = terms
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        eps = rdp_values + log_term - delta_term
-        # dp-accounting's branches, each read on its safe side: the sum moved up past its three
-        # roundings (and those of the log terms, a few ulps each), so the stated ε is never below
-        # the exact conversion of the exact sum; the KL branch taken only where δ² clears
-        # 1 − e^{−KL} by more than their rounding, so that a sum within rounding of the threshold is
-        # read above it (ε > 0), never as ε = 0.
-        slack = (np.abs(rdp_values) + np.abs(log_term) + np.abs(delta_term)) * (8 * _U)
-        eps = np.where(above, np.nextafter(eps + slack, np.inf), np.inf)
-        eps = np.where(squared * (1 - 32 * _U) + np.expm1(-rdp_values) > 0, 0.0, eps)  # the KL bound: δ ≥ sqrt(1 − e^{−KL})
-        eps = np.where(rdp_values < 0, 0.0, eps)
-        eps = np.where(np.isfinite(rdp_values), eps, np.inf)
-    return np.maximum(eps, 0.0)
+order_epsilon = conversion.order_epsilon
+order_epsilons = conversion.order_epsilons
 
 
 def read(spec: FilterSpec, curve: np.ndarray, *, delta: float) -> Reading:
     """The proven ε of a running sum (a curve on rdp.ORDERS) under the silo's filter."""
     orders, indices, terms = _read_terms(spec, delta)
-    eps = _epsilons(terms, curve[indices])
+    eps = conversion.epsilons(terms, curve[indices])
     best = int(np.argmin(eps))
     return Reading(float(eps[best]), float(orders[best]))
 
 
 @functools.lru_cache(maxsize=4096)
-def _read_terms(spec: FilterSpec, delta: float) -> tuple[np.ndarray, np.ndarray, _Terms]:
+def _read_terms(spec: FilterSpec, delta: float) -> tuple[np.ndarray, np.ndarray, conversion.Terms]:
     # Every approval reads its silo's filter at its δ: the terms of the orders and δ shares once.
     orders, weights, indices = _arrays(spec)
     # One ulp down from the rounded product: each δ_i ≤ δ·w_i exactly, so Σδ_i ≤ δ.
-    terms = _order_terms(orders, np.nextafter(delta * weights, 0.0))
+    terms = conversion.order_terms(orders, np.nextafter(delta * weights, 0.0))
     for shared in (orders, indices, *terms):
         shared.flags.writeable = False  # kept for every later read of this filter
     return orders, indices, terms

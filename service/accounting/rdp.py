@@ -19,7 +19,7 @@ import numpy as np
 from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from dpledger.service.accounting import reference_curve, sampled_gaussian
+from dpledger.service.accounting import conversion, reference_curve, sampled_gaussian
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
@@ -220,8 +220,11 @@ def rho(curve: np.ndarray) -> float | None:
 
 
 def guarantee(curve: np.ndarray, *, delta: float) -> Guarantee:
-    eps, order = epsilon(curve, delta=delta)
-    return Guarantee(epsilon=eps, order=order, rho=rho(curve))
+    """The best-order ε the ledger states for a curve alone at the whole δ: dp-accounting's conversion
+    read on its safe side (conversion.py), never below the exact conversion of the curve."""
+    eps = conversion.order_epsilons(_ORDERS_ARRAY, np.asarray(curve, dtype=float), np.full(len(ORDERS), delta))
+    best = int(np.argmin(eps))
+    return Guarantee(epsilon=float(eps[best]), order=ORDERS[best], rho=rho(curve))
 
 
 def within_budget(eps: float, *, budget: float) -> bool:

@@ -75,7 +75,7 @@ def _chord_upper(*, q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
         # Two products and a sum of non-negatives, each rounded up by the 8 ulps added.
         chord = ((1 - t) * lo + t * hi) * (1 + 8 * _U)
         value = chord / (alphas - 1) * (1 + 4 * _U)
-    bounded: np.ndarray = np.nextafter(np.nan_to_num(value, nan=np.inf), np.inf)
+        bounded: np.ndarray = np.nextafter(np.nan_to_num(value, nan=np.inf), np.inf)
     return bounded
 
 
@@ -172,7 +172,8 @@ def _moment_upper(*, q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
         q_error = q_pow * (ks + 2) * _U
         terms = c_alpha * q_pow[None, :] * moment[None, :]
         terms[:, :2] = 0.0  # k = 0 and k = 1 cancel exactly against the 1 and E[x] = 0
-        errors = (c_error * q_pow[None, :] * np.abs(moment)[None, :] + np.abs(c_alpha) * q_error[None, :] * np.abs(moment)[None, :]
+        size = np.abs(moment)[None, :]
+        errors = (c_error * q_pow[None, :] * size + np.abs(c_alpha) * q_error[None, :] * size
                   + np.abs(c_alpha) * q_pow[None, :] * m_error[None, :])
         errors[:, :2] = 0.0
         mu, s2 = 1 / (2 * sigma * sigma), 1 / (sigma * sigma)
@@ -193,7 +194,7 @@ def _moment_upper(*, q: float, sigma: float, alphas: np.ndarray) -> np.ndarray:
             best = np.fmin(best, np.where(np.isfinite(upper), upper, np.inf))
         log_a = np.nextafter(np.log1p(np.maximum(best, 0.0)) * (1 + 4 * _U), np.inf)
         value = log_a / (alphas - 1) * (1 + 2 * _U)
-    bounded: np.ndarray = np.nextafter(np.nan_to_num(value, nan=np.inf), np.inf)
+        bounded: np.ndarray = np.nextafter(np.nan_to_num(value, nan=np.inf), np.inf)
     return bounded
 
 
