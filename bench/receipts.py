@@ -20,7 +20,7 @@ seeded through the ledger's own append), with the commands' own code over HTTP:
 
 Prints a table, then one JSON line.
 
-    python bench/receipts.py                              # ~3 min (seeding 100,000 entries is most of it)
+    python bench/receipts.py                              # audits a 100,000-entry log
     python bench/receipts.py --audit-entries 10000        # ~30 s
 """
 
