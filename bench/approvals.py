@@ -16,10 +16,9 @@ schema; workers 2 and 4; skipped when 127.0.0.1:5432 does not answer):
 * CPU per request of the load generator, the server tree and PostgreSQL (psutil), and the cores
   that other processes used meanwhile (the machine may be shared).
 
-The big history is seeded in bulk through the ledger's own functions (`charges.prepare`,
-`charges.request_hash`, `RunningSum`, `rdp.epsilon`, `silos.append_entry`), in batches of one
-transaction each, which gives the state a loop of `charges.reserve` would give (checked at start on a
-small history; the seeded chain is verified with `audit.verify` at the end).
+The big history is seeded in bulk (bench/_seeding.py: the ledger's own functions, 2,000 charges a
+transaction), which gives the state a loop of `charges.reserve` would give (checked at start on a
+small history, `_seeding.check`; the seeded chain is verified with `audit.verify` at the end).
 
     python bench/approvals.py              # full run (~9 min on 2 cores)
     python bench/approvals.py --quick      # smoke test (~1 min): history 2000, SQLite w1, PostgreSQL w2
@@ -44,27 +43,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _seeding
 import httpx
 import numpy as np
-from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy import create_engine, text
 
 from dpledger.harness import free_port, running_server
 from dpledger.service.accounting import rdp
-from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
-from dpledger.service.ledger import audit, charges, gate, silos
+from dpledger.service.ledger import audit, silos
 from dpledger.service.ledger.db import Database, make_engine, migrate
 from dpledger.service.ledger.models import (
-    Charge,
-    ChargeStatus,
-    EntryEvent,
-    LedgerEntry,
     Silo,
 )
 from dpledger.wire.mechanisms import DpSgd
@@ -92,116 +85,11 @@ SMALL_HISTORY = 10
 
 
 # --------------------------------------------------------------------------------------------------
-# Seeding a long history in bulk, with the ledger's own functions
+# The big silo's history (seeded in bulk, bench/_seeding.py)
 
 
 def seed_mechanism(i: int) -> DpSgd:
     return DpSgd(batch_size=BATCH_SIZE, noise_multiplier=SEED_SIGMAS[i % len(SEED_SIGMAS)], steps=1)
-
-
-def _allocate_charge_ids(session: Session, count: int) -> list[int]:
-    """The ids `reserve`'s flush would get: the serial's next values (PostgreSQL), or max(rowid) + 1
-    onwards (SQLite; the caller holds the write lock, so nobody else inserts meanwhile)."""
-    if session.get_bind().dialect.name == "postgresql":
-        rows = session.scalars(
-            text("SELECT nextval(pg_get_serial_sequence('charges', 'id')) FROM generate_series(1, :n)"), {"n": count}
-        )
-        return sorted(int(r) for r in rows)
-    start = (session.scalar(select(func.max(Charge.id))) or 0) + 1
-    return list(range(start, start + count))
-
-
-_EPSILON_PATHS: dict[tuple[str, str, float, int, int, int], list[float]] = {}
-
-
-def seed_bulk(db: Database, silo_id: int, count: int, *, start: int = 0, batch: int = 2000) -> None:
-    """Appends `count` reserved charges to the silo, `batch` per transaction: exactly what
-    `charges.reserve(db, silo_id=…, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}",
-    job_id="seed", round=i)` would append one by one (same fields, curves, ε after, hash chain).
-
-    What depends only on the pair (its curve and their JSON) is computed once per pair, and the path
-    of ε after each charge once per starting sum (a second database with the same history reuses it)."""
-    with db.read() as session:
-        pairs = {}
-        silo = silos.get(session, silo_id)
-        for k, sigma in enumerate(SEED_SIGMAS):
-            priced = charges.price(seed_mechanism(k), silo=silo, charged=True)
-            pairs[sigma] = (priced.curve, priced.mechanism.model_dump_json(), curve_to_json(priced.curve))
-        path_key = (silo.rdp_spent, silo.filter_spec, silo.delta, silo.dataset_size, start, count)
-    path = _EPSILON_PATHS.get(path_key)
-    fresh_path: list[float] = []
-    done = 0
-    while done < count:
-        k = min(batch, count - done)
-        with db.write() as session:
-            silo = silos.lock(session, silo_id)
-            spent = RunningSum.from_json(silo.rdp_spent)
-            ids = _allocate_charge_ids(session, k)
-            batch_charges: list[tuple[Charge, float]] = []
-            for j in range(k):
-                i = start + done + j
-                mechanism = seed_mechanism(i)
-                curve, mechanism_json, curve_json = pairs[mechanism.noise_multiplier]
-                candidate = spent.add(curve)
-                if path is not None:
-                    eps = path[done + j]
-                else:
-                    eps = gate.reading(silo, candidate).epsilon  # the silo's filter, as reserve() reads it
-                    fresh_path.append(eps)
-                if not rdp.within_budget(eps, budget=silo.epsilon):
-                    raise RuntimeError(f"seeding went over budget at charge {i}: ε={eps}")
-                now = datetime.now(UTC)
-                charge = Charge(
-                    id=ids[j], silo_id=silo_id, idempotency_key=f"seed-{i}",
-                    request_hash=charges.request_hash(mechanism=mechanism, job_id="seed", round=i),
-                    mechanism=mechanism_json, rdp=curve_json, order_grid=rdp.ORDER_GRID_ID,
-                    conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.reserved, job_id="seed", round=i,
-                    epsilon_spent_after=eps, created_at=now,
-                )
-                session.add(charge)
-                batch_charges.append((charge, eps))
-                spent = candidate
-            session.flush()  # every charge row before any entry that names it (foreign keys)
-            for charge, eps in batch_charges:
-                silos.append_entry(
-                    session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=eps, now=charge.created_at
-                )
-            silo.rdp_spent = spent.to_json()
-        done += k
-    if path is None:
-        _EPSILON_PATHS[path_key] = fresh_path
-
-
-def check_bulk_seeding(count: int = 25) -> str:
-    """Seeds one silo with `reserve` in a loop and another in bulk (batches of 10), and compares."""
-    with tempfile.TemporaryDirectory(prefix="dpledger-seedcheck-") as tmp:
-        url = f"sqlite:///{tmp}/check.db"
-        migrate(url)
-        engine = make_engine(url)
-        db = Database(engine)
-        a, _ = silos.register(db, name="by-reserve", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
-        b, _ = silos.register(db, name="by-bulk", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
-        for i in range(count):
-            charges.reserve(db, silo_id=a.id, mechanism=seed_mechanism(i), idempotency_key=f"seed-{i}", job_id="seed", round=i)
-        seed_bulk(db, b.id, count, batch=10)
-        charge_cols = ("idempotency_key", "request_hash", "mechanism", "rdp", "order_grid", "conversion", "status",
-                       "job_id", "round", "epsilon_spent_after")
-        with db.read() as session:
-            def state(silo_id: int) -> tuple[Any, ...]:
-                silo = session.get(Silo, silo_id)
-                cs = session.scalars(select(Charge).where(Charge.silo_id == silo_id).order_by(Charge.id)).all()
-                es = session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo_id).order_by(LedgerEntry.seq)).all()
-                return (
-                    silo.rdp_spent, silo.rdp_committed, silo.chain_seq,
-                    [tuple(getattr(c, k) for k in charge_cols) for c in cs],
-                    [(e.seq, e.event, e.epsilon_spent) for e in es],
-                )
-            same = state(a.id) == state(b.id)
-            report = audit.verify(session, [a.id, b.id])
-        engine.dispose()
-    if not same or not report.ok:
-        raise RuntimeError(f"bulk seeding differs from reserve(): same={same} verify={report.problems[:3]}")
-    return f"bulk seeding == reserve() loop for {count} charges (fields, curves, ε after, running sum), audit.verify ok"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -418,7 +306,7 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
     big_silo, big_key = silos.register(db, name=f"{kind}-big", epsilon=EPSILON, delta=DELTA, dataset_size=DATASET_SIZE)
     log(f"{kind}: seeding {args.history} charges into silo {big_silo.id} …")
     t0 = time.perf_counter()
-    seed_bulk(db, big_silo.id, args.history)
+    _seeding.seed(db, big_silo.id, args.history, mechanism=seed_mechanism)
     seed_s = time.perf_counter() - t0
     if kind == "sqlite":
         with engine.connect() as connection:
@@ -710,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict[str, Any] = {"config": dict(vars(args)), "databases": {}}
     results["config"]["cpu_count"] = os.cpu_count()
-    log(check_bulk_seeding())
+    log(_seeding.check())
     results["seed_check"] = "ok"
     sigmas = Sigmas()
 

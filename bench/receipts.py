@@ -20,7 +20,7 @@ seeded through the ledger's own append), with the commands' own code over HTTP:
 
 Prints a table, then one JSON line.
 
-    python bench/receipts.py                              # ~3 min (seeding 100,000 entries is most of it)
+    python bench/receipts.py                              # audits a 100,000-entry log
     python bench/receipts.py --audit-entries 10000        # ~30 s
 """
 
@@ -34,12 +34,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _seeding
 import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -49,12 +49,10 @@ from sqlalchemy import select
 
 from dpledger.harness import running_server
 from dpledger.service import transparency_cli
-from dpledger.service.accounting import rdp
-from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger import charges, gate, silos, transparency
+from dpledger.service.ledger import silos, transparency
 from dpledger.service.ledger.db import Database, migrate
-from dpledger.service.ledger.models import Charge, ChargeStatus, EntryEvent, LedgerEntry, LogLeaf
+from dpledger.service.ledger.models import LedgerEntry, LogLeaf
 from dpledger.service.ledger.signer import TreeHeadSigner
 from dpledger.service.settings import Settings
 from dpledger.wire import merkle
@@ -155,6 +153,7 @@ def verification(figures: dict[str, float], *, entries: int, receipts: int) -> N
         key_file.write_bytes(Ed25519PrivateKey.generate().private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         os.environ["DPLEDGER_SIGNING_KEY_FILE"] = str(key_file)
+        print(_seeding.check(commit=True), file=sys.stderr)
         start = time.perf_counter()
         db = Database.connect(url)
         remaining, number = entries - (receipts + 1), 0
@@ -196,43 +195,15 @@ def verification(figures: dict[str, float], *, entries: int, receipts: int) -> N
 
 
 STEP_SMALL = {"type": "dpsgd", "batch_size": 16, "noise_multiplier": 1.1, "steps": 10}
+STEP_MECHANISM = TypeAdapter(Mechanism).validate_python(STEP_SMALL)
 
 
 def _seed_silo(db: Database, name: str, count: int) -> None:
-    """A silo with `count` DP-SGD charges, each reserved then committed, written as reserve and
-    _settle write them (the same rows, the ledger's own append), in one transaction: the audit then
+    """A silo with `count` DP-SGD charges, each reserved then committed, seeded in bulk as a loop of
+    reserve and commit would write them (bench/_seeding.py, checked at start): the audit then
     recomposes each entry's ε, so a seeding that differs from the ledger's would fail it."""
     silo, _ = silos.register(db, name=name, epsilon=1e6, delta=1e-5, dataset_size=1000)
-    with db.read() as session:
-        priced = charges.price(TypeAdapter(Mechanism).validate_python(STEP_SMALL), silo=silos.get(session, silo.id), charged=True)
-    with db.write() as session:
-        row = silos.lock(session, silo.id)
-        spent = RunningSum.from_json(row.rdp_spent)
-        committed = RunningSum.from_json(row.rdp_committed)
-        now = datetime.now(UTC)
-        for i in range(count):
-            if i == 0:  # the first through reserve itself: whatever a first charge does besides (fix a filter), it does
-                first = charges.reserve_locked(session, silo_id=row.id, priced=priced, digest="0" * 64,
-                                               idempotency_key="seed-0", job_id="seed", round=0)
-                charge, epsilon = first.charge, first.epsilon_spent
-                charge.status = ChargeStatus.committed
-                spent = RunningSum.from_json(row.rdp_spent)
-            else:
-                spent = spent.add(priced.curve)
-                epsilon = gate.reading(row, spent).epsilon
-                charge = Charge(
-                    silo_id=row.id, idempotency_key=f"seed-{i}", request_hash="0" * 64,
-                    mechanism=priced.mechanism.model_dump_json(), rdp=curve_to_json(priced.curve),
-                    order_grid=rdp.ORDER_GRID_ID, conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.committed,
-                    job_id="seed", round=i, epsilon_spent_after=epsilon, created_at=now,
-                )
-                session.add(charge)
-                session.flush()
-                row.rdp_spent = spent.to_json()
-                silos.append_entry(session, row, event=EntryEvent.reserve, charge=charge, epsilon_spent=epsilon, now=now)
-            committed = committed.add(priced.curve)
-            row.rdp_committed = committed.to_json()
-            silos.append_entry(session, row, event=EntryEvent.commit, charge=charge, epsilon_spent=epsilon, now=now)
+    _seeding.seed(db, silo.id, count, mechanism=lambda _i: STEP_MECHANISM, commit=True)
 
 
 def _append_copy(session: Any, template: LedgerEntry, subject: dict[str, Any]) -> None:

@@ -21,9 +21,25 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 import dpledger.migrations
+from dpledger.service.ledger.wakeup import Doorbell
 
 MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
 _IMMEDIATE = "dpledger_immediate"
+_written = threading.local()  # per thread: whether the write under way has written a pending leaf of the log
+
+
+def leaf_written() -> None:
+    """Says that the write under way in this thread wrote a pending leaf of the transparency log
+    (transparency.pending_leaf): its commit then rings the log's sequencer (wakeup.py), which
+    otherwise sleeps."""
+    _written.leaf = True
+
+
+def _leaf_committed() -> bool:
+    if getattr(_written, "leaf", False):
+        _written.leaf = False
+        return True
+    return False
 
 
 class SqliteWriters:
@@ -178,11 +194,12 @@ def make_engine(url: str) -> Engine:
         # (An in-memory database has one connection per thread, SingletonThreadPool, and no such sizes.)
         database = make_url(url).database
         in_memory = not database or database == ":memory:" or "mode=memory" in url
-        pool = {} if in_memory else {"pool_size": 20, "max_overflow": 30}
+        # LIFO: the connections of a quiet spell are the last ones used, still hot in every cache.
+        pool = {} if in_memory else {"pool_size": 20, "max_overflow": 30, "pool_use_lifo": True}
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False}, **pool)
         _configure_sqlite(engine)
         return engine
-    engine = create_engine(url, pool_size=10, max_overflow=20)
+    engine = create_engine(url, pool_size=10, max_overflow=20, pool_use_lifo=True)
     _ping_when_idle(engine)
     return engine
 
@@ -257,6 +274,7 @@ class Database:
         # A file's writers commit in groups; PostgreSQL groups its own WAL flushes, and an in-memory
         # database has a connection per thread, which a group could not share.
         self._group = GroupCommit(engine, self._writers) if self._writers is not None and self._writers.on_file else None
+        self.doorbell = Doorbell(engine)  # rung after a commit that wrote a pending leaf (wakeup.py)
 
     @classmethod
     def connect(cls, url: str) -> Database:
@@ -271,23 +289,26 @@ class Database:
     @contextmanager
     def write(self) -> Iterator[Session]:
         """One transaction that holds the write lock from its first statement; commits on exit
-        (SQLite: in a savepoint of the group's transaction, durable when this returns)."""
+        (SQLite: in a savepoint of the group's transaction, durable when this returns); then, if
+        it wrote a pending leaf, rings the log's sequencer."""
         if self._group is not None:
             with self._group.session(self._sessions) as session:
                 yield session
-            return
-        # The session opens and closes (its connection back to the pool) outside the writers' queue.
-        with self._sessions() as session, self._writers if self._writers is not None else nullcontext():
-            session.connection(execution_options={_IMMEDIATE: True})
-            try:
-                yield session
-                session.commit()
-            except BaseException:
-                session.rollback()
-                raise
+        else:
+            # The session opens and closes (its connection back to the pool) outside the writers' queue.
+            with self._sessions() as session, self._writers if self._writers is not None else nullcontext():
+                session.connection(execution_options={_IMMEDIATE: True})
+                try:
+                    yield session
+                    session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
+        if _leaf_committed():
+            self.doorbell.ring()
 
     def dispose(self) -> None:
-        self.engine.dispose()
+        self.engine.dispose()  # the doorbell closes with it
 
 
 def alembic_config(url: str) -> Config:

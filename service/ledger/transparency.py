@@ -36,6 +36,7 @@ from sqlalchemy import Table, and_, bindparam, delete, func, insert, select, upd
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
+from dpledger.service.ledger.db import leaf_written
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
 from dpledger.service.ledger.models import (
     Charge,
@@ -139,7 +140,9 @@ _INSERT_HEAD = insert(cast(Table, LogHead.__table__))
 
 def pending_leaf(entry: LedgerEntry | EntryRecord, *, subject_text: str) -> tuple[dict[str, Any], Position]:
     """`entry`'s pending leaf (the row's values but its `entry_id`) and the receipt's position;
-    writes nothing. `subject_text`: canonical(what the entry's hash covers), as its chain hash read it."""
+    writes nothing. `subject_text`: canonical(what the entry's hash covers), as its chain hash read it.
+    The write under way rings the sequencer once it commits (db.leaf_written)."""
+    leaf_written()
     salt = new_salt()
     leaf = merkle.leaf_hash(_record_text(entry, subject_text=subject_text, salt=salt).encode()).hex()
     timestamp = milliseconds(entry.created_at)
