@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -53,17 +53,20 @@ from dpledger.wire.mechanisms import DpSgd
 # (q = 0.01, σ = 1: 0.04 at α = 10, 0.98 at α = 12), so a workload unlike the horizon is cheapest at
 # an order the path never suggests; the rest share bounds its price there by ln(155/0.01)/(α − 1).
 REST_WEIGHT = 0.01
-# At the horizon's end the budget binds: a reading above dp-accounting's there is budget the silo
-# loses, so the prefixes within END_SPAN of the end are held to 1 + END_EXCESS (where that fits).
-END_EXCESS = 0.02
+# The path's goal profile: the reading allowed at a prefix of t units, as an excess over the best
+# order's ε at the whole δ, in units of one scale s that the allocation makes as small as it can:
+# 1 + s·excess(t). At s = 1 the reading is within 1.5× after the first unit, 1.25× after 3, 1.15×
+# from a tenth of the horizon on and 1.02× over its end (within END_SPAN of it), where the budget
+# binds and every excess is rounds the silo loses. Between the knots the excess is interpolated in
+# log t; a horizon shorter than a knot skips it.
+GOAL_FIRST, GOAL_THIRD, GOAL_TENTH, END_EXCESS = 0.5, 0.25, 0.15, 0.03
 END_SPAN = 1.1
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
 PATH_UNITS = 16
 PATH_POINTS = 48
-PATH_DEPTH = 32.0
-# The bisection on the path's worst ratio: its upper end, and when it stops.
-MAX_RATIO = 64.0
-RATIO_TOLERANCE = 1e-4
+# The bisection on the scale s: its upper end (a reading within 1 + MAX_SCALE·0.5 after one unit), and when it stops.
+MAX_SCALE = 128.0
+SCALE_TOLERANCE = 1e-4
 # The filter of the rule before the path allocation (kept for the quote of a mechanism on no silo):
 # COMMITTED_WEIGHT on one order, the rest spread evenly over every other order of the grid.
 COMMITTED_WEIGHT = 0.9
@@ -171,8 +174,9 @@ def spread_spec(committed: float, *, source: str) -> FilterSpec:
     return FilterSpec((committed, *others), (COMMITTED_WEIGHT, *([share] * len(others))), source)
 
 
-def horizon_units(horizon: np.ndarray, *, epsilon: float, delta: float) -> float:
-    """How many times `horizon` runs before it spends ε at δ (by dp-accounting's best-order conversion).
+def horizon_units(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None) -> float:
+    """How many times `horizon` runs (after `offset`) before it spends ε at δ (by dp-accounting's
+    best-order conversion).
 
     Scaling a curve by m is running its workload m times; bisection on m in log space finds the m
     whose ε is the budget (a finite, positive curve's ε grows with m)."""
@@ -180,10 +184,11 @@ def horizon_units(horizon: np.ndarray, *, epsilon: float, delta: float) -> float
     if not finite.any():
         raise ValueError("the horizon's RDP curve is infinite or zero at every order")
     curve = np.where(finite, horizon, np.inf)
+    base = np.zeros(len(curve)) if offset is None else offset
     lo, hi = 1e-9, 1e12
     for _ in range(200):
         mid = math.sqrt(lo * hi)
-        if rdp.epsilon(curve * mid, delta=delta)[0] > epsilon:
+        if rdp.epsilon(base + curve * mid, delta=delta)[0] > epsilon:
             hi = mid
         else:
             lo = mid
@@ -200,15 +205,27 @@ def committed_order(horizon: np.ndarray, *, epsilon: float, delta: float) -> flo
 
 
 def path_prefixes(units: float) -> np.ndarray:
-    """The path of a horizon of `units` units: every whole unit up to PATH_UNITS, then PATH_POINTS
-    geometric steps to `units` itself, none shorter than units/PATH_DEPTH (just `units` when it is
-    less than one)."""
+    """The path of a horizon of `units` units: every whole unit from the first up to PATH_UNITS, then
+    PATH_POINTS geometric steps to `units` itself (just `units` when it is less than one)."""
     if units <= 1:
         return np.array([units])
-    start = max(1.0, units / PATH_DEPTH)
-    whole = np.arange(math.ceil(start), min(math.floor(units), PATH_UNITS) + 1, dtype=float)
-    steps = np.geomspace(max(start, min(PATH_UNITS, units)), units, PATH_POINTS + 1)
+    whole = np.arange(1, min(math.floor(units), PATH_UNITS) + 1, dtype=float)
+    steps = np.geomspace(min(PATH_UNITS, units), units, PATH_POINTS + 1)
     return np.unique(np.concatenate([whole, steps]))
+
+
+def goal_excess(prefixes: np.ndarray, units: float) -> np.ndarray:
+    """The goal profile's excess at each prefix (see GOAL_FIRST): 0.5 at one unit, 0.25 at three,
+    0.15 from a tenth of the horizon, END_EXCESS within END_SPAN of its end; log-linear between."""
+    knots = [(1.0, GOAL_FIRST), (3.0, GOAL_THIRD), (max(3.0, units / 10), GOAL_TENTH), (max(3.0, units / END_SPAN), END_EXCESS)]
+    xs, ys = [], []
+    for x, y in knots:
+        if xs and x <= xs[-1]:
+            xs[-1], ys[-1] = x, y  # a short horizon: the later goal holds from here
+        else:
+            xs.append(x)
+            ys.append(y)
+    return np.interp(np.log(np.maximum(prefixes, 1e-12)), np.log(xs), ys, left=ys[0], right=ys[-1])
 
 
 @dataclass(frozen=True)
@@ -218,70 +235,99 @@ class Allocation:
     spec: FilterSpec
     units: float  # the horizon's length in units: where it spends the budget
     prefixes: tuple[float, ...]  # the path's prefixes, in units
-    ratio: float  # ρ: at every prefix, the filter reads at most ρ × the best order's ε at the whole δ
-    end_ratio: float  # the same bound at the prefixes within END_SPAN of the end (≤ ρ)
+    bounds: tuple[float, ...]  # at each prefix, the filter reads at most this × the best order's ε at the whole δ
+
+    @property
+    def ratio(self) -> float:
+        """The worst ratio the allocation guarantees along its path."""
+        return max(self.bounds)
+
+    @property
+    def end_ratio(self) -> float:
+        """The ratio it guarantees at the horizon's end."""
+        return self.bounds[-1]
 
 
-def allocate(horizon: np.ndarray, *, epsilon: float, delta: float) -> Allocation:
-    """The filter of a silo whose workload is `horizon` (one unit's curve) and whose budget is (ε, δ).
+def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None) -> Allocation:
+    """The filter of a silo whose workload is `horizon` (one unit's curve), after `offset` (a charge
+    that comes first and is not the workload's unit, such as a hyperparameter search), for a budget (ε, δ).
 
-    The rule. K = horizon_units (the horizon spends ε after K units); the path is path_prefixes(K);
-    E(t) is dp-accounting's conversion of t units at their best grid order with the whole δ (the
-    unproven rule's reading), and c_α(t) the conversion at order α with the whole δ. An order α
-    holding share w reads c_α(t) + ln(1/w)/(α − 1) at t, so it keeps t within a ratio r of E(t) iff
-    w ≥ need_α(t, r) = exp(−(r·E(t) − c_α(t))(α − 1)). For a target ρ the path is cut into runs
-    of consecutive prefixes, each read by one order holding the largest need of its run (the end's
-    prefixes, t ≥ K/END_SPAN, at r = min(ρ, 1 + END_EXCESS), the others at r = ρ); a dynamic
-    program finds the cut of least total share, and a bisection the least ρ whose total fits
-    1 − REST_WEIGHT (to RATIO_TOLERANCE). The orders so chosen get their shares scaled up to
-    1 − REST_WEIGHT, and REST_WEIGHT is spread evenly over every other order of the grid.
+    The rule. K = horizon_units (offset + K units spend ε); the path is path_prefixes(K), every whole
+    unit from the first; E(t) is dp-accounting's conversion of offset + t units at their best grid
+    order with the whole δ (the unproven rule's reading), and c_α(t) the conversion at order α with
+    the whole δ. An order α holding share w reads c_α(t) + ln(1/w)/(α − 1) at t, so it keeps t within
+    a ratio r of E(t) iff w ≥ need_α(t, r) = exp(−(r·E(t) − c_α(t))(α − 1)). Given targets r(t),
+    the path is cut into runs of consecutive prefixes, each read by one order holding the largest
+    need of its run, and a dynamic program finds the cut of least total share (_cheapest_cover).
+    Two bisections choose the targets. First the goals: r(t) = 1 + s·excess(t) (goal_excess: 1.5 /
+    1.25 / 1.15 / 1.03 at s = 1), the end's prefixes (t ≥ K/END_SPAN, where the budget binds and an
+    excess is rounds lost) held at 1 + END_EXCESS where that fits; s* the least scale whose total
+    fits 1 − REST_WEIGHT, and the caps c(t) those targets at max(s*, 1). Then as tight as the caps
+    allow everywhere: r(t) = 1 + min(ρ, c(t) − 1) at the least ρ that fits (a path that can be read
+    within 1.14 everywhere is, although its goals allow 1.5 at its start). The orders so chosen get
+    their shares scaled up to 1 − REST_WEIGHT, and REST_WEIGHT is spread evenly over every other
+    order of the grid. With an offset, the path starts with the offset alone (t = 0), at the first
+    unit's goal.
 
-    The bound. At every prefix t of the path the filter reads at most ρ·E(t), and at the end's at
-    most min(ρ, 1 + END_EXCESS)·E(t) (if even ρ = MAX_RATIO cannot hold the end to that, the end is
-    held to ρ like the rest). Between two prefixes t < t', the reading is at most ρ·E(t') ≤
-    ρ·(t'/t)·E(t) (a reading grows with t; E(c·t) ≤ c·E(t) for c ≥ 1 where the conversion's constant
-    term log(1 − 1/α) − log(δα)/(α − 1) is ≥ 0, at every order of the grid for δ ≤ 1e-4). A workload
-    off the path reads at most ln((N − m)/REST_WEIGHT)/(α − 1) above its best order's ε at the whole
-    δ, where α is that order, N the grid's size and m the path's orders.
+    The bound. At every prefix t of the path the filter reads at most r(t)·E(t) (Allocation.bounds).
+    Between two prefixes t < t', the reading is at most r(t)·E(t') ≤ r(t)·(t'/t)·E(t) (a reading
+    grows with t; E(c·t) ≤ c·E(t) for c ≥ 1 where the conversion's constant term log(1 − 1/α) −
+    log(δα)/(α − 1) is ≥ 0, at every order of the grid for δ ≤ 1e-4); the prefixes are every whole
+    unit up to PATH_UNITS and then 1/48 of the path's log-length apart. A workload off the path
+    reads at most ln((N − m)/REST_WEIGHT)/(α − 1) above its best order's ε at the whole δ, where α
+    is that order, N the grid's size and m the path's orders.
 
     The bounds hold up to the rounding of the shares (each rounded down, so that they never sum past
-    1). Only the budget, δ and the horizon enter, never an output, so the filter is fixed before the
-    silo's first charge and the gate stays the union bound above."""
-    units = horizon_units(horizon, epsilon=epsilon, delta=delta)
+    1). Only the budget, δ, the horizon and the offset enter, never an output, so the filter is
+    fixed before the silo's first charge and the gate stays the union bound above."""
+    base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
+    units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
     prefixes = path_prefixes(units)
+    excess = goal_excess(prefixes, units)
+    if offset is not None:
+        prefixes, excess = np.concatenate([[0.0], prefixes]), np.concatenate([[GOAL_FIRST], excess])
     orders = np.array(rdp.ORDERS)
     curve = np.where(np.isfinite(horizon), np.maximum(horizon, 0.0), np.inf)
     full = np.full(len(orders), delta)
-    conv = np.stack([order_epsilons(orders, t * curve, full) for t in prefixes], axis=1)  # orders × prefixes
+    with np.errstate(invalid="ignore"):  # 0 × ∞ at t = 0: that order is ∞ in the offset alone anyway
+        conv = np.stack([order_epsilons(orders, base + np.nan_to_num(t * curve, nan=0.0), full) for t in prefixes], axis=1)
     best = conv.min(axis=0)
     kept = np.isfinite(best) & (best > 0)  # a prefix no order reads above 0 needs nothing
     if not kept.any():
         raise ValueError("the horizon reads ε = 0 or ∞ at every prefix of its path")
-    conv, best, prefixes = conv[:, kept], best[kept], prefixes[kept]
+    conv, best, prefixes, excess = conv[:, kept], best[kept], prefixes[kept], excess[kept]
     at_end = prefixes >= units / END_SPAN
+    budget = 1 - REST_WEIGHT
 
-    def cover(rho: float, end: float) -> tuple[float, dict[int, float]]:
-        target = np.where(at_end, min(rho, end), rho) * best
+    def cover(targets: np.ndarray) -> tuple[float, dict[int, float]]:
         with np.errstate(over="ignore", invalid="ignore"):
-            need = np.exp(-(target[None, :] - conv) * (orders[:, None] - 1))
+            need = np.exp(-(targets[None, :] * best[None, :] - conv) * (orders[:, None] - 1))
         need = np.where(np.isfinite(need) & (need <= 1), need, np.inf)
         return _cheapest_cover(need)
 
-    end = 1 + END_EXCESS
-    if cover(MAX_RATIO, end)[0] > 1 - REST_WEIGHT:
-        end = MAX_RATIO  # the end cannot be held to 1 + END_EXCESS: held to ρ like every prefix
-    lo, hi = 1.0, MAX_RATIO
-    total, shares = cover(hi, end)
-    if total > 1 - REST_WEIGHT:
+    def goals(scale: float, held: bool) -> np.ndarray:
+        return 1 + np.where(at_end & held, min(scale, 1.0), scale) * excess
+
+    held = cover(goals(MAX_SCALE, True))[0] <= budget  # else the end is scaled like every prefix
+    if cover(goals(MAX_SCALE, held))[0] > budget:
         raise ValueError("no filter of the grid's orders reads this horizon's path within the largest ratio")
-    while hi - lo > RATIO_TOLERANCE:
+    scale = _least(lambda s: cover(goals(s, held))[0] <= budget, 0.0, MAX_SCALE)
+    caps = goals(max(scale, 1.0), held) - 1
+    rho = _least(lambda r: cover(1 + np.minimum(r, caps))[0] <= budget, 0.0, float(caps.max()))
+    bounds = 1 + np.minimum(rho, caps)
+    total, shares = cover(bounds)
+    return Allocation(_spec_of(shares, total), units, tuple(prefixes.tolist()), tuple(bounds.tolist()))
+
+
+def _least(fits: Callable[[float], bool], lo: float, hi: float) -> float:
+    """The least x in [lo, hi] (to SCALE_TOLERANCE, from above) with fits(x), where fits(hi) and fits is monotone."""
+    while hi - lo > SCALE_TOLERANCE:
         mid = (lo + hi) / 2
-        found, chosen = cover(mid, end)
-        if found <= 1 - REST_WEIGHT:
-            hi, total, shares = mid, found, chosen
+        if fits(mid):
+            hi = mid
         else:
             lo = mid
-    return Allocation(_spec_of(shares, total), units, tuple(prefixes.tolist()), hi, min(hi, end))
+    return hi
 
 
 def _cheapest_cover(need: np.ndarray) -> tuple[float, dict[int, float]]:

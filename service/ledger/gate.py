@@ -45,12 +45,17 @@ def pending(silo: Silo) -> bool:
 def spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpec:
     """The filter the gate reads: on the share of δ a declared plan leaves it; on a pending silo,
     the one its first charge (of curve `first`) would fix."""
-    if pending(silo) and first is not None:
-        fixed = rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first)
-    else:
-        fixed = rdp_filter.FilterSpec.from_json(silo.filter_spec)
+    fixed = fixed_spec(silo, first=first)
     declared = plan(silo)
     return fixed if declared is None or not declared.alongside else rdp_filter.scaled(fixed, declared.filter_share)
+
+
+def fixed_spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpec:
+    """The filter as the silo holds it, on the whole δ (what its record stores): on a pending silo,
+    the one its first charge (of curve `first`) would fix."""
+    if pending(silo) and first is not None:
+        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first)
+    return rdp_filter.FilterSpec.from_json(silo.filter_spec)
 
 
 def plan(silo: Silo) -> plans.Plan | None:

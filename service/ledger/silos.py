@@ -191,7 +191,9 @@ def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime
     """Fixes a pending silo's filter from its first charge's curve (filter.first_charge_spec says why
     that is sound), in a filter entry that covers it, written before the charge's reserve entry in
     the same transaction: a refused first charge fixes nothing. The caller holds the silo's lock."""
-    spec = gate.spec(silo, first=first)
+    # The filter as it is fixed, on the whole δ: the gate scales it to the share a plan leaves it at
+    # every read (gate.spec), so storing the scaled one would halve it twice.
+    spec = gate.fixed_spec(silo, first=first)
     silo.filter_spec = spec.to_json()
     silo.filter_seq = silo.chain_seq + 1
     append_entry(session, silo, event=EntryEvent.filter, charge=None, epsilon_spent=0.0, now=now)

@@ -53,7 +53,7 @@ def test_the_first_charge_fixes_the_filter_by_the_rule_and_the_gate_reads_it(cli
     assert detail["filter"] == {"orders": list(rule.spec.orders), "weights": list(rule.spec.weights), "source": "first_charge"}
     # The rule's path: the budget affords 20 rounds of this charge (a hair more: the ledger's certified
     # fractional orders read below dp-accounting's), and the worst ratio it guarantees.
-    assert 20 <= rule.units < 20.05 and rule.ratio < 1.15 and rule.end_ratio <= 1.02 + 1e-9
+    assert 20 <= rule.units < 20.05 and rule.ratio < 1.15 and rule.end_ratio <= 1 + rdp_filter.END_EXCESS
 
     # The quote before the first charge priced it under the filter that charge fixed.
     oracle_1 = proven_epsilon(filter_of(detail), dpsgd_curve([(Q, SIGMA, STEPS)]), delta=DELTA)
@@ -63,7 +63,7 @@ def test_the_first_charge_fixes_the_filter_by_the_rule_and_the_gate_reads_it(cli
         assert charge(client, silo, f"round-{n}", ROUND).status_code == 201
     spent = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["epsilon_spent"]
     assert spent == pytest.approx(proven_epsilon(filter_of(detail), dpsgd_curve([(Q, SIGMA, 3 * STEPS)]), delta=DELTA), rel=1e-9)
-    assert spent / budget_for(3) <= 1.10  # the goal after 3 rounds (1.214 under the default horizon)
+    assert spent / budget_for(3) <= 1.15  # within the goal after 3 rounds, 1.25 (1.214 under the default horizon)
 
     history = client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()
     assert [e["event"] for e in history[:3]] == ["create", "filter", "reserve"]

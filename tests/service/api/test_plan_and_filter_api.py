@@ -161,11 +161,13 @@ def test_stopping_early_is_free_and_a_plan_comes_before_any_charge_once(client, 
 
 
 def test_the_filter_is_in_the_record_the_create_entry_and_the_hash_chain(client, make_silo, database_url: str) -> None:
-    # The horizon declared is the default one's step (q = 256/60000, σ 1): one order holds 0.99 of δ.
+    # The horizon declared is the default one's step (q = 256/60000, σ 1): a few orders hold 0.99 of δ,
+    # the end's first (9.1 or a neighbour), the early steps' after it.
     silo = make_silo(epsilon=2.6, dataset_size=60_000, horizon={**R1_STEP, "noise_multiplier": 1.0})
     detail = client.get(f"/v1/silos/{silo.id}", headers=silo.headers).json()
     assert detail["gated_on"] == "rdp_filter"
-    assert detail["filter"]["orders"][0] == 9.1 and detail["filter"]["weights"][0] == pytest.approx(0.99, rel=1e-9)
+    head = [w for w in detail["filter"]["weights"] if w > 0.01 / 150]
+    assert 8.5 <= detail["filter"]["orders"][0] <= 9.5 and sum(head) == pytest.approx(0.99, rel=1e-9) and len(head) <= 4
     assert sum(detail["filter"]["weights"]) == pytest.approx(1.0)
     history = client.get(f"/v1/silos/{silo.id}/history", headers=silo.headers).json()
     assert history[0]["event"] == "create" and history[0]["subject"]["filter"]["orders"] == detail["filter"]["orders"]
