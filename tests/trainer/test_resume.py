@@ -11,8 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from dpledger.harness import running_server
+from dpledger.trainer.pause import ENV as PAUSE
 from dpledger.trainer.resume import Charge, reconcile
 from dpledger.wire.enums import ChargeStatus
 from dpledger.worker_cli import main
@@ -85,29 +87,58 @@ def reference(ledger: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         os.environ.update(saved)
 
 
-def start_stopped(job: Path, out: Path, point: str, env: dict[str, str], ready: Path) -> subprocess.Popen[str]:
-    """`dpledger train` in a process of its own, held at `point` of round AT until signalled."""
-    code = "import sys; from dpledger.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = {**env, "DPLEDGER_TEST_PAUSE": f"{point}:{AT}:{ready}"}
-    process = subprocess.Popen([sys.executable, "-c", code, "train", str(job), "--out", str(out), "--no-progress"],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def wait_for(ready: Path, alive: Callable[[], object]) -> None:
     deadline = time.monotonic() + 120
     while not ready.exists():
-        assert process.poll() is None, process.communicate()
+        alive()
         assert time.monotonic() < deadline, "the worker never reached the point"
         time.sleep(0.05)
-    return process
 
 
-@pytest.mark.parametrize(("point", "stop"), [
-    pytest.param(point, stop, id=f"{point}-{stop.name}") for point, stop in [
-        ("before-reserve", signal.SIGINT), ("after-reserve", signal.SIGTERM), ("mid-training", signal.SIGINT),
-        ("after-commit", signal.SIGTERM), ("mid-training", signal.SIGKILL),
+def stop_process(job: Path, out: Path, point: str, stop: signal.Signals, env: dict[str, str],
+                 ready: Path) -> tuple[int, str]:
+    """`dpledger train` in a process of its own, held at `point` of round AT, then sent `stop`."""
+    code = "import sys; from dpledger.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**env, PAUSE: f"{point}:{AT}:{ready}"}
+    process = subprocess.Popen([sys.executable, "-c", code, "train", str(job), "--out", str(out), "--no-progress"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def alive() -> None:
+        assert process.poll() is None, process.communicate()
+
+    wait_for(ready, alive)
+    process.send_signal(stop)
+    _, err = process.communicate(timeout=120)
+    return process.returncode, err
+
+
+def stop_here(job: Path, out: Path, point: str, stop: signal.Signals, monkeypatch: pytest.MonkeyPatch,
+              capsys: pytest.CaptureFixture[str], ready: Path) -> tuple[int, str]:
+    """The same in this process (torch is loaded once): a real signal, sent to this process by a
+    thread once the worker holds at the point (Python runs the handler in the main thread)."""
+    monkeypatch.setenv(PAUSE, f"{point}:{AT}:{ready}")
+    sender = threading.Thread(target=lambda: (wait_for(ready, lambda: None), os.kill(os.getpid(), stop)))
+    sender.start()
+    try:
+        code = main(["train", str(job), "--out", str(out), "--no-progress"])
+    finally:
+        sender.join()
+        monkeypatch.delenv(PAUSE)
+    return code, capsys.readouterr().err
+
+
+# A process of its own where the process matters (a KeyboardInterrupt in a real worker; a SIGKILL that
+# settles nothing); the other points in this process, with real signals, to keep the file cheap.
+@pytest.mark.parametrize(("point", "stop", "own_process"), [
+    pytest.param(point, stop, own, id=f"{point}-{stop.name}") for point, stop, own in [
+        ("before-reserve", signal.SIGINT, False), ("after-reserve", signal.SIGTERM, False),
+        ("mid-training", signal.SIGINT, True), ("after-commit", signal.SIGTERM, False),
+        ("mid-training", signal.SIGKILL, True),
     ]
 ])
 def test_a_job_stopped_anywhere_resumes_exactly_once(
     ledger: str, reference: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str], point: str, stop: signal.Signals,
+    capsys: pytest.CaptureFixture[str], point: str, stop: signal.Signals, own_process: bool,
 ) -> None:
     env = dict(os.environ)
     for k in range(2):
@@ -115,15 +146,16 @@ def test_a_job_stopped_anywhere_resumes_exactly_once(
     ids = silos(ledger, env)
     job_id = f"stopped-{point}-{stop.name}"
     job, out = job_file(tmp_path / "job.toml", ledger, ids, job_id), tmp_path / "out"
-    process = start_stopped(job, out, point, env, tmp_path / "ready")
-    process.send_signal(stop)
-    _, err = process.communicate(timeout=120)
+    if own_process:
+        returncode, err = stop_process(job, out, point, stop, env, tmp_path / "ready")
+    else:
+        returncode, err = stop_here(job, out, point, stop, monkeypatch, capsys, tmp_path / "ready")
     at = [charges(ledger, i, job_id) for i in ids]
     in_round = [c["charge_id"] for cs in at for c in cs if c["round"] == AT - 1]
     again = f"continue with dpledger train {job} --out {out} --no-progress --resume"
     read = point == "mid-training"
     if stop is signal.SIGKILL:
-        assert process.returncode == -signal.SIGKILL
+        assert returncode == -signal.SIGKILL
         # Nothing settled the round: its charges stay reserved (spent) and a plain re-run says so.
         assert [c["status"] for cs in at for c in cs if c["round"] == AT - 1] == ["reserved", "reserved"]
         assert main(["train", str(job), "--out", str(out), "--no-progress"]) == 2
@@ -135,7 +167,7 @@ def test_a_job_stopped_anywhere_resumes_exactly_once(
             for k, (i, cs, name) in enumerate(zip(ids, at, [_name(ledger, i) for i in ids], strict=True))
         ]
     else:
-        assert process.returncode == 130 and "Traceback" not in err
+        assert returncode == 130 and "Traceback" not in err
         listed = ", ".join(str(i) for i in in_round)
         expected = {
             "before-reserve": f"interrupted after round {AT - 1}: every charge of it settled",
