@@ -105,14 +105,26 @@ def _train(args: argparse.Namespace) -> int:
     import signal
 
     # SIGTERM (a timeout, `kill`) ends a run as Ctrl-C does: the round in flight is settled.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    _on_signals(signal.SIGINT, signal.default_int_handler)
+    _on_signals(signal.SIGTERM, signal.default_int_handler)
     try:
         return _train_job(args)
-    except KeyboardInterrupt:  # outside the rounds: no charge of this run was open
-        _say("interrupted: no charge of this run was open")
+    except KeyboardInterrupt:  # before the rounds (the loop settles its own and says so itself)
+        _say(f"interrupted before round 1 of this run began: it reserved nothing; continue with {_again(args)}")
         return EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _on_signals(signal.SIGINT, previous[0])
+        _on_signals(signal.SIGTERM, previous[1])
+
+
+def _on_signals(number: int, handler: Any) -> None:
+    """signal.signal where Python allows it (the main thread); a handler set outside Python (None) stays."""
+    import signal
+    import threading
+
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(number, handler)
 
 
 def _train_job(args: argparse.Namespace) -> int:
@@ -144,6 +156,8 @@ def _train_job(args: argparse.Namespace) -> int:
 
 
 def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
+    import signal
+
     from tqdm import tqdm
 
     from dpledger.trainer import pause, resume
@@ -204,8 +218,15 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
         return _interrupted(stop.run, journal, fresh, job, silos, out, args)
     finally:
         bar.close()
-    after = _ledger_after(job, silos)
-    write_outputs(out, job, algorithm, run, silos, after)
+    # Every round is settled: a late Ctrl-C waits until the folder and the table are written.
+    _on_signals(signal.SIGINT, signal.SIG_IGN)
+    _on_signals(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        after = _ledger_after(job, silos)
+        write_outputs(out, job, algorithm, run, silos, after)
+    finally:
+        _on_signals(signal.SIGINT, signal.default_int_handler)
+        _on_signals(signal.SIGTERM, signal.default_int_handler)
     print(_summary_table(run, silos, after))
     for k, refusal in sorted(run.refusals.items()):
         would = "∞" if refusal.epsilon_if_approved is None else f"{refusal.epsilon_if_approved:.4g}"
@@ -229,23 +250,21 @@ def _interrupted(run: Any, journal: Any, fresh: Any, job: Any, silos: list[Any],
                  args: argparse.Namespace) -> int:
     """The output folder as of the last completed round, and one line: how the round in flight was
     settled and the command that continues the job."""
-    import shlex
     import signal
 
     from dpledger.trainer.job import write_outputs
 
     stop = run.interrupted
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the folder and the line are written whatever comes next
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _on_signals(signal.SIGINT, signal.SIG_IGN)  # the folder and the line are written whatever comes next
+    _on_signals(signal.SIGTERM, signal.SIG_IGN)
     try:
         kept = journal.restore(fresh)
         kept.run.stop_reason = f"interrupted in round {stop.round_index + 1}"
         kept.run.interrupted = stop
         write_outputs(out, job, kept.algorithm, kept.run, silos, _ledger_after(job, silos))
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    argv = [a for a in args.argv if a != "--resume"]
-    again = shlex.join(["dpledger", *argv, *([] if "resume" in _job_file_keys(args.config) else ["--resume"])])
+        _on_signals(signal.SIGINT, signal.default_int_handler)
+    again = _again(args)
     settled = []
     if stop.committed:
         settled.append(f"{_charges(stop.committed)} committed (the round had read data)")
@@ -258,6 +277,14 @@ def _interrupted(run: Any, journal: Any, fresh: Any, job: Any, silos: list[Any],
         f"after round {done}: every charge of it settled" if done else "before round 1: nothing was reserved")
     _say(f"interrupted {what}; continue with {again}")
     return EXIT_INTERRUPTED
+
+
+def _again(args: argparse.Namespace) -> str:
+    """The command that continues this job: the same one, with --resume unless the job file says resume = true."""
+    import shlex
+
+    argv = [a for a in args.argv if a != "--resume"]
+    return shlex.join(["dpledger", *argv, *([] if "resume" in _job_file_keys(args.config) else ["--resume"])])
 
 
 def _charges(ids: list[int]) -> str:

@@ -167,9 +167,8 @@ def run_gated(
                         run.failed = True
                         run.stop_reason = f"silo {silo.silo_id}: {replay}; use a new job id"
                         continue
-                    finally:
-                        reserving = None
                     permits[k] = permit
+                    reserving = None  # only once held: an interrupt in between finds the charge on the ledger
                     spent[k] = permit.reservation.epsilon_spent
             except Unreachable as error:
                 _settle_untouched(permits)
