@@ -183,7 +183,11 @@ def test_a_job_stopped_anywhere_resumes_exactly_once(
         assert json.loads((out / "summary.json").read_text())["stop_reason"].startswith("interrupted in round")
 
     capsys.readouterr()
-    assert main(["train", str(job), "--out", str(out), "--no-progress", "--resume"]) == 0
+    resume = ["--resume"]
+    if point == "after-commit":  # the job file's spelling of the same switch
+        job.write_text("resume = true\n" + job.read_text())
+        resume = []
+    assert main(["train", str(job), "--out", str(out), "--no-progress", *resume]) == 0
     said = [line for line in capsys.readouterr().err.splitlines() if "resuming job" in line or "spent (" in line]
     completed = AT if point == "after-commit" else AT - 1
     assert said[0] == f"dpledger train: resuming job {job_id!r} after round {completed} ({out / 'checkpoint.pkl'})"
@@ -218,6 +222,26 @@ def test_a_job_stopped_anywhere_resumes_exactly_once(
             for i, j in zip(ids, expected_models["silo_ids"], strict=True)] == [True, True]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["round"] for m in metrics] == [r for r in range(1, ROUNDS + 1) for _ in range(2)]
+    if stop is signal.SIGKILL:  # the hardest stop: the silos' receipts and the log still check out
+        audited(ledger, tmp_path, monkeypatch, capsys)
+
+
+def audited(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dpledger verify --receipts` (the receipts both processes kept) and `dpledger audit`: no finding."""
+    from dpledger.cli import main as cli
+
+    monkeypatch.setenv("DPLEDGER_URL", url)
+    monkeypatch.setenv("DPLEDGER_KEY", ADMIN_KEY)
+    deadline = time.monotonic() + 30  # the sequencer signs a head per batch: the last receipts' entries soon
+    while (code := cli(["verify", "--receipts"])) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert code == 0, capsys.readouterr()
+    # Per silo: round 1 reserved and committed, round 2 reserved, then killed; on resume, that charge
+    # committed, round 2 reserved and committed again, round 3 reserved and committed: 8 receipts.
+    assert capsys.readouterr().out.startswith("ok: 16 receipts")
+    auditor = httpx.post(f"{url}/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
+    monkeypatch.setenv("DPLEDGER_KEY", auditor)
+    assert cli(["audit", "--since", str(tmp_path / "head.json")]) == 0, capsys.readouterr()
 
 
 def _name(url: str, silo_id: int) -> str:
