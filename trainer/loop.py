@@ -231,10 +231,10 @@ def _held_mid_training(algorithm: FederatedAlgorithm, hold: Callable[[], None]) 
 
     def record(*args: Any, **kwargs: Any) -> None:
         real(*args, **kwargs)
-        del meter.record  # once: the checkpoint pickles the meter, never this function
+        meter.__dict__.pop("record", None)  # once: the checkpoint pickles the meter, never this function
         hold()
 
-    meter.record = record  # type: ignore[method-assign]
+    meter.__dict__["record"] = record  # an instance attribute shadows the method until popped below
     try:
         yield
     finally:
