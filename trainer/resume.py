@@ -220,7 +220,11 @@ def start(checkpoint: Checkpoint | None, silos: Sequence[SiloResume]) -> Start:
     }
     if checkpoint is None:
         return Start(charges=charges)
-    return Start(first_round=checkpoint.completed + 1, run=checkpoint.run, charges=charges)
+    run = checkpoint.run
+    # A refusal is final; how the earlier process ended (a failure, an interrupt) is not this run's.
+    run.stopped = [k in run.refusals for k in range(len(run.stopped))]
+    run.failed, run.stop_reason, run.interrupted = False, None, None
+    return Start(first_round=checkpoint.completed + 1, run=run, charges=charges)
 
 
 @dataclass
