@@ -44,8 +44,10 @@ def main(argv: list[str]) -> int:
                        help="train nothing: print each silo's ε per round and how many rounds its remaining budget buys")
     train.add_argument("--calibrate", action="store_true",
                        help="with --plan: also the σ at which each silo's remaining budget buys all the job's rounds")
+    train.add_argument("--resume", action="store_true", default=None,
+                       help="continue this job_id's interrupted run from its output folder (the job file's resume = true)")
     train.add_argument("--no-progress", action="store_true")
-    train.set_defaults(run=_train)
+    train.set_defaults(run=_train, argv=argv)
 
     tune = commands.add_parser("tune", help="privately tune MR-MTL's λ with a ledger-drawn number of trials")
     tune.add_argument("--grid", default="0,0.1,1,10", help="comma-separated λ values (default 0,0.1,1,10)")
@@ -87,6 +89,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 EXIT_NOTHING_TRAINED, EXIT_BAD_JOB, EXIT_LEDGER_FAILED = 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 PLAN_HORIZON = 1000  # rounds a plan searches at most
 
 
@@ -97,7 +100,34 @@ def _say(message: str) -> None:
 def _train(args: argparse.Namespace) -> int:
     """Exit 0: trained; 1: trained nothing (every silo refused at once); 2: the job file or the
     ledger's view of its silos is wrong (nothing charged); 3: the ledger was down or rejected a
-    request (whatever ran is written out)."""
+    request (whatever ran is written out); 130: SIGINT or SIGTERM (the round in flight settled, the
+    output folder written up to the last completed round), one line and no traceback."""
+    import signal
+
+    # SIGTERM (a timeout, `kill`) ends a run as Ctrl-C does: the round in flight is settled.
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    _on_signals(signal.SIGINT, signal.default_int_handler)
+    _on_signals(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return _train_job(args)
+    except KeyboardInterrupt:  # before the rounds (the loop settles its own and says so itself)
+        _say(f"interrupted before round 1 of this run began: it reserved nothing; continue with {_again(args)}")
+        return EXIT_INTERRUPTED
+    finally:
+        _on_signals(signal.SIGINT, previous[0])
+        _on_signals(signal.SIGTERM, previous[1])
+
+
+def _on_signals(number: int, handler: Any) -> None:
+    """signal.signal where Python allows it (the main thread); a handler set outside Python (None) stays."""
+    import signal
+    import threading
+
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(number, handler)
+
+
+def _train_job(args: argparse.Namespace) -> int:
     from dpledger.trainer.job_config import JobFileError, load_job
     from dpledger.trainer.preflight import PreflightError, check_silos
 
@@ -107,7 +137,7 @@ def _train(args: argparse.Namespace) -> int:
         print(algorithms_markdown())
         return 0
 
-    overrides = {name: getattr(args, name) for name in ("url", "algorithm", "rounds", "job_id", "device")}
+    overrides = {name: getattr(args, name) for name in ("url", "algorithm", "rounds", "job_id", "device", "resume")}
     try:
         job = load_job(args.config, overrides=overrides, environ=os.environ)
         silos = check_silos(job, os.environ)
@@ -126,11 +156,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
+    import signal
+
     from tqdm import tqdm
 
+    from dpledger.trainer import pause, resume
     from dpledger.trainer.data.npz import SiloFileError
     from dpledger.trainer.job import build, load_data, run_job, write_outputs
+    from dpledger.trainer.loop import Interrupted
     from dpledger.trainer.preflight import check_sizes
+    from dpledger.wire.errors import LedgerError
 
     try:
         dataset = load_data(job.data)
@@ -146,7 +181,29 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
     if args.plan:
         return _plan(job, silos, algorithm, calibrate=args.calibrate)
 
-    bar = tqdm(total=job.rounds, desc=job.job_id, unit="round", file=sys.stderr, disable=args.no_progress)
+    out = args.out or Path(f"dpledger-job-{job.job_id}")
+    fresh, start = algorithm, None
+    if job.resume:
+        try:
+            prepared = resume.prepare(job, silos, fresh, out, os.environ)
+        except resume.ResumeError as error:
+            for problem in error.problems:
+                _say(problem)
+            return EXIT_BAD_JOB
+        except LedgerError as error:
+            _say(f"the ledger could not settle the job's open charges: {error}")
+            return EXIT_LEDGER_FAILED
+        algorithm, start = prepared.algorithm, prepared.start
+        where = "from round 1" if prepared.completed < 0 else (
+            f"after round {prepared.completed + 1} ({out / resume.CHECKPOINT})")
+        _say(f"resuming job {job.job_id!r} {where}")
+        for line in prepared.lines:
+            _say(line)
+    journal = resume.Journal(out, job, algorithm, completed=-1 if start is None else start.first_round - 1,
+                             run=None if start is None else start.run)
+
+    bar = tqdm(total=job.rounds, desc=job.job_id, unit="round", file=sys.stderr, disable=args.no_progress,
+               initial=0 if start is None else start.first_round)
 
     def progress(record: Any) -> None:
         approved = sum(record.approved)
@@ -154,12 +211,22 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
         bar.update()
 
     try:
-        run = run_job(job, algorithm, silos, environ=os.environ, on_round=progress)
+        run = run_job(job, algorithm, silos, environ=os.environ, on_round=progress, start=start, journal=journal,
+                      pause=pause.from_env(os.environ))
+    except Interrupted as stop:
+        bar.close()
+        return _interrupted(stop.run, journal, fresh, job, silos, out, args)
     finally:
         bar.close()
-    after = _ledger_after(job, silos)
-    out = args.out or Path(f"dpledger-job-{job.job_id}")
-    write_outputs(out, job, algorithm, run, silos, after)
+    # Every round is settled: a late Ctrl-C waits until the folder and the table are written.
+    _on_signals(signal.SIGINT, signal.SIG_IGN)
+    _on_signals(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        after = _ledger_after(job, silos)
+        write_outputs(out, job, algorithm, run, silos, after)
+    finally:
+        _on_signals(signal.SIGINT, signal.default_int_handler)
+        _on_signals(signal.SIGTERM, signal.default_int_handler)
     print(_summary_table(run, silos, after))
     for k, refusal in sorted(run.refusals.items()):
         would = "∞" if refusal.epsilon_if_approved is None else f"{refusal.epsilon_if_approved:.4g}"
@@ -177,6 +244,64 @@ def _train_checked(job: Any, silos: list[Any], args: argparse.Namespace) -> int:
         _say("nothing trained: the ledger refused every silo's first round (see `dpledger train --plan`)")
         return EXIT_NOTHING_TRAINED
     return 0
+
+
+def _interrupted(run: Any, journal: Any, fresh: Any, job: Any, silos: list[Any], out: Path,
+                 args: argparse.Namespace) -> int:
+    """The output folder as of the last completed round, and one line: how the round in flight was
+    settled and the command that continues the job."""
+    import signal
+
+    from dpledger.trainer.job import write_outputs
+
+    stop = run.interrupted
+    _on_signals(signal.SIGINT, signal.SIG_IGN)  # the folder and the line are written whatever comes next
+    _on_signals(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        kept = journal.restore(fresh)
+        kept.run.stop_reason = f"interrupted in round {stop.round_index + 1}"
+        kept.run.interrupted = stop
+        write_outputs(out, job, kept.algorithm, kept.run, silos, _ledger_after(job, silos))
+    finally:
+        _on_signals(signal.SIGINT, signal.default_int_handler)
+    again = _again(args)
+    settled = []
+    if stop.committed:
+        settled.append(f"{_charges(stop.committed)} committed (the round had read data)")
+    if stop.released:
+        settled.append(f"{_charges(stop.released)} released (the round had not read data)")
+    if stop.reserved:
+        settled.append(f"{_charges(stop.reserved)} left reserved, so spent (the ledger did not answer in time)")
+    done = kept.completed + 1
+    what = (f"in round {stop.round_index + 1}: " + ", ".join(settled)) if settled else (
+        f"after round {done}: every charge of it settled" if done else "before round 1: nothing was reserved")
+    _say(f"interrupted {what}; continue with {again}")
+    return EXIT_INTERRUPTED
+
+
+def _again(args: argparse.Namespace) -> str:
+    """The command that continues this job: the same one, with --resume unless the job file says resume = true."""
+    import shlex
+
+    argv = [a for a in args.argv if a != "--resume"]
+    return shlex.join(["dpledger", *argv, *([] if "resume" in _job_file_keys(args.config) else ["--resume"])])
+
+
+def _charges(ids: list[int]) -> str:
+    return ("charge " if len(ids) == 1 else "charges ") + ", ".join(str(i) for i in ids)
+
+
+def _job_file_keys(path: Path | None) -> set[str]:
+    """The top-level keys the job file sets (a file with resume = true needs no --resume)."""
+    import tomllib
+
+    if path is None:
+        return set()
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return set()
+    return {key for key, value in data.items() if key != "resume" or value is True}
 
 
 def _ledger_after(job: Any, silos: list[Any]) -> list[Any]:

@@ -29,7 +29,7 @@ from dpledger.trainer.federated import (
     registry,
 )
 from dpledger.trainer.job_config import DataConfig, DpSgdSettings, JobConfig, SiloKey, silo_key
-from dpledger.trainer.loop import GatedSilo, JobRun, RoundRecord, run_gated
+from dpledger.trainer.loop import GatedSilo, JobRun, Pause, RoundJournal, RoundRecord, Start, run_gated
 from dpledger.trainer.preflight import LedgerSilo
 from dpledger.wire.client import LedgerClient
 
@@ -113,10 +113,16 @@ def run_job(
     *,
     environ: Mapping[str, str],
     on_round: Callable[[RoundRecord], None] | None = None,
+    start: Start | None = None,
+    journal: RoundJournal | None = None,
+    pause: Pause | None = None,
 ) -> JobRun:
+    """The job's rounds from `start` (a resumed run's), kept round by round in `journal`; raises
+    `Interrupted` on SIGINT once the round in flight is settled."""
     gated = [GatedSilo(s.id, LedgerClient(job.url, silo_key(entry, environ))) for s, entry in zip(silos, job.silos, strict=True)]
     try:
-        return run_gated(algorithm, gated, rounds=job.rounds, job_id=job.job_id, on_round=on_round)
+        return run_gated(algorithm, gated, rounds=job.rounds, job_id=job.job_id, on_round=on_round, start=start,
+                         journal=journal, pause=pause)
     finally:
         for silo in gated:
             silo.client.close()

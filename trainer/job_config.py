@@ -90,6 +90,7 @@ class JobConfig(_Strict):
     )
     selection_noise_multiplier: Annotated[float, Field(gt=0)] = 1.0
     device: str | None = Field(None, description="cpu or cuda; default: cuda when present")
+    resume: bool = Field(False, description="continue this job_id's run from its output folder (as --resume)")
     data: DataConfig = DataConfig()
     dpsgd: DpSgdSettings = DpSgdSettings()
     silos: Annotated[list[SiloKey], Field(min_length=1)]

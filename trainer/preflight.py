@@ -15,6 +15,7 @@ from typing import Any
 
 from dpledger.trainer.job_config import JobConfig, SiloKey, silo_key
 from dpledger.wire.client import LedgerClient, Retry
+from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Rejected, Unreachable
 from dpledger.wire.schemas import SiloDetail
 
@@ -57,7 +58,7 @@ def _detail(error: Rejected) -> str:
 def check_silos(job: JobConfig, environ: Mapping[str, str]) -> list[LedgerSilo]:
     """Each [[silos]] entry: its key is a live silo key, for that very silo, which exists; and no
     charge of this job id is in its history yet (a re-run under the same id would replay the old
-    reservations and train again unpaid)."""
+    reservations and train again unpaid), unless the job resumes that run."""
     problems: list[str] = []
     found: list[LedgerSilo] = []
     for index, entry in enumerate(job.silos):
@@ -68,7 +69,8 @@ def check_silos(job: JobConfig, environ: Mapping[str, str]) -> list[LedgerSilo]:
                 if problem is None:
                     silo = ledger_silo(client.silo(entry.id))
                     found.append(silo)
-                    problem = _check_job_unused(client, silo, job.job_id)
+                    # A resumed run settles the job's charges itself (trainer/resume.py).
+                    problem = None if job.resume else _check_job_unused(client, silo, job.job_id)
             except Unreachable as error:
                 raise PreflightError([f"cannot reach the ledger at {job.url} (url): {error}"], unreachable=True) from None
             except Rejected as error:
@@ -114,7 +116,11 @@ def _check_job_unused(client: LedgerClient, silo: LedgerSilo, job_id: str) -> st
         return None
     known = sorted(r for r in rounds if r is not None)
     span = f" (rounds {known[0] + 1}–{known[-1] + 1})"  # the ledger keeps indices from 0 if known else ""
-    return f"{silo.label} already has charges of job_id {job_id!r}{span}: give this run a new job_id"
+    open_charges = [c for c in client.charges(silo.id, status=ChargeStatus.reserved) if c.job_id == job_id]
+    held = "" if not open_charges else "; open reservations: " + ", ".join(
+        f"charge {c.charge_id}" + ("" if c.round is None else f" (round {c.round + 1})") for c in open_charges)
+    return (f"{silo.label} already has charges of job_id {job_id!r}{span}{held}: continue that run with --resume "
+            "(or resume = true), or give this run a new job_id")
 
 
 def check_sizes(silos: Sequence[LedgerSilo], n_train: Sequence[int]) -> list[str]:

@@ -31,9 +31,12 @@ from dpledger.wire.mechanisms import AnyMechanism
 from dpledger.wire.schemas import SiloDetail
 
 
-def round_key(job_id: str, round: int, silo_id: int) -> str:
-    """The idempotency key of a silo's round in a job: the same for every attempt at that round."""
-    return f"{job_id}/round-{round}/silo-{silo_id}"
+def round_key(job_id: str, round: int, silo_id: int, charge: int = 0) -> str:
+    """The idempotency key of a silo's round in a job: the same for every attempt at that round.
+    `charge` > 0 names a further charge of the round: a resumed job (`dpledger train --resume`) trains
+    again, under a charge of its own, a round whose earlier charge was spent without a checkpoint of it."""
+    key = f"{job_id}/round-{round}/silo-{silo_id}"
+    return key if charge == 0 else f"{key}/charge-{charge}"
 
 
 def _epsilon(value: float | None) -> str:
@@ -114,12 +117,15 @@ class Permit:
 
 
 def open_round(
-    client: LedgerClient, *, silo_id: int, job_id: str, round: int, mechanism: AnyMechanism | Mapping[str, Any]
+    client: LedgerClient, *, silo_id: int, job_id: str, round: int, mechanism: AnyMechanism | Mapping[str, Any],
+    charge: int = 0,
 ) -> Permit:
-    """Reserve the round's mechanism under its one key; a Permit only for this attempt's own
-    reservation. Raises Denied (over budget: final for the silo), NotOwned, or another LedgerError."""
+    """Reserve the round's mechanism under its one key (`round_key`, with `charge`); a Permit only for
+    this attempt's own reservation. Raises Denied (over budget: final for the silo), NotOwned, or
+    another LedgerError."""
     reservation = client.reserve(
-        silo_id, mechanism=mechanism, idempotency_key=round_key(job_id, round, silo_id), job_id=job_id, round=round
+        silo_id, mechanism=mechanism, idempotency_key=round_key(job_id, round, silo_id, charge), job_id=job_id,
+        round=round,
     )
     if not reservation.owned:
         raise NotOwned(reservation, round=round)

@@ -7,14 +7,19 @@ delivery did not reserve (a redelivered message whose round an earlier delivery 
 an answer was lost on the way), or any ledger error answers a constant status without calling the
 trainer; nothing that could carry an ε or a budget (an exception's text included, which Flower would
 forward to the server) leaves the silo. Once call_next starts, the round may have touched the data:
-it is committed, never released, even when training fails (fail closed). The silo's own log says
-why, with the refusal's numbers.
+it is committed, never released, even when training fails (fail closed) or the process is stopped
+(SIGINT, SIGTERM: the charge is committed before the process ends). The silo's own log says why,
+with the refusal's numbers.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flwr.app import ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
@@ -91,7 +96,12 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
             log.error("round %d not run: %s", round_index + 1, error)
             return records.status_reply(message, records.FAILED)
         ledger_seconds = time.perf_counter() - started
-        reply = _train(permit, message, context, call_next, job_id=job_id, mechanism=planned.mechanism_json())
+        try:
+            with _stopping_interrupts():
+                reply = _train(permit, message, context, call_next, job_id=job_id, mechanism=planned.mechanism_json())
+        except KeyboardInterrupt:
+            _settle_stopped(permit, silo.silo_id)
+            raise  # the process is being stopped: its charge is settled, the rest is Flower's
 
         started = time.perf_counter()
         try:
@@ -116,6 +126,32 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         if records.reply_status(reply) == records.TRAINED:
             reply.content.metric_records[records.METRICS]["ledger-seconds"] = ledger_seconds
         return reply
+
+
+@contextmanager
+def _stopping_interrupts() -> Iterator[None]:
+    """SIGTERM (a SuperNode or an operator stopping the ClientApp) raises KeyboardInterrupt while the
+    round holds its permit, as SIGINT does, so the round is settled before the process ends; Python's
+    default would end it at once with the charge left reserved. Only the main thread sets handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _settle_stopped(permit: Permit, silo_id: int) -> None:
+    """The one settle rule for a round stopped mid-training: it may have read data, so it is committed."""
+    try:
+        permit.settle()
+        log.warning("[silo %d] round %d interrupted: charge %d committed (the round may have read data)", silo_id,
+                    permit.round + 1, permit.charge_id)
+    except LedgerError as error:
+        log.error("round %d interrupted: charge %d stays reserved, i.e. spent (%s)", permit.round + 1,
+                  permit.charge_id, error)
 
 
 def _train(permit: Permit, message: Message, context: Context, call_next: ClientAppCallable, *, job_id: int,

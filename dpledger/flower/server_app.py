@@ -265,13 +265,37 @@ class LedgerStrategy(Strategy):
         return None
 
 
+class NothingTrained(RuntimeError):
+    """The run stopped before round 1: too few silos answered (its message is the one line)."""
+
+
+def _nothing_answered(settings: RunSettings, nodes: list[int], silos: dict[int, int]) -> None:
+    """Fewer than min-nodes silos answered their first message: run.json says "nothing trained",
+    and one line names the silent SuperNodes and the setting to raise."""
+    silent = sorted(set(nodes) - set(silos))
+    if len(nodes) < settings.min_nodes:
+        why = (f"{len(nodes)} SuperNodes connected within {NODE_WAIT_SECONDS:g} s, fewer than "
+               f"min-nodes={settings.min_nodes}: start the missing sites' SuperNodes (their logs say why they did not connect)")
+    else:
+        why = (f"{len(silos)} of {len(nodes)} SuperNodes answered within first-contact-timeout="
+               f"{settings.first_contact_timeout:g} s, fewer than min-nodes={settings.min_nodes}; silent: "
+               f"{', '.join(f'node {n}' for n in silent)} (see those SuperNodes' logs); raise first-contact-timeout "
+               "(run config) on a busy machine")
+    line = f"nothing trained: {why}"
+    log.error(line)
+    if settings.out is not None:
+        settings.out.write_text(json.dumps({"outcome": "nothing trained", "reason": line, "silent_nodes": silent,
+                                            "silos": {str(n): s for n, s in silos.items()}, "rounds": []}, indent=1))
+    raise NothingTrained(line)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = RunSettings.from_run_config(context.run_config)
     nodes = _wait_for_nodes(grid, settings.min_nodes)
-    silos = _ask_silo_ids(grid, nodes, settings.round_timeout)
+    silos = _ask_silo_ids(grid, nodes, settings.first_contact_timeout)
     if len(silos) < settings.min_nodes:
-        raise RuntimeError(f"{len(silos)} silos answered, fewer than min-nodes={settings.min_nodes}")
+        _nothing_answered(settings, nodes, silos)
     with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
         job_id = ledger.create_job(name=f"flower-run-{context.run_id}", silo_ids=sorted(silos.values()))
     run = RunLog(job_id=job_id, algorithm=settings.algorithm, silos=silos)

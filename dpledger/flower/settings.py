@@ -108,6 +108,9 @@ class SiloSettings:
         return read_key_file(self.key_file, f"node config: 'key-file' {str(self.key_file)!r}")
 
 
+FIRST_CONTACT_SECONDS = 600.0  # the app's default (pyproject.toml), where a run config leaves it out
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """The run config (`[tool.flwr.app.config]`, overridden with `flwr run -c`): the algorithm (any
@@ -125,6 +128,9 @@ class RunSettings:
     seed: int
     min_nodes: int
     round_timeout: float
+    # The first message to each SuperNode starts its first ClientApp process, which imports Flower,
+    # torch and the app: on a busy machine that alone took minutes, far beyond a round's timeout.
+    first_contact_timeout: float
     ledger_url: str
     coordinator_key_file: Path
     out: Path | None
@@ -153,6 +159,8 @@ class RunSettings:
             seed=_int(config, "seed", where, minimum=0),
             min_nodes=_int(config, "min-nodes", where, minimum=1),
             round_timeout=_float(config, "round-timeout", where, positive=True),
+            first_contact_timeout=(_float(config, "first-contact-timeout", where, positive=True)
+                                   if "first-contact-timeout" in config else FIRST_CONTACT_SECONDS),
             ledger_url=_text(config, "ledger-url", where),
             coordinator_key_file=Path(_text(config, "coordinator-key-file", where)),
             out=Path(out) if out else None,

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -220,9 +221,47 @@ def kill(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _exit_on_signal(number: int, _: object) -> None:
+    raise SystemExit(128 + number)  # as the shell reports a process a signal ended
+
+
+@contextmanager
+def stopped_with_its_starter() -> Iterator[None]:
+    """SIGTERM or SIGHUP to the process that starts a federation (a test's or a bench's timeout,
+    `kill`) raises SystemExit in it, so that its `finally` kills every process it started (Python's
+    default for SIGTERM ends the process at once, its `finally` never run, the federation left
+    running: 86 orphaned `flwr-clientapp` processes were once found). SIGINT raises
+    KeyboardInterrupt already. Once the `finally` is killing, further signals are ignored."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield
+        return
+    previous = {number: signal.signal(number, _exit_on_signal) for number in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for number in (*STOP_SIGNALS, signal.SIGINT):
+            signal.signal(number, signal.SIG_IGN)
+
+
 @contextmanager
 def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | NoiseChoice, train: int,
                test: int, simulation: bool = False, isolation: str = ISOLATION) -> Iterator[Federation]:
+    with stopped_with_its_starter():
+        yield from _federation(folder, budgets=budgets, noise_multiplier=noise_multiplier, train=train, test=test,
+                               simulation=simulation, isolation=isolation)
+
+
+def _federation(folder: Path, *, budgets: list[float], noise_multiplier: float | NoiseChoice, train: int,
+                test: int, simulation: bool, isolation: str) -> Iterator[Federation]:
     """`noise_multiplier`: every silo's σ, or a function each silo calls with its own key.
     `simulation`: no SuperNodes; the SuperLink runs Flower's simulation engine (Ray) with one virtual
     node per silo, whose settings come from the file named by DPLEDGER_SIMULATION_NODES.
@@ -276,8 +315,12 @@ def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | 
                 fed.start_supernode(silo)
         yield fed
     finally:
+        sigint = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+        _ignore_stop_signals()  # a second signal must not cut the killing short
         for process in fed.processes:
             kill(process)
+        if sigint is not None:
+            signal.signal(signal.SIGINT, sigint)
 
 
 def access_log(fed: Federation, *, role: str | None = None, at_least: int = 0, timeout: float = 10.0) -> list[dict[str, object]]:

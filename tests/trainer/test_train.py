@@ -308,7 +308,7 @@ def test_the_job_files_algorithms_are_the_registrys() -> None:
     assert ALGORITHMS == tuple(registry.standalone())
 
 
-def test_a_ledger_that_dies_mid_run_is_exit_3_with_what_ran_written_out(
+def test_a_ledger_that_dies_mid_run_is_exit_3_with_what_ran_written_out_and_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from dpledger import worker_cli as cli
@@ -333,8 +333,20 @@ def test_a_ledger_that_dies_mid_run_is_exit_3_with_what_ran_written_out(
         monkeypatch.setattr(job_module, "run_job", run_then_die)
         job = job_file(tmp_path / "dies.toml", server.url, [s.id for s in silos], job_id="dies", rounds=5)
         assert cli.main(["train", str(job), "--out", str(tmp_path / "out"), "--no-progress"]) == 3
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("dpledger train: stopped: ledger unreachable before round 3:")
-    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert sorted({m["round"] for m in metrics}) == [1, 2]  # what ran is written out
-    assert (tmp_path / "out" / "models.pt").exists()
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith("dpledger train: stopped: ledger unreachable before round 3:")
+        metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert sorted({m["round"] for m in metrics}) == [1, 2]  # what ran is written out
+        assert (tmp_path / "out" / "models.pt").exists()
+
+        # The ledger back (same port and database), the job resumes where it stopped: rounds 3–5 only.
+        server.start()
+        monkeypatch.setattr(job_module, "run_job", real_run_job)
+        assert cli.main(["train", str(job), "--out", str(tmp_path / "out"), "--no-progress", "--resume"]) == 0
+        assert capsys.readouterr().err.splitlines()[1] == (
+            f"dpledger train: resuming job 'dies' after round 2 ({tmp_path / 'out' / 'checkpoint.pkl'})")
+        metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["round"] for m in metrics] == [r for r in range(1, 6) for _ in silos]
+        for silo in silos:
+            listed = httpx.get(f"{server.url}/v1/silos/{silo.id}/charges", headers=ADMIN).json()
+            assert sorted((c["round"], c["status"]) for c in listed) == [(r, "committed") for r in range(5)]

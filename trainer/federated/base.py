@@ -12,6 +12,7 @@ queries its silo half makes of the silo's data in that round.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC
 from collections.abc import Callable, Sequence
@@ -47,6 +48,11 @@ STREAM_SELECTION_NOISE = 6
 STREAM_SERVER_NOISE = 7  # a server that noises what it releases (PMTL)
 _STREAM_IDS = {streams.SAMPLER: STREAM_SAMPLER, streams.NOISE: STREAM_NOISE,
                streams.SELECTION_SAMPLER: STREAM_SELECTION_SAMPLER, streams.SELECTION_NOISE: STREAM_SELECTION_NOISE}
+
+
+def seeded_stream(seed: int, device: torch.device, stream: str, k: int) -> torch.Generator:
+    """Silo k's generator of `stream`, derived from the run's seed (the simulator's `Streams`)."""
+    return make_generator(derive_seed(seed, _STREAM_IDS[stream], k), device)
 
 
 class _RequiredArgs(TypedDict):
@@ -153,7 +159,8 @@ class FederatedAlgorithm(ABC):
         self.noise_multipliers = [float(s) for s in noise_multipliers]
         self.engine = SiloEngine(
             train=self.train, model=self.model, config=config, noise_multipliers=self.noise_multipliers,
-            streams=lambda stream, k: make_generator(derive_seed(config.seed, _STREAM_IDS[stream], k), self.device),
+            # A partial of a module function, not a lambda: a job's checkpoint pickles the algorithm whole.
+            streams=functools.partial(seeded_stream, config.seed, self.device),
             device=self.device,
         )
         self.meter = self.engine.meter
