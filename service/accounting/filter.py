@@ -380,9 +380,21 @@ def default_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSp
     return horizon_spec(epsilon=epsilon, delta=delta, horizon=rdp.certified_curve(default_horizon(dataset_size)))
 
 
-def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray) -> FilterSpec:
+@dataclass(frozen=True)
+class FirstCharge:
+    """A pending silo's first charge, as its filter is fixed from it (first_charge_spec): its curve,
+    and where it is a search (repeat-and-select) of a training run, the run's curve: the job's unit."""
+
+    curve: np.ndarray
+    unit: np.ndarray | None = None
+
+
+def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: np.ndarray | None = None) -> FilterSpec:
     """The filter of a silo that declared no horizon, fixed at its first charge from that charge's
     curve `first`: the charge is the unit, the horizon as many units as the budget affords (allocate).
+    A first charge that is not the job's training unit but a search of it (`unit`: one trial's run)
+    does not fix the filter as if the search were the job: the path is the search (`offset`) and then
+    the training runs it tunes, so the orders the training needs after it hold their share.
 
     Sound because nothing that depends on the silo's data exists before its first charge: the
     filter is a function of the budget, δ and the analyst's first request, all fixed before any
@@ -391,7 +403,8 @@ def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray) -> Fil
     rounds under it, against 1.165 / 1.214 / 1.042 under the default horizon.) A first charge whose
     curve no path can read (zero or ∞ at every order) splits δ evenly over the grid instead."""
     try:
-        spec = allocate(first, epsilon=epsilon, delta=delta).spec
+        spec = (allocate(first, epsilon=epsilon, delta=delta) if unit is None
+                else allocate(unit, epsilon=epsilon, delta=delta, offset=first)).spec
     except ValueError:
         spec = legacy_spec()
     return FilterSpec(spec.orders, spec.weights, "first_charge")

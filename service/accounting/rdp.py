@@ -27,6 +27,7 @@ from dpledger.wire.mechanisms import (
     DpSgd,
     Gaussian,
     PoissonSampled,
+    RepeatAndSelect,
     SampledWithoutReplacement,
     SelfComposed,
     children,
@@ -82,6 +83,14 @@ def rdp_curve(mechanism: AnyMechanism, *, certified: bool = False) -> np.ndarray
         case PoissonSampled(sampling_rate=float() as q, event=Gaussian(noise_multiplier=sigma)) if certified:
             return _sampled_gaussian(q, sigma, certified=True)
     return _leaf_curve(mechanism.model_dump_json())
+
+
+def training_unit(mechanism: AnyMechanism) -> np.ndarray | None:
+    """Where a mechanism is a search (repeat-and-select) of a training run: that run's certified
+    curve, the unit the job will train in after the search (filter.first_charge_spec); else None."""
+    if isinstance(mechanism, RepeatAndSelect):
+        return certified_curve(mechanism.event)
+    return None
 
 
 def certified_curve(mechanism: AnyMechanism) -> np.ndarray:

@@ -25,6 +25,7 @@ from sqlalchemy import Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
+from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting.events import check_relation, resolve
 from dpledger.service.accounting.running_sum import (
     RunningSum,
@@ -159,18 +160,21 @@ def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bo
     return Priced(resolved, rdp.certified_curve(resolved), skip)
 
 
-def check_budget(silo: Silo, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None) -> BudgetCheck:
+def check_budget(
+    silo: Silo, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None, unit: np.ndarray | None = None
+) -> BudgetCheck:
     """The gate: the silo's Rényi filter, fixed before its first charge (ledger/gate.py; O(orders)),
     approves only when its proven ε(spent + curve) ≤ the silo's ε (a pending silo: under the filter
     this charge, its first, would fix). A silo on a declared plan is
     checked by gate.follow_plan instead (the plan's PLD ε fit the budget when it was declared).
     Under a plan declared today the gate reads the lower of the plan's ε and the filter's while
     every charge, this one included, follows the plan (accounting/plans.py, ALONGSIDE).
-    `on_plan`: whether the charge keeps the silo's plan's branch alive (gate.plan_step)."""
+    `on_plan`: whether the charge keeps the silo's plan's branch alive (gate.plan_step); `unit`: the
+    training run a search charge tunes (rdp.training_unit), which a pending silo's filter is fitted to."""
     spent = RunningSum.from_json(silo.rdp_spent)
     candidate = spent.add(curve)
     # A silo with no declared horizon is pending until its first charge, which fixes its filter.
-    first = curve if gate.pending(silo) else None
+    first = rdp_filter.FirstCharge(curve, unit) if gate.pending(silo) else None
     eps_candidate = gate.reading(silo, candidate, first=first, alive=on_plan).epsilon
     fits = gate.closed_by_plan(silo) or rdp.within_budget(eps_candidate, budget=silo.epsilon)
     eps_now = gate.reading(silo, spent).epsilon if with_spent or not fits else None
@@ -183,7 +187,8 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
         plan_closed = silos.plan_closed(session, silo)
     priced = price(mechanism, silo=silo, charged=charged)
     step = gate.plan_step(silo, priced.mechanism)
-    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True, on_plan=step.on_plan), plan_closed)
+    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True, on_plan=step.on_plan,
+                                                    unit=rdp.training_unit(priced.mechanism)), plan_closed)
 
 
 def view(
@@ -314,7 +319,8 @@ def reserve_locked(
         priced = price(repricing[0], silo=silo, charged=True)
     silos.refuse_if_retired(silo)  # after a replay (a read of a charge made before), before any approval
     step = gate.follow_plan(silo, priced.mechanism)  # on a plan of the rule before: only its next units, else a 409
-    decision = check_budget(silo, priced.curve, on_plan=step.on_plan)
+    unit = rdp.training_unit(priced.mechanism) if gate.pending(silo) else None
+    decision = check_budget(silo, priced.curve, on_plan=step.on_plan, unit=unit)
     if not decision.fits:
         assert decision.epsilon_spent is not None
         raise OverBudget(
@@ -326,7 +332,7 @@ def reserve_locked(
     # (the same filter read on the same sum); else the answer reads it again after the changes below.
     spent_after = decision.epsilon_if_approved if not gate.pending(silo) and silo.plan is None else None
     if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it
-        silos.fix_filter(session, silo, priced.curve, now=now)
+        silos.fix_filter(session, silo, rdp_filter.FirstCharge(priced.curve, unit), now=now)
     gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
     values: dict[str, Any] = {
         "silo_id": silo_id, "idempotency_key": idempotency_key, "request_hash": digest,

@@ -42,7 +42,7 @@ def pending(silo: Silo) -> bool:
     return silo.filter_seq == PENDING_SEQ
 
 
-def spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpec:
+def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
     """The filter the gate reads: on the share of δ a declared plan leaves it; on a pending silo,
     the one its first charge (of curve `first`) would fix."""
     fixed = fixed_spec(silo, first=first)
@@ -50,11 +50,11 @@ def spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpe
     return fixed if declared is None or not declared.alongside else rdp_filter.scaled(fixed, declared.filter_share)
 
 
-def fixed_spec(silo: Silo, *, first: np.ndarray | None = None) -> rdp_filter.FilterSpec:
+def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
     """The filter as the silo holds it, on the whole δ (what its record stores): on a pending silo,
     the one its first charge (of curve `first`) would fix."""
     if pending(silo) and first is not None:
-        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first)
+        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first.curve, unit=first.unit)
     return rdp_filter.FilterSpec.from_json(silo.filter_spec)
 
 
@@ -115,7 +115,7 @@ def _is_empty(running: RunningSum) -> bool:
 
 
 def reading(
-    silo: Silo, running: RunningSum, *, first: np.ndarray | None = None, alive: bool | None = None
+    silo: Silo, running: RunningSum, *, first: rdp_filter.FirstCharge | None = None, alive: bool | None = None
 ) -> rdp_filter.Reading:
     """The proven ε of a running sum of this silo (spent, committed, or a candidate); `first`: the
     curve of the silo's first charge where the sum holds it and the silo is still pending; `alive`:

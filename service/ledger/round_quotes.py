@@ -8,6 +8,7 @@ mechanism is priced once and every candidate is the running sum the gate would h
 
 from __future__ import annotations
 
+from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
@@ -45,7 +46,8 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
 
     first = next((m for m in declared if m is not None), None)
     # A pending silo's filter is the one its first round would fix (gate.pending).
-    first_curve = None if first is None or not gate.pending(silo) else curves[first.model_dump_json()]
+    first_curve = (None if first is None or not gate.pending(silo)
+                   else rdp_filter.FirstCharge(curves[first.model_dump_json()], rdp.training_unit(first)))
 
     def fits(n: int) -> bool:
         return rdp.within_budget(gate.reading(silo, after[n], first=first_curve, alive=alive[n]).epsilon, budget=silo.epsilon)

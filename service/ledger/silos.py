@@ -187,7 +187,7 @@ def retire(db: Database, silo_id: int, *, reason: str) -> int:
         return position.seq
 
 
-def fix_filter(session: Session, silo: Silo, first: np.ndarray, *, now: datetime) -> None:
+def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, now: datetime) -> None:
     """Fixes a pending silo's filter from its first charge's curve (filter.first_charge_spec says why
     that is sound), in a filter entry that covers it, written before the charge's reserve entry in
     the same transaction: a refused first charge fixes nothing. The caller holds the silo's lock."""
@@ -355,7 +355,7 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     unit = (first_steps or steps) / steps  # a pending silo's spent sum is empty: the curve is the run's
 
     def epsilon_of(curve: np.ndarray) -> float:  # the gate's conversion, under the filter it would read
-        spec = fixed if fixed is not None else gate.spec(silo, first=curve * unit)
+        spec = fixed if fixed is not None else gate.spec(silo, first=rdp_filter.FirstCharge(curve * unit))
         return rdp_filter.read(spec, curve, delta=silo.delta).epsilon
 
     try:

@@ -56,7 +56,8 @@ def quote(body: QuoteRequest, caller: PrincipalDep, db: DbDep) -> QuoteResponse:
     answer.epsilon_if_approved = finite_or_none(preview.check.epsilon_if_approved)
     # The silo's own filter on the running sum a charge would leave (on a plan, the gate reads the plan instead).
     answer.epsilon_rdp_proven = finite_or_none(
-        rdp_filter.read(gate.spec(silo, first=priced.curve), preview.check.candidate.curve(), delta=silo.delta).epsilon
+        rdp_filter.read(gate.spec(silo, first=rdp_filter.FirstCharge(priced.curve, rdp.training_unit(priced.mechanism))),
+                        preview.check.candidate.curve(), delta=silo.delta).epsilon
     )
     answer.gated_on = gate.gated_on(silo)
     return answer
