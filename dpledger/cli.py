@@ -132,6 +132,7 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
         from pydantic import ValidationError
         from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+        from dpledger.service.api.ledger_file import LedgerInUse
         from dpledger.service.ledger.errors import LedgerError
 
         try:
@@ -145,7 +146,7 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
             message = f"DATABASE_URL is not a database URL SQLAlchemy understands: {error}"
         except SQLAlchemyError as error:
             message = f"the database (DATABASE_URL) refused: {str(error).splitlines()[0]}"
-        except (StartupError, LedgerError, OSError) as error:
+        except (StartupError, LedgerError, LedgerInUse, OSError) as error:
             message = str(error)
         print(f"dpledger {args.command}: {message}", file=sys.stderr)
         return 2
@@ -167,10 +168,12 @@ def _settings() -> Settings:
 
 @_one_line
 def _serve(args: argparse.Namespace) -> None:
+    from dpledger.service.api.ledger_file import hold_ledger
     from dpledger.service.ledger.db import migrate
     from dpledger.service.serving import serve
 
     settings = _settings()  # first: a settings error is said before anything is logged
+    hold_ledger(settings.database_url)  # before the port: a second server on this ledger is the mistake to name
     _check_port_free(args.host, args.port)
     log_config = logging_config(args.log_format)
     logging.config.dictConfig(log_config)  # the migration's lines too, before uvicorn starts
