@@ -15,20 +15,31 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from matplotlib.figure import Figure
 from sqlalchemy import event
 
+from dpledger.cli import database_url_hint, main
 from dpledger.harness import ServerProcess, free_port
+from dpledger.service import people_cli
 from dpledger.service.api import ledger_file
 from dpledger.service.api.app import create_app
 from dpledger.service.api.errors import disk_full
 from dpledger.service.api.ledger_file import hold_ledger
+from dpledger.service.dashboard import pages, svg
+from dpledger.service.dashboard.numbers import remaining_shown
+from dpledger.service.dashboard.pages import SiloRow
 from dpledger.service.ledger.db import migrate
 from dpledger.service.serving import why_it_died
-from dpledger.service.settings import Settings
-from dpledger.wire.schemas import delta_refusal
+from dpledger.service.settings import Settings, get_settings
+from dpledger.trainer import report
+from dpledger.trainer.loop import JobRun, Refusal, RoundRecord
+from dpledger.trainer.report import DemoSettings, epsilon_panels, plot_epsilon, refusal_point
+from dpledger.wire.enums import Relation
+from dpledger.wire.schemas import SiloSummary, delta_refusal
 from tests.conftest import ADMIN, ADMIN_KEY
 
 DPLEDGER = [sys.executable, "-m", "dpledger.cli"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(("delta", "size"), [(0.01, 674), (1 / 674, 674), (1e-5, 100_000), (0.5, 2)])
@@ -164,3 +175,136 @@ def test_a_replaced_worker_is_said_why() -> None:
     assert why_it_died(-9, timeout=5).startswith("was killed by SIGKILL (by the kernel's out-of-memory killer")
     assert why_it_died(-15, timeout=5) == "was killed by SIGTERM"
     assert why_it_died(3, timeout=5) == "exited with status 3 (its error is logged above)"
+
+
+# --- pictures that do not mislead -------------------------------------------------------------------------------
+
+
+def _run(refused_at: int, *, spent: list[float], would_reach: float | None) -> JobRun:
+    """Two silos, three rounds: silo 0 trains every round, silo 1 is refused at round `refused_at` (from 0)."""
+    rounds = [RoundRecord(round_index=r, approved=[True, r < refused_at], refused=[False, r == refused_at],
+                          epsilon_spent=[spent[r], spent[min(r, refused_at - 1)]], metric=[0.5, 0.5],
+                          update_norms=[1.0, 1.0]) for r in range(3)]
+    refusal = Refusal(round_index=refused_at, budget=2.0, epsilon_spent=spent[refused_at - 1],
+                      epsilon_if_approved=would_reach)
+    return JobRun(job_id="j", rounds=rounds, stopped=[False, True], refusals={1: refusal})
+
+
+def _settings(rounds: int = 3) -> DemoSettings:
+    return DemoSettings(silos=2, rounds=rounds, seed=0, budgets="ladder", epsilons=[8.0, 2.0], delta=1e-5,
+                        noise_multipliers=[1.1, 1.1], calibrated=False, sampling_rates=[0.02, 0.02],
+                        dataset_sizes=[800, 800], batch_size=16, local_steps=10, lr=0.1, clip_norm=1.0, lam=0.01,
+                        mask_probability=0.0, n_classes=10, device="cpu")
+
+
+def test_a_refusal_is_drawn_at_the_epsilon_its_round_would_reach_above_the_budget() -> None:
+    run = _run(2, spent=[0.9, 1.7, 2.4], would_reach=2.45)
+    assert refusal_point(run, 1) == (3, 2.45)  # round 3 (from 1), above the budget 2.0, not at the 1.7 spent
+    assert refusal_point(run, 0) is None
+    beyond = _run(2, spent=[0.9, 1.7, 2.4], would_reach=None)  # the API's null: beyond every RDP order
+    assert refusal_point(beyond, 1) == (3, 2.0)
+
+
+def test_algorithms_that_spend_the_same_epsilon_share_one_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    same = {name: _run(2, spent=[0.9, 1.7, 2.4], would_reach=2.45) for name in ("local", "fedavg", "mrmtl")}
+    panels = epsilon_panels(same, 2)
+    assert [title for title, _ in panels] == ["local, fedavg, mrmtl (the same ε)"]
+    other = {**same, "mrmtl": _run(1, spent=[0.9, 1.7, 2.4], would_reach=2.1)}
+    assert [title for title, _ in epsilon_panels(other, 2)] == ["local, fedavg (the same ε)", "mrmtl"]
+
+    drawn: list[Figure] = []
+    monkeypatch.setattr(report.plt, "close", drawn.append)  # the figure as saved, kept to be read back
+    plot_epsilon(tmp_path / "epsilon.png", same, _settings())
+    assert (tmp_path / "epsilon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (figure,) = drawn
+    (panel,) = [axis for axis in figure.axes if axis.get_title()]  # the colour bar's axis has no title
+    assert panel.get_title() == "local, fedavg, mrmtl (the same ε)"
+    crosses = [line for line in panel.get_lines() if line.get_marker() == "x" and len(line.get_xdata()) == 1]
+    assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in crosses] == [(3, 2.45)]
+    low, high = panel.get_ylim()
+    assert low == 0.0 and high >= 2.45 * 1.08 - 1e-12  # the cross is inside the picture, above the 2.0 budget line
+
+
+@pytest.mark.parametrize(("spent", "state", "colour"), [
+    (0.59 * 4, "fine", "#1e8449"), (0.8 * 4, "near", "#d68910"), (3.9, "near", "#d68910"),
+    (4 - 1.75309e-08, "exhausted", "#c0392b"), (4.0, "exhausted", "#c0392b"), (math.inf, "exhausted", "#c0392b"),
+])
+def test_the_dashboard_bar_separates_fine_near_and_exhausted(spent: float, state: str, colour: str) -> None:
+    drawn = svg.bar(spent=spent, budget=4.0)
+    assert f'data-state="{state}"' in drawn and f'class="bar-spent" width="{round(min(spent / 4, 1.0) * 160.0, 2)}"' in drawn
+    assert f'fill="{colour}"' in drawn
+
+
+def test_an_exhausted_silo_shows_exhausted_not_a_float_residue() -> None:
+    row = SiloRow(id=1, name="clinic-b", epsilon=4.0, delta=1e-5, epsilon_spent=4 - 1.75309e-08,
+                  epsilon_committed=4 - 1.75309e-08, epsilon_remaining=1.75309e-08)
+    shown_row = pages._silo_row(row)
+    assert 'data-epsilon-remaining="1.75309e-08">exhausted</td>' in shown_row and ">1.75309e-08<" not in shown_row
+    assert remaining_shown(remaining=0.5, budget=4.0) == "0.5"
+    live = SiloSummary(id=1, name="b", epsilon=4.0, delta=1e-5, dataset_size=674, relation=Relation.add_remove,
+                       epsilon_spent=4 - 1.75309e-08)
+    assert people_cli.state(live) == "exhausted"
+    assert people_cli.state(live.model_copy(update={"epsilon_spent": 1.0})) == "in service"
+    assert people_cli.state(live.model_copy(update={"retired_seq": 7})) == "retired at entry 7"
+
+
+# --- the smaller frictions --------------------------------------------------------------------------------------
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as ended:
+        main([*argv, "--help"])
+    assert ended.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse's wrapping undone
+
+
+def test_silos_create_help_asks_for_an_admin_key(capsys: pytest.CaptureFixture[str]) -> None:
+    said = _help(["silos", "create"], capsys)
+    assert "DPLEDGER_KEY, which must be an admin key" in said and "a reader's API key" not in said
+    assert "refuses a δ at or above 1/dataset-size" in said
+
+
+def test_the_top_level_help_speaks_to_a_user(capsys: pytest.CaptureFixture[str]) -> None:
+    said = _help([], capsys)
+    for internal in ("worker_cli", "Service commands live here", "never loads torch", "imported only when"):
+        assert internal not in said
+    assert said.count("dpledger: a privacy ledger for cross-silo federated learning.") == 1
+    assert "DPLEDGER_URL" in said and "DATABASE_URL" in said
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["pubkey"], "Prints the Ed25519 public key that signs the ledger's transparency-log heads"),
+    (["audit"], "that the log only grew since the head saved in HEAD_FILE"),
+    (["keys"], "Writes to the database DATABASE_URL names (migrating it first), not over HTTP"),
+    (["keys", "create"], "the database keeps only the key's SHA-256"),
+])
+def test_pubkey_audit_and_keys_say_what_they_do(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert says in _help(argv, capsys)
+
+
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql"])
+def test_a_postgres_url_without_our_driver_gets_the_url_to_write(scheme: str, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DATABASE_URL", f"{scheme}://ledger:s3cret@db.example:5432/ledger")
+    get_settings.cache_clear()
+    try:
+        assert main(["migrate"]) == 2
+    finally:
+        get_settings.cache_clear()
+    said = capsys.readouterr().err
+    assert said == (f"dpledger migrate: DATABASE_URL starts {scheme}://, which names a driver dpledger does not "
+                    "install: write it as postgresql+psycopg://…@db.example:5432/ledger (psycopg 3, the `postgres` "
+                    "extra: pip install 'dpledger[postgres]')\n")
+    assert database_url_hint("postgresql+psycopg://postgres@127.0.0.1:5432/test") is None
+
+
+def test_history_csv_counts_rounds_from_one_and_keeps_the_rest() -> None:
+    page = "seq,job_id,round,hash\r\n1,,,aa\r\n2,job,0,bb\r\n3,\"a,b\",19,cc\r\n"
+    assert people_cli.rounds_from_one(page) == "seq,job_id,round,hash\r\n1,,,aa\r\n2,job,1,bb\r\n3,\"a,b\",20,cc\r\n"
+
+
+def test_the_readme_prose_names_the_ledger_by_its_url_not_port_8000() -> None:
+    readme = (ROOT / "README.md").read_text()
+    tour = readme.split("<!-- --8<-- [start:tour] -->", 1)[1].split("<!-- --8<-- [end:tour] -->", 1)[0]
+    prose = tour.split("```", 2)[2]  # after the block, where PORT may have been set
+    assert "127.0.0.1:8000" not in prose and "`$DPLEDGER_URL/dashboard`" in prose
