@@ -308,3 +308,37 @@ def test_the_readme_prose_names_the_ledger_by_its_url_not_port_8000() -> None:
     tour = readme.split("<!-- --8<-- [start:tour] -->", 1)[1].split("<!-- --8<-- [end:tour] -->", 1)[0]
     prose = tour.split("```", 2)[2]  # after the block, where PORT may have been set
     assert "127.0.0.1:8000" not in prose and "`$DPLEDGER_URL/dashboard`" in prose
+
+
+# --- guides that start with the example -------------------------------------------------------------------------
+
+
+def _before_python_blocks(page: str) -> list[str]:
+    """The paragraph right above each ```python block of a page (its HTML comments left out)."""
+    parts = (ROOT / page).read_text().split("```python\n")[:-1]
+    above = ["\n".join(line for line in part.splitlines() if not line.startswith("<!--")).strip() for part in parts]
+    return [text.rsplit("\n\n", 1)[-1] for text in above]
+
+
+def test_each_silo_example_is_preceded_by_what_it_needs() -> None:
+    plain, opacus = _before_python_blocks("docs/guides/silo.md")[:2]
+    for needs in ("--dataset-size 1797", "DPLEDGER_URL", "DPLEDGER_KEY", "DPLEDGER_SILO"):
+        assert needs in plain
+    assert "`opacus` extra" in opacus and "1,797 records" in opacus
+    assert all(len(p.splitlines()) <= 2 for p in (plain, opacus))  # a two-line preamble, the rest after the block
+
+
+def test_the_consortium_page_opens_with_its_block() -> None:
+    page = (ROOT / "docs" / "guides" / "consortium.md").read_text()
+    before = page.split("<!-- federation-block: begin -->", 1)[0]
+    prose = [line for line in before.splitlines() if line and not line.startswith(("#", "<!--"))]
+    assert len(prose) == 2 and "`flower` extra" in prose[0]
+
+
+def test_the_gate_pages_mathematics_is_rendered_without_any_script() -> None:
+    page = (ROOT / "docs" / "concepts" / "gate.md").read_text()
+    for plain_text in ("α_1", "α_i", "w_i", "w_1", "e^ε", ".."):
+        assert plain_text not in page.split("\n- **Which orders.**", 1)[0], plain_text
+    assert "α<sub>1</sub>, …, α<sub>m</sub>" in page and "δ·w<sub>i</sub>" in page and "e<sup>ε</sup>" in page
+    site = (ROOT / "mkdocs.yml").read_text()
+    assert "extra_javascript" not in site and "mathjax" not in site.lower() and "katex" not in site.lower()
