@@ -342,3 +342,64 @@ def test_the_gate_pages_mathematics_is_rendered_without_any_script() -> None:
     assert "α<sub>1</sub>, …, α<sub>m</sub>" in page and "δ·w<sub>i</sub>" in page and "e<sup>ε</sup>" in page
     site = (ROOT / "mkdocs.yml").read_text()
     assert "extra_javascript" not in site and "mathjax" not in site.lower() and "katex" not in site.lower()
+
+
+class _Child:
+    """A worker process as uvicorn's supervisor sees it: its multiprocessing process and its health check."""
+
+    def __init__(self, pid: int, *, exitcode: int | None = None, answers: bool = True) -> None:
+        self.pid, self.answers, self.killed = pid, answers, False
+        self.process = self
+        self.exitcode = exitcode
+
+    def is_alive(self, timeout: float | None = None) -> bool:
+        running = self.exitcode is None and not self.killed
+        return running and self.answers if timeout is not None else running  # with a timeout: uvicorn's ping too
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            self.killed, self.exitcode = True, -9
+
+    def join(self) -> None:
+        pass
+
+
+def test_the_supervisor_says_why_each_worker_it_replaces_ended(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    from uvicorn.supervisors import multiprocess
+
+    from dpledger.service import serving
+
+    started: list[object] = []
+
+    class Replacement(_Child):
+        def __init__(self, *_: object) -> None:
+            super().__init__(100 + len(started))
+
+        def start(self) -> None:
+            started.append(self)
+
+    monkeypatch.setattr(multiprocess, "Process", Replacement)
+    supervisor = object.__new__(serving._Supervisor)
+    supervisor.should_exit = threading.Event()
+    # The one setting its loop reads (a uvicorn.Config would configure uvicorn's logging, out of caplog's reach).
+    supervisor.config = SimpleNamespace(timeout_worker_healthcheck=60)  # type: ignore[assignment]
+    supervisor.target, supervisor.sockets = None, []  # type: ignore[assignment]
+    healthy, crashed, hung, oom = _Child(11), _Child(12, exitcode=3), _Child(13, answers=False), _Child(14, exitcode=-9)
+    supervisor.processes = [healthy, crashed, hung, oom]  # type: ignore[list-item]
+    with caplog.at_level("INFO", logger="uvicorn.error"):
+        supervisor.keep_subprocess_alive()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("worker process")]
+    assert [r.getMessage() for r in caplog.records if "Child process" in r.getMessage()] == [
+        "Child process [12] died", "Child process [13] died", "Child process [14] died"]  # uvicorn's, after ours
+    assert said == [
+        "worker process [12] exited with status 3 (its error is logged above); starting another",
+        "worker process [13] did not answer the supervisor's health check within 60 s (hung or starved of CPU): "
+        "killed; starting another",
+        "worker process [14] was killed by SIGKILL (by the kernel's out-of-memory killer, or an operator); starting another",
+    ]
+    assert hung.killed and not healthy.killed
+    assert supervisor.processes[0] is healthy and len(started) == 3  # uvicorn's own loop replaced the three
