@@ -134,7 +134,9 @@ def test_a_ledger_file_removed_or_replaced_under_the_server_stops_it_answering(s
 def test_disk_full_is_a_503_that_says_so_and_writes_nothing(sqlite_client) -> None:
     client, database = sqlite_client
     engine = client.app.state.engine  # type: ignore[attr-defined]
-    assert client.post("/v1/silos", json={"name": "first", **SILO}, headers=ADMIN).status_code == 201
+    first = client.post("/v1/silos", json={"name": "first", **SILO, "epsilon": 1000.0}, headers=ADMIN)
+    assert first.status_code == 201
+    silo_headers = {"Authorization": f"Bearer {first.json()['api_key']}"}
     pages = sqlite3.connect(database).execute("PRAGMA page_count").fetchone()[0]
 
     # SQLite's own "database or disk is full" (SQLITE_FULL), as a full disk raises it: no page beyond these.
@@ -153,10 +155,21 @@ def test_disk_full_is_a_503_that_says_so_and_writes_nothing(sqlite_client) -> No
     assert {a.status_code for a in full} == {503}
     assert full[0].json()["detail"].startswith("the ledger's disk is full: nothing of this request was written")
     created = sum(a.status_code == 201 for a in answers)
+    # An approval too (the group commit's path): 503, its charge not reserved.
+    step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
+    charged = []
+    for i in range(40):
+        charged.append(client.post(f"/v1/silos/{first.json()['id']}/charges",
+                                   json={"idempotency_key": f"k{i}", "mechanism": step}, headers=silo_headers))
+        if charged[-1].status_code != 201:
+            break
+    assert charged[-1].status_code == 503 and charged[-1].json()["detail"].startswith("the ledger's disk is full")
     event.remove(engine, "connect", _cap)
     engine.dispose()
-    # Nothing half-written: exactly the silos answered 201, and every chain still recomputes.
+    # Nothing half-written: exactly the silos and charges answered 201, and every chain still recomputes.
     assert len(client.get("/v1/silos", headers=ADMIN).json()) == 1 + created
+    reserved = client.get(f"/v1/silos/{first.json()['id']}/charges", headers=ADMIN).json()
+    assert isinstance(reserved, list) and len(reserved) == sum(c.status_code == 201 for c in charged)
     assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
 
 
