@@ -43,7 +43,10 @@ def served_app() -> FastAPI:
     walk all of them again (SQLAlchemy's, FastAPI's, numpy's, dp-accounting's): ~9% of the server's
     CPU per approval, measured (docs/benchmarks.md). What requests allocate is collected as before."""
     from dpledger.service.api.app import create_app  # in the worker: a supervisor never builds the app
+    from dpledger.service.api.ledger_file import join_ledger
+    from dpledger.service.settings import get_settings
 
+    join_ledger(get_settings().database_url)  # so that a server started after its supervisor died sees it
     app = create_app()
     gc.collect()  # what building it left behind goes now, not frozen for good
     gc.freeze()

@@ -24,7 +24,7 @@ from dpledger.service import people_cli
 from dpledger.service.api import ledger_file
 from dpledger.service.api.app import create_app
 from dpledger.service.api.errors import disk_full
-from dpledger.service.api.ledger_file import hold_ledger
+from dpledger.service.api.ledger_file import LedgerInUse, hold_ledger
 from dpledger.service.dashboard import pages, svg
 from dpledger.service.dashboard.numbers import remaining_shown
 from dpledger.service.dashboard.pages import SiloRow
@@ -416,3 +416,20 @@ def test_the_supervisor_says_why_each_worker_it_replaces_ended(monkeypatch: pyte
     ]
     assert hung.killed and not healthy.killed
     assert supervisor.processes[0] is healthy and len(started) == 3  # uvicorn's own loop replaced the three
+
+
+def test_a_server_does_not_start_beside_workers_its_killed_predecessor_left(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    # A serving process whose supervisor is gone: it holds the workers' shared lock, not the server's.
+    orphan = subprocess.Popen([sys.executable, "-c", "import sys, time; from dpledger.service.api.ledger_file import "
+                               f"join_ledger; join_ledger({url!r}); print('serving', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert orphan.stdout is not None and orphan.stdout.readline() == "serving\n"
+        with pytest.raises(LedgerInUse, match="worker processes of an earlier dpledger server still serve"):
+            hold_ledger(url)
+    finally:
+        orphan.kill()
+        orphan.wait()
+    hold_ledger(url)  # once they are gone
+    ledger_file._held.pop(str(tmp_path / "ledger.db")).close()

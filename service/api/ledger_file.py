@@ -63,11 +63,44 @@ def hold_ledger(database_url: str) -> None:
         lock.close()
         raise LedgerInUse(f"another dpledger server (pid {holder or 'unknown'}) serves {path} (its lock: {lock_path}); "
                           "one server per SQLite ledger: stop it first, or give that one more --workers") from None
+    try:
+        _no_workers_left(path)
+    except LedgerInUse:
+        lock.close()
+        raise
     lock.seek(0)
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     _held[path] = lock
+
+
+def _no_workers_left(path: str) -> None:
+    """Workers outlive a supervisor killed by SIGKILL and go on serving the file (uvicorn's workers are
+    not told that their parent died): each holds a shared lock on `<database>.workers-lock` (join_ledger),
+    so a server that finds it held does not start beside them."""
+    workers_path = f"{path}.workers-lock"
+    with open(workers_path, "a") as workers:
+        try:
+            fcntl.flock(workers.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LedgerInUse(f"worker processes of an earlier dpledger server still serve {path} (its supervisor "
+                              f"ended, they did not): stop them first (`fuser {workers_path}` names them)") from None
+        fcntl.flock(workers.fileno(), fcntl.LOCK_UN)
+
+
+_joined: dict[str, IO[str]] = {}
+
+
+def join_ledger(database_url: str) -> None:
+    """A serving process's shared lock on its SQLite ledger's `<database>.workers-lock`, for as long as it
+    lives: the server that holds the ledger's lock (hold_ledger) started it."""
+    path = sqlite_file(database_url)
+    if path is None or path in _joined:
+        return
+    workers = open(f"{path}.workers-lock", "a")
+    fcntl.flock(workers.fileno(), fcntl.LOCK_SH)  # waits only while a starting server checks for workers left
+    _joined[path] = workers
 
 
 @dataclass(frozen=True)
