@@ -1,5 +1,6 @@
 """The `dpledger` command. Service commands live here; the worker's (demo, train) are in dpledger.worker_cli
 and are imported only when asked for, so the service never loads torch."""
+# (The docstring above is for whoever reads this file; a person running `dpledger --help` reads DESCRIPTION.)
 
 from __future__ import annotations
 
@@ -20,6 +21,28 @@ if TYPE_CHECKING:
     from dpledger.service.settings import Settings
 
 WORKER_COMMANDS = ("demo", "train", "tune")
+
+DESCRIPTION = (
+    "dpledger: a privacy ledger for cross-silo federated learning. Each silo promises its own (ε, δ); the ledger "
+    "approves a training round only while the silo's spent ε stays within it, and lets auditors check what was spent. "
+    "Start with `dpledger demo`; run your own ledger with `dpledger init` and `dpledger serve`."
+)
+EPILOG = (
+    "Commands that talk to a running ledger read DPLEDGER_URL (default http://127.0.0.1:8000) and DPLEDGER_KEY (an API "
+    "key); the server's own commands (serve, migrate, init, keys) read DATABASE_URL (default sqlite:///./dpledger.db). "
+    "`dpledger COMMAND --help` says more."
+)
+# What `--help` says of commands whose arguments another module defines (service/transparency_cli.py).
+DESCRIPTIONS = {
+    "audit": "Checks the ledger as an auditor: the transparency log's signed head, that the log only grew since the "
+    "head saved in HEAD_FILE (a consistency proof; on first use the ledger's signing key is pinned there), every "
+    "leaf against the record it covers, and every silo's ε recomputed from its charges. Exit 0: all hold, and "
+    "HEAD_FILE now holds the new head; exit 1: something failed, each problem on a line (a proof of misbehaviour "
+    "printed in full). Reads DPLEDGER_URL and DPLEDGER_KEY (an auditor's or admin's key).",
+    "pubkey": "Prints the Ed25519 public key that signs the ledger's transparency-log heads, and its key id (--json: "
+    "as the API sends them). Keep it where the ledger cannot edit it, and check receipts against it with "
+    "`dpledger verify --receipts DIR --public-key HEX`. Reads DPLEDGER_URL and DPLEDGER_KEY (any key the ledger knows).",
+}
 
 
 EXIT_CLOSED_PIPE = 128 + 13  # what a shell reports for a process that SIGPIPE ended, as `yes | head` does
@@ -59,7 +82,7 @@ def _silence_stdout() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dpledger", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dpledger", description=DESCRIPTION, epilog=EPILOG)
     commands = parser.add_subparsers(required=True, metavar="command", dest="command")
 
     serve = commands.add_parser("serve", help="migrate the database to head, then serve the API")
@@ -78,11 +101,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     init.set_defaults(run=_init)
 
-    keys = commands.add_parser("keys", help="manage API keys directly in the database")
+    keys = commands.add_parser(
+        "keys", help="create an API key directly in the database (no server needed): an admin, silo, auditor or "
+        "coordinator key",
+        description="Writes to the database DATABASE_URL names (migrating it first), not over HTTP: for the operator "
+        "who holds the database, e.g. a second admin key, or an auditor's. A running server creates keys too: "
+        "POST /v1/keys with an admin key.",
+    )
     key_commands = keys.add_subparsers(required=True, metavar="action")
-    create = key_commands.add_parser("create", help="create a key and print it once")
-    create.add_argument("--role", required=True, choices=["admin", "silo", "auditor", "coordinator"])
-    create.add_argument("--silo-id", type=int)
+    create = key_commands.add_parser(
+        "create", help="create a key and print it once, as JSON (key_id, api_key); only its SHA-256 is stored",
+        description="Prints {\"key_id\": N, \"api_key\": \"…\"} once; the database keeps only the key's SHA-256.",
+    )
+    create.add_argument("--role", required=True, choices=["admin", "silo", "auditor", "coordinator"],
+                        help="admin: everything; silo: its own silo's budget and charges; auditor: reads and "
+                        "verifies every silo, changes nothing; coordinator: a job's norms and groups, no budgets")
+    create.add_argument("--silo-id", type=int, help="with --role silo: the silo the key spends for")
     create.set_defaults(run=_create_key)
 
     openapi = commands.add_parser("openapi", help="write the OpenAPI document generated from the app")
@@ -114,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     wait.set_defaults(run=_wait)
 
     people_cli.add_commands(commands)
+    for name, description in DESCRIPTIONS.items():
+        commands.choices[name].description = description
 
     for name in WORKER_COMMANDS:
         commands.add_parser(name, help=f"the worker's `{name}` (see `dpledger {name} --help`)")
@@ -132,6 +168,7 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
         from pydantic import ValidationError
         from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
+        from dpledger.service.api.ledger_file import LedgerInUse
         from dpledger.service.ledger.errors import LedgerError
 
         try:
@@ -145,7 +182,7 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
             message = f"DATABASE_URL is not a database URL SQLAlchemy understands: {error}"
         except SQLAlchemyError as error:
             message = f"the database (DATABASE_URL) refused: {str(error).splitlines()[0]}"
-        except (StartupError, LedgerError, OSError) as error:
+        except (StartupError, LedgerError, LedgerInUse, OSError) as error:
             message = str(error)
         print(f"dpledger {args.command}: {message}", file=sys.stderr)
         return 2
@@ -162,15 +199,33 @@ def _settings() -> Settings:
     """The service's settings, imported late so that `dpledger --help` stays light."""
     from dpledger.service.settings import get_settings
 
-    return get_settings()
+    settings = get_settings()
+    hint = database_url_hint(settings.database_url)
+    if hint is not None:
+        raise StartupError(hint)
+    return settings
+
+
+def database_url_hint(url: str) -> str | None:
+    """The PostgreSQL URLs other tools write (Heroku's `postgres://`, libpq's `postgresql://`) name a
+    driver dpledger does not install: SQLAlchemy answered "Can't load plugin" or a psycopg2 traceback."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or scheme not in ("postgres", "postgresql"):
+        return None
+    _, at, where = rest.rpartition("@")  # the password is not repeated on the terminal
+    corrected = f"postgresql+psycopg://{'…@' if at else ''}{where}"
+    return (f"DATABASE_URL starts {scheme}://, which names a driver dpledger does not install: write it as "
+            f"{corrected} (psycopg 3, the `postgres` extra: pip install 'dpledger[postgres]')")
 
 
 @_one_line
 def _serve(args: argparse.Namespace) -> None:
+    from dpledger.service.api.ledger_file import hold_ledger
     from dpledger.service.ledger.db import migrate
     from dpledger.service.serving import serve
 
     settings = _settings()  # first: a settings error is said before anything is logged
+    hold_ledger(settings.database_url)  # before the port: a second server on this ledger is the mistake to name
     _check_port_free(args.host, args.port)
     log_config = logging_config(args.log_format)
     logging.config.dictConfig(log_config)  # the migration's lines too, before uvicorn starts

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dpledger.service.dashboard.numbers import budget_state, remaining_shown
 from dpledger.service.safe_text import visible
 from dpledger.wire.client import LedgerClient, Retry
 from dpledger.wire.enums import ChargeStatus
@@ -131,8 +132,10 @@ SILO_HEADER = ("id", "name", "ε budget", "δ", "ε spent", "remaining", "state"
 
 
 def state(silo: SiloSummary) -> str:
-    """Empty for a silo in service (the common case adds nothing to read); a retired one says so."""
-    return "" if silo.retired_seq is None else f"retired at entry {silo.retired_seq}"
+    """in service, exhausted (what remains buys nothing), or retired at its entry: an empty cell read as unknown."""
+    if silo.retired_seq is not None:
+        return f"retired at entry {silo.retired_seq}"
+    return "exhausted" if budget_state(spent=silo.epsilon_spent, budget=silo.epsilon) == "exhausted" else "in service"
 
 
 @_reports_errors
@@ -143,7 +146,8 @@ def silos_list(args: argparse.Namespace) -> int:
         print(as_json(silos))
         return 0
     rows = [
-        (str(s.id), s.name, number(s.epsilon), number(s.delta), number(s.epsilon_spent), number(remaining(s)), state(s))
+        (str(s.id), s.name, number(s.epsilon), number(s.delta), number(s.epsilon_spent),
+         remaining_shown(remaining=remaining(s), budget=s.epsilon), state(s))
         for s in silos
     ]
     print(table(SILO_HEADER, rows))
@@ -236,6 +240,20 @@ def _csv_pages(client: LedgerClient, silo_id: int) -> list[str]:
         after = seqs[-1]
 
 
+def rounds_from_one(page: str) -> str:
+    """The API's CSV with its `round` column counted from 1 (shown_round), as the table above it and
+    every other line a person reads; the rest of each row as the API wrote it."""
+    reader = csv.DictReader(io.StringIO(page, newline=""))
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=list(reader.fieldnames or []))  # the API's writer: csv's defaults too
+    writer.writeheader()
+    for row in reader:
+        if row.get("round"):
+            row["round"] = shown_round(int(row["round"]))
+        writer.writerow(row)
+    return out.getvalue()
+
+
 _TIME: TypeAdapter[datetime] = TypeAdapter(datetime)
 
 
@@ -250,7 +268,8 @@ HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after (the
 def history(args: argparse.Namespace) -> int:
     with ledger() as client:
         if args.csv:
-            first, *rest = [page.splitlines(keepends=True) for page in _csv_pages(client, args.silo_id)]
+            pages = [rounds_from_one(page) for page in _csv_pages(client, args.silo_id)]
+            first, *rest = [page.splitlines(keepends=True) for page in pages]
             sys.stdout.write("".join(first + [line for lines in rest for line in lines[1:]]))  # one header
             return 0
         entries, after = [], 0
@@ -330,18 +349,21 @@ def charges_release(args: argparse.Namespace) -> int:
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Wires the subcommands into `dpledger`'s parser (service/cli.py)."""
     env_note = f"Reads DPLEDGER_URL (default {DEFAULT_URL}) and DPLEDGER_KEY (a reader's API key)."
-    silos = commands.add_parser("silos", help="list or show silos' budgets (over HTTP)", description=env_note)
+    admin_note = (f"Reads DPLEDGER_URL (default {DEFAULT_URL}) and DPLEDGER_KEY, which must be an admin key "
+                  "(`dpledger init` prints the first).")
+    silos = commands.add_parser("silos", help="register, list, show, seal or retire silos (over HTTP)", description=env_note)
     actions = silos.add_subparsers(required=True, metavar="action")
     listing = actions.add_parser("list", help="a table of every silo: budget, δ, ε spent, remaining")
     listing.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
     listing.set_defaults(run=silos_list)
     create = actions.add_parser(
         "create", help="register a silo (admin key) and print its own key once",
-        description=f"{env_note} The silo's key alone goes to stdout, a summary to stderr.",
+        description=f"{admin_note} The silo's key alone goes to stdout, a summary to stderr. The ledger refuses a δ at "
+        "or above 1/dataset-size: it would guarantee nothing.",
     )
     create.add_argument("name")
     create.add_argument("--epsilon", type=float, required=True, help="the silo's ε budget")
-    create.add_argument("--delta", type=float, required=True, help="the silo's δ")
+    create.add_argument("--delta", type=float, required=True, help="the silo's δ, below 1/dataset-size (e.g. 1e-5)")
     create.add_argument("--dataset-size", type=int, required=True, help="records the silo trains on (q = B / this)")
     create.add_argument("--horizon-batch", type=int, metavar="B",
                         help="with --horizon-noise: the DP-SGD batch the silo expects to train with; its filter is "
@@ -355,7 +377,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     show.set_defaults(run=silos_show)
     seal = actions.add_parser(
         "seal", help="accept a tampered silo's record as it stands (admin key), after inspecting it",
-        description=f"{env_note} The ledger refuses every approval on a silo whose record no longer matches the "
+        description=f"{admin_note} The ledger refuses every approval on a silo whose record no longer matches the "
         "entries that cover it. Restore the row if you can; otherwise this writes a `seal` entry to the silo's chain "
         "and to the transparency log, which covers the record from then on (the edit stays visible to auditors).",
     )
@@ -363,7 +385,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     seal.set_defaults(run=silos_seal)
     retire = actions.add_parser(
         "retire", help="retire a mis-registered silo for good (admin key): it approves nothing from then on",
-        description=f"{env_note} A silo registered wrongly (its dataset size, its budget) cannot be edited. This "
+        description=f"{admin_note} A silo registered wrongly (its dataset size, its budget) cannot be edited. This "
         "writes a `retire` entry to its chain and to the transparency log, covering the silo and the reason; every "
         "later charge, search, plan or σ calibration on it is refused (409), while reservations made before are still "
         "committed or released. Nothing is refunded or hidden, and the name stays the retired silo's.",
@@ -375,7 +397,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
     hist = commands.add_parser("history", help="a silo's hash-chained ε history (over HTTP)", description=env_note)
     hist.add_argument("silo_id", type=int, metavar="ID")
-    hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page")
+    hist.add_argument("--csv", action="store_true", help="the API's CSV export, every page, its rounds counted from 1 "
+                      "as everywhere a person reads them (the API's own CSV counts from 0)")
     hist.set_defaults(run=history)
 
     charges = commands.add_parser(

@@ -14,17 +14,27 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import logging
 import os
+import signal
 import socket
+import sys
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
+from dpledger.service.api.ledger_file import LedgerInUse
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 APP = "dpledger.service.serving:served_app"
+supervisor_log = logging.getLogger("uvicorn.error")
+# A child that has not answered the supervisor's health check in this long is killed and replaced.
+# uvicorn's default is 5 s; a child still importing the app on busy cores misses it, and was killed
+# over and over ("Child process [N] died" 15 times, ready after 107 s with --workers 4 under load).
+WORKER_HEALTHCHECK_S = 60
 
 
 def served_app() -> FastAPI:
@@ -33,7 +43,10 @@ def served_app() -> FastAPI:
     walk all of them again (SQLAlchemy's, FastAPI's, numpy's, dp-accounting's): ~9% of the server's
     CPU per approval, measured (docs/benchmarks.md). What requests allocate is collected as before."""
     from dpledger.service.api.app import create_app  # in the worker: a supervisor never builds the app
+    from dpledger.service.api.ledger_file import join_ledger
+    from dpledger.service.settings import get_settings
 
+    join_ledger(get_settings().database_url)  # so that a server started after its supervisor died sees it
     app = create_app()
     gc.collect()  # what building it left behind goes now, not frozen for good
     gc.freeze()
@@ -65,13 +78,55 @@ def share_development_key() -> None:
 
 def serve(*, host: str, port: int, workers: int, **options: Any) -> None:
     """uvicorn.run's own dispatch for an import string, with the listener above."""
+    from dpledger.service.api.ledger_file import hold_ledger
+    from dpledger.service.settings import get_settings
+
+    hold_ledger(get_settings().database_url)  # first: a refused second server writes and logs nothing
     share_development_key()
+    options.setdefault("timeout_worker_healthcheck", WORKER_HEALTHCHECK_S)
     config = _NoDelayConfig(APP, factory=True, host=host, port=port, workers=workers, **options)
     if config.workers > 1:
-        supervisor: Any = Multiprocess  # its signature depends on the installed uvicorn, see _supervisor_args
+        supervisor: Any = _Supervisor  # its signature depends on the installed uvicorn, see _supervisor_args
         supervisor(config, **_supervisor_args(config)).run()
     else:
         uvicorn.Server(config).run()
+
+
+def why_it_died(exitcode: int | None, *, timeout: float) -> str:
+    """What a replaced worker's end was, in words: uvicorn says only "Child process [N] died"."""
+    if exitcode is None:
+        return f"did not answer the supervisor's health check within {timeout:g} s (hung or starved of CPU): killed"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        hint = " (by the kernel's out-of-memory killer, or an operator)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{hint}"
+    return f"exited with status {exitcode}" + (" (its error is logged above)" if exitcode else "")
+
+
+class _Supervisor(Multiprocess):
+    """uvicorn's supervisor, saying why each worker it replaces ended: it logs only "Child process [N]
+    died". Its own loop still replaces them, whatever its version."""
+
+    def keep_subprocess_alive(self) -> None:
+        if not self.should_exit.is_set():
+            timeout = self.config.timeout_worker_healthcheck
+            for process in self.processes:
+                child = process.process
+                if child.is_alive():
+                    if process.is_alive(timeout=timeout):
+                        continue
+                    # Ended here, so that uvicorn's loop below finds it ended and does not ping it again.
+                    process.kill()
+                    process.join()
+                    why = why_it_died(None, timeout=timeout)
+                else:
+                    why = why_it_died(child.exitcode, timeout=timeout)
+                if not self.should_exit.is_set():
+                    supervisor_log.warning(f"worker process [{process.pid}] {why}; starting another")
+        super().keep_subprocess_alive()
 
 
 def _supervisor_args(config: uvicorn.Config) -> dict[str, Any]:
@@ -92,7 +147,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
-    serve(host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
+    try:
+        serve(host=args.host, port=args.port, workers=args.workers, log_level=args.log_level)
+    except LedgerInUse as refused:  # the harness's start: one line too, as `dpledger serve` says it
+        print(f"dpledger serve: {refused}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

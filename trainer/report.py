@@ -169,27 +169,61 @@ def plot_accuracy(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings
             title=f"Accuracy per silo and round: {settings.caption()}")
 
 
+def refusal_point(run: JobRun, k: int) -> tuple[int, float] | None:
+    """Where silo k's refusal is drawn: its round, at the ε that round would have reached (the gate's
+    reading in the 409), which lies above the budget. Drawn at the ε already spent, below the budget
+    line, a refusal looked like a round under budget. None: never refused."""
+    refusal = run.refusals.get(k)
+    if refusal is None:
+        return None
+    if refusal.epsilon_if_approved is not None:
+        return refusal.round_index + 1, refusal.epsilon_if_approved
+    # Beyond the RDP orders (the API's null): at the budget, the least it would have crossed.
+    return refusal.round_index + 1, refusal.budget
+
+
+def _epsilon_trace(run: JobRun, silos: int) -> tuple[object, ...]:
+    """What the ε panel of `run` draws, to tell runs whose panels would be the same picture."""
+    spent = tuple((r.round_index, tuple(r.approved), tuple(r.epsilon_spent)) for r in run.rounds)
+    return spent, tuple(refusal_point(run, k) for k in range(silos))
+
+
+def epsilon_panels(runs: Mapping[str, JobRun], silos: int) -> list[tuple[str, JobRun]]:
+    """One panel per distinct picture, titled by every algorithm it stands for: the algorithms of one
+    demo share the noise and the budgets, so each silo spends the same ε under all of them, and three
+    identical panels only made the reader look for a difference."""
+    panels: dict[tuple[object, ...], tuple[list[str], JobRun]] = {}
+    for algorithm, run in runs.items():
+        panels.setdefault(_epsilon_trace(run, silos), ([], run))[0].append(algorithm)
+    return [(", ".join(names) + (" (the same ε)" if len(names) > 1 else ""), run) for names, run in panels.values()]
+
+
 def plot_epsilon(path: Path, runs: Mapping[str, JobRun], settings: DemoSettings) -> None:
-    """Per algorithm: every silo's ε spent as the ledger answered it (solid) against its budget
-    (dashed, same colour); a silo's line ends, ✕, where the ledger refused its next round."""
+    """Every silo's ε spent as the ledger answered it (solid) against its budget (dashed, same colour);
+    a silo's line ends where the ledger refused its next round, drawn ✕ at the ε that round would have
+    reached, above the budget. One panel for algorithms whose ε is the same (epsilon_panels)."""
     colours, mappable = _budget_colours(settings)
-    figure, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.6), sharey=True, squeeze=False)
-    for axis, (algorithm, run) in zip(axes[0], runs.items(), strict=True):
+    panels = epsilon_panels(runs, settings.silos)
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1.5, 4.6), sharey=True, squeeze=False)
+    top = max(settings.epsilons)
+    for axis, (title, run) in zip(axes[0], panels, strict=True):
         for k, budget in enumerate(settings.epsilons):
             trained = [(r.round_index + 1, r.epsilon_spent[k]) for r in run.rounds if r.approved[k]]
             if trained:
                 axis.plot(*zip(*trained, strict=True), color=colours[k], marker=".", linewidth=1.2)
             axis.axhline(budget, color=colours[k], linestyle="--", linewidth=0.9, alpha=0.9)
-            refusal = run.refusals.get(k)
-            if refusal is not None:
-                last = trained[-1][1] if trained else 0.0
-                axis.plot(refusal.round_index + 1, last, marker="x", color=colours[k], markersize=8)
+            refused = refusal_point(run, k)
+            if refused is not None:
+                last = trained[-1] if trained else (refused[0] - 1, 0.0)
+                axis.plot([last[0], refused[0]], [last[1], refused[1]], color=colours[k], linestyle=":", linewidth=1.0)
+                axis.plot(*refused, marker="x", color=colours[k], markersize=8, markeredgewidth=2)
+                top = max(top, refused[1])
         axis.plot([], [], color="grey", marker=".", label="ε spent (ledger)")
         axis.plot([], [], color="grey", linestyle="--", label="budget ε")
-        axis.plot([], [], color="grey", marker="x", linestyle="none", label="next round refused")
-        axis.set_title(algorithm)
-        axis.set_ylim(0.0, max(settings.epsilons) * 1.08)
+        axis.plot([], [], color="grey", marker="x", linestyle="none", label="refused: the ε that round would reach")
+        axis.set_title(title)
         _round_axis(axis, settings.rounds)
+    axes[0][0].set_ylim(0.0, top * 1.08)
     _finish(figure, axes, mappable, path, ylabel="ε spent at δ, per silo", legend="lower right",
             title=f"ε spent against each silo's own budget: {settings.caption()}")
 

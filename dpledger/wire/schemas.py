@@ -26,6 +26,24 @@ Delta = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False, strict=True, des
 DatasetSize = Annotated[int, Field(ge=1, le=10**12, strict=True)]
 
 
+def delta_refusal(delta: float, dataset_size: int) -> str | None:
+    """Why a silo's δ promises nothing for `dataset_size` records, or None when it can be a guarantee.
+
+    δ ≥ 1/n admits a mechanism that publishes one record, picked at random, in full: it is (0, δ)-DP
+    with δ = 1/n. No override: a silo registered so could only be retired, its people never protected.
+    """
+    if delta * dataset_size < 1:
+        return None
+    return (f"delta={delta:g} is not below 1/dataset_size = 1/{dataset_size} = {1 / dataset_size:.3g}: at that δ, "
+            "publishing one record in full meets the promise, so it guarantees nothing; choose δ well below 1/n "
+            f"(e.g. {_suggested_delta(dataset_size):g})")
+
+
+def _suggested_delta(dataset_size: int) -> float:
+    # The common rule of thumb δ ≪ 1/n: a power of ten at or below 1/(100·n), never above 1e-5.
+    return min(1e-5, 10.0 ** math.floor(math.log10(1 / (100 * dataset_size))))
+
+
 def _no_nul(value: str) -> str:
     # PostgreSQL text cannot hold NUL, so the insert would fail as a 500 there (and pass on SQLite).
     if "\x00" in value:

@@ -12,6 +12,7 @@ from fastapi_offline import FastAPIOffline
 
 from dpledger.service.api import errors, metrics
 from dpledger.service.api.known import Known
+from dpledger.service.api.ledger_file import FileWatch, FileWatchMiddleware, sqlite_file
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.api.routes import (
     audit,
@@ -78,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ledger_keys.ensure_admin_key(db, settings.admin_key)
 
     errors.install(app)
+    _watch_file(app, db, settings.database_url)  # before metrics: its access line and counters see the 503s too
     metrics.install(app)
     for module in (silos, charges, jobs, audit, quote, keys, searches, log, checkpoint, dashboard):
         app.include_router(module.router)
@@ -87,3 +89,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def _watch_file(app: FastAPI, db: Database, url: str) -> None:
+    """A SQLite ledger: the file opened now is the one served, or nothing is (ledger_file.py)."""
+    path = sqlite_file(url)
+    if path is None:
+        return
+    with db.engine.connect():  # SQLite creates the file at its first connection: it exists before it is watched
+        pass
+    app.add_middleware(FileWatchMiddleware, watch=FileWatch.of(path))

@@ -11,7 +11,7 @@ from datetime import datetime
 from html import escape
 
 from dpledger.service.dashboard import svg
-from dpledger.service.dashboard.numbers import exact, shown
+from dpledger.service.dashboard.numbers import exact, remaining_shown, shown
 
 STYLESHEET = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #222; background: #fafafa; }
@@ -188,6 +188,10 @@ def _log(log: LogView) -> str:
 
 
 
+def _remaining(row: SiloRow) -> str:
+    return remaining_shown(remaining=row.epsilon_remaining, budget=row.epsilon)
+
+
 def _silo_row(row: SiloRow) -> str:
     if row.tampered is not None:
         return (
@@ -210,7 +214,7 @@ def _silo_row(row: SiloRow) -> str:
         f'<td class="num" data-delta="{exact(row.delta)}">{shown(row.delta)}</td>'
         f'<td class="num" data-epsilon-spent="{exact(row.epsilon_spent)}">{_epsilon(row.epsilon_spent)}</td>'
         f'<td class="num" data-epsilon-committed="{exact(row.epsilon_committed)}">{_epsilon(row.epsilon_committed)}</td>'
-        f'<td class="num" data-epsilon-remaining="{exact(row.epsilon_remaining)}">{shown(row.epsilon_remaining)}</td>'
+        f'<td class="num" data-epsilon-remaining="{exact(row.epsilon_remaining)}">{_remaining(row)}</td>'
         f"<td>{svg.bar(spent=spent, budget=row.epsilon)}</td>{chain}"
         f'<td class="num" data-refusals="{row.refusals}">{row.refusals}</td></tr>'
     )
@@ -222,7 +226,7 @@ def silo(
     summary = (
         f'<p id="summary" data-silo-id="{row.id}">silo {row.id} · budget ε = {shown(row.epsilon)}, δ = {shown(row.delta)}'
         f" · spent {_epsilon(row.epsilon_spent)} · committed {_epsilon(row.epsilon_committed)}"
-        f" · remaining {shown(row.epsilon_remaining)}</p>"
+        f" · remaining {_remaining(row)}</p>"
         '<p id="reference">ε above is the gate\'s reading: what the ledger charges, proven under adaptive choices. '
         "For reference, dp-accounting's non-adaptive RDP ε of the same spent charges is "
         f'<span data-epsilon-dp-accounting="{exact(row.epsilon_dp_accounting)}">{_epsilon(row.epsilon_dp_accounting)}'

@@ -11,9 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from dpledger.service.dashboard.numbers import exact, shown
+from dpledger.service.dashboard.numbers import budget_state, exact, shown
 
 SPENT_COLOUR = "#c0392b"
+# The bar's colour by how much of the budget is spent (numbers.budget_state): a bar at 59% looked
+# as alarming as an exhausted one when every bar was red.
+STATE_COLOURS = {"fine": "#1e8449", "near": "#d68910", "exhausted": "#c0392b"}
 COMMITTED_COLOUR = "#1f618d"
 BUDGET_COLOUR = "#7f8c8d"
 TRACK_COLOUR = "#e5e8e8"
@@ -24,13 +27,15 @@ def bar(*, spent: float, budget: float, width: int = 160, height: int = 14) -> s
     """The spent share of a budget. An unbounded ε (∞) fills the bar: it is over any budget."""
     share = 1.0 if not math.isfinite(spent) else min(max(spent / budget, 0.0), 1.0)
     fill_width = round(share * width, 2)
+    state = budget_state(spent=spent, budget=budget)
     label = f"{shown(100 * share)}% of the budget spent" if math.isfinite(spent) else "unbounded ε: the whole budget"
+    label += " (exhausted)" if state == "exhausted" and math.isfinite(spent) else ""
     return (
         f'<svg class="bar" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img"'
-        f' data-share="{exact(share)}" aria-label="{escape(label)}">'
+        f' data-share="{exact(share)}" data-state="{state}" aria-label="{escape(label)}">'
         f"<title>{escape(label)}</title>"
         f'<rect width="{width}" height="{height}" fill="{TRACK_COLOUR}"/>'
-        f'<rect class="bar-spent" width="{fill_width}" height="{height}" fill="{SPENT_COLOUR}"/>'
+        f'<rect class="bar-spent" width="{fill_width}" height="{height}" fill="{STATE_COLOURS[state]}"/>'
         "</svg>"
     )
 

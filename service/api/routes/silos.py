@@ -15,6 +15,7 @@ from dpledger.service.accounting.events import resolve
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import gate, jobs, seals, silos
 from dpledger.service.ledger import history as ledger_history
+from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import EntryEvent, Role, Silo
 from dpledger.service.safe_text import safe_cell
 from dpledger.wire.schemas import (
@@ -30,6 +31,7 @@ from dpledger.wire.schemas import (
     SiloDetail,
     SiloRetireRequest,
     SiloSummary,
+    delta_refusal,
     finite_or_none,
 )
 
@@ -52,6 +54,9 @@ def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> Sil
         level = jobs.level_by_name(db, body.level)
         epsilon, delta = level.epsilon, level.delta
     assert epsilon is not None and delta is not None  # the request model guarantees one or the other
+    refused = delta_refusal(delta, body.dataset_size)
+    if refused is not None:  # a level's δ too: the menu's entry may suit larger silos than this one
+        raise InvalidRequest("delta" if body.level is None else "level", refused)
     if body.horizon is not None:  # priced before its curve is computed, as a charge is (cost.py)
         cost.check(resolve(body.horizon, dataset_size=body.dataset_size, path="horizon"), path="horizon")
     silo, api_key = silos.register(
