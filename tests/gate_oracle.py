@@ -3,10 +3,11 @@
 A silo publishes its filter (orders and δ shares) in GET /v1/silos/{id}; its proven ε for a history
 is min over those orders of dp-accounting's RDP → (ε, δ) conversion at that order with δ·share
 (compute_epsilon on one order; the product rounded one ulp down, so that the shares never sum past
-δ). The curves are dp-accounting's, except that a Poisson-sampled Gaussian's fractional orders take
-the certified value where it is lower, as the ledger's do: those values are checked against a
-40-digit integration in tests/service/accounting/test_fractional.py. A silo registered without a
-horizon publishes its filter once its first charge fixed it (first_charge_pairs, for before then).
+δ). A Poisson-sampled Gaussian's curve is the certified upper bound at every order (never dp-accounting's
+float, which can read below the exact value), checked against a 50-digit reference in
+tests/service/accounting/test_soundness.py; the composition and the filter's reading are this file's
+own. A silo registered without a horizon publishes its filter once its first charge fixed it
+(first_charge_pairs, for before then).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from dpledger.service.accounting import fractional
+from dpledger.service.accounting import sampled_gaussian
 
 ORDERS: list[float] = [float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS]
 
@@ -34,12 +35,10 @@ def sampled_gaussian_curve(q: float, sigma: float) -> np.ndarray:
 
 @functools.cache
 def _sampled_gaussian_curve(q: float, sigma: float) -> tuple[float, ...]:
-    curve = np.array(rdp_lib._compute_rdp_poisson_subsampled_gaussian(q, sigma, ORDERS), dtype=float)
-    if 0 < q < 1:
-        for i, alpha in enumerate(ORDERS):
-            if not alpha.is_integer():
-                curve[i] = min(curve[i], fractional.rdp_upper(q=q, sigma=sigma, alpha=alpha))
-    return tuple(curve.tolist())
+    if not 0 < q < 1:
+        return tuple(float(v) for v in rdp_lib._compute_rdp_poisson_subsampled_gaussian(q, sigma, ORDERS))
+    curve, _ = sampled_gaussian.curve_upper(q=q, sigma=sigma, orders=np.array(ORDERS))
+    return tuple(np.maximum(curve, 0.0).tolist())
 
 
 def dpsgd_curve(runs: Iterable[tuple[float, float, int]]) -> np.ndarray:

@@ -24,15 +24,19 @@ def hard_corners(count: int, seed: int) -> list[tuple[float, float, float, int]]
     cases = []
     for _ in range(count):
         u, v = rng.random(), rng.random()
-        q = 1 - 10 ** rng.uniform(-3, -0.5) if u < 0.25 else (10 ** rng.uniform(-7, -5) if u < 0.6 else 10 ** rng.uniform(-4, -0.3))
-        sigma = rng.uniform(0.5, 0.7) if v < 0.35 else (10 ** rng.uniform(np.log10(20), np.log10(300)) if v < 0.7 else rng.uniform(0.7, 5))
+        tiny, mid = 10 ** rng.uniform(-7, -5), 10 ** rng.uniform(-4, -0.3)
+        q = 1 - 10 ** rng.uniform(-3, -0.5) if u < 0.25 else (tiny if u < 0.6 else mid)
+        large = 10 ** rng.uniform(np.log10(20), np.log10(300))
+        sigma = rng.uniform(0.5, 0.7) if v < 0.35 else (large if v < 0.7 else rng.uniform(0.7, 5))
         steps = 1 if rng.random() < 0.5 else int(10 ** rng.uniform(6, 7))
         cases.append((float(q), float(sigma), ORDERS[int(rng.integers(len(ORDERS)))], steps))
     return cases
 
 
 @pytest.mark.parametrize(("q", "sigma", "alpha", "steps"), hard_corners(16, seed=40))
-def test_the_ledgers_curve_is_never_below_the_exact_divergence_and_tight(q: float, sigma: float, alpha: float, steps: int) -> None:
+def test_the_ledgers_curve_is_never_below_the_exact_divergence_and_tight(
+    q: float, sigma: float, alpha: float, steps: int
+) -> None:
     step = rdp._sampled_gaussian(q, sigma, certified=True)
     value = float(rdp.times(steps, step)[ORDERS.index(alpha)])
     exact = exact_rdp(q, sigma, alpha)
@@ -85,5 +89,6 @@ def test_the_issues_quote_states_at_least_the_exact_value_at_its_order() -> None
     spec = rdp_filter.legacy_spec()
     reading = rdp_filter.read(spec, curve, delta=1e-5)
     share = spec.weights[spec.orders.index(reading.order)]
-    exact_at = exact_epsilon(reading.order, 944_762 * exact_rdp(2e-5, 0.6857, reading.order), float(np.nextafter(1e-5 * share, 0)))
+    exact_sum = 944_762 * exact_rdp(2e-5, 0.6857, reading.order)
+    exact_at = exact_epsilon(reading.order, exact_sum, float(np.nextafter(1e-5 * share, 0)))
     assert mp.mpf(reading.epsilon) >= exact_at
