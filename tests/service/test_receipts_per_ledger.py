@@ -101,7 +101,7 @@ def test_several_ledgers_and_silos_in_one_folder_each_key_checks_its_own_and_an_
         assert silo_ids == {int(path.stem.removeprefix("silo-"))}
     assert len(held.receipts) == 2 * (4 + 6)  # a receipt per reserve and per commit
     assert len(held.key_ids()) == 2
-    for n, ledger in enumerate(made):
+    for ledger in made:
         for s, (silo_id, key) in enumerate(ledger.silos):
             code, out = verify(monkeypatch, capsys, ledger, key)
             mine = 2 * (2 + s)
@@ -137,8 +137,7 @@ def test_a_ledger_that_changed_its_key_is_named_to_the_keys_that_hold_its_receip
     ledgers: tuple[list[Ledger], Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
     tmp_path: Path,
 ) -> None:
-    made, folder = ledgers
-    first, second = made
+    (first, second), _ = ledgers
     train(first, first.silos[0], rounds=1, label="a")
     train(second, second.silos[0], rounds=1, label="b")
     # The first ledger restarts with another key (a development ledger does at every restart).
