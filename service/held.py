@@ -31,6 +31,7 @@ from dpledger.wire.schemas import KeyInfo
 class Selection:
     receipts: list[Receipt]
     heads: list[SignedTreeHead]  # held beside them: the newest verified one, other completions
+    budgets: dict[int, float]  # each silo's budget, as the last check that held verified it
     key_id: str  # the ledger's, as pinned
     public_key: str  # hex, as served (or pinned)
     outcome: Outcome = field(default_factory=Outcome)  # what choosing found (a changed key) and said
@@ -85,7 +86,8 @@ def select(get: Get, folder: Path, *, public_key: str | None, silo: int | None, 
         whose = f" of silo {own if own is not None else silo}" if own is not None or silo is not None else ""
         raise people_cli.CliError(f"no receipts of this ledger (key {pinned[:16]}…){whose} in {folder}; "
                                   + "; ".join(out.notes))
-    return Selection(chosen, held.heads.get(pinned, []), pinned, public_key or served.public_key, out)
+    return Selection(chosen, held.heads.get(pinned, []), held.budgets.get(pinned, {}), pinned,
+                     public_key or served.public_key, out)
 
 
 def check(get: Get, folder: Path, *, public_key: str | None, silo: int | None, holder: str, keep: bool = True,
@@ -96,7 +98,8 @@ def check(get: Get, folder: Path, *, public_key: str | None, silo: int | None, h
     out = chosen.outcome
     if not chosen.receipts:
         return out
-    checked = verify_receipts(get, chosen.receipts, public_key=public_key, heads=chosen.heads, **verify)
+    checked = verify_receipts(get, chosen.receipts, public_key=public_key, heads=chosen.heads, budgets=chosen.budgets,
+                              **verify)
     out.problems += checked.problems
     out.notes[:0] = checked.notes
     out.evidence += checked.evidence
@@ -105,7 +108,7 @@ def check(get: Get, folder: Path, *, public_key: str | None, silo: int | None, h
     if keep and out.ok and out.head is not None:
         root = folder if folder.is_dir() else folder.parent
         receipt_store.append(root, out.completions)
-        saved = receipt_store.save_head(root, out.head, chosen.public_key)
+        saved = receipt_store.save_head(root, out.head, chosen.public_key, checked.budgets)
         completed = f", {len(out.completions)} receipts completed" if out.completions else ""
         out.notes.append(f"kept the head of size {out.head.tree_size} in {saved}{completed}")
     return out

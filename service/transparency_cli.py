@@ -21,7 +21,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -72,6 +72,7 @@ class Outcome:
     head: SignedTreeHead | None = None  # the current head, once verified
     unasked: list[str] = field(default_factory=list)  # what could not be asked (exit 2 unless there is a finding)
     completions: list[Receipt] = field(default_factory=list)  # promises found in the log, with their inclusion
+    budgets: dict[int, float] = field(default_factory=dict)  # each silo's ε budget as its signed entries fix it
 
     @property
     def ok(self) -> bool:
@@ -154,7 +155,8 @@ def current_head(get: Get, public_key: bytes, out: Outcome) -> SignedTreeHead | 
 
 
 def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None = None,
-                    clock: Callable[[], float] = time.time, heads: Sequence[SignedTreeHead] = ()) -> Outcome:
+                    clock: Callable[[], float] = time.time, heads: Sequence[SignedTreeHead] = (),
+                    budgets: Mapping[int, float] | None = None) -> Outcome:
     """A silo's check of the receipts it holds (see the module's docstring). About ten requests
     whatever the number of receipts: the silo's leaves in one page, every proof in one batch. A
     receipt that holds only a promise is found in the log by its leaf; while one is missing and its
@@ -162,7 +164,9 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
     still missing from a head signed after its deadline is a broken promise, printed as evidence.
     `heads`: heads held beside the receipts (the newest one verified before, other completions), each
     checked for consistency with today's log like the receipts' own. Each promise found in the log
-    comes back completed (`Outcome.completions`: its index, today's head and the path to it)."""
+    comes back completed (`Outcome.completions`: its index, today's head and the path to it).
+    `budgets`: each silo's budget as this party last verified it; a silo served with another is named,
+    with both numbers (a seal of an edited budget leaves no signed record of the one before)."""
     out = Outcome()
     if not receipts:
         out.problems.append("no receipts to check")
@@ -229,7 +233,8 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
                 pass  # _check_held_entry named it: the signed leaf is not in the current log
     receipted = {index for index in placed.values() if index is not None}
     for silo_id in silo_ids:
-        _check_silo(get, silo_id, leaves[silo_id], inclusion, receipted, current, key, out)
+        _check_silo(get, silo_id, leaves[silo_id], inclusion, receipted, current, key, out,
+                    verified_budget=(budgets or {}).get(silo_id))
     out.notes.append(f"{len(held)} receipts, {len(heads)} distinct heads and {sum(map(len, leaves.values()))} entries "
                      f"of silo {', '.join(map(str, silo_ids))} against the head of size {current.tree_size}")
     return out
@@ -369,7 +374,7 @@ def _when(milliseconds: int) -> str:
 
 
 def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]], receipted: set[int],
-                current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
+                current: SignedTreeHead, public_key: bytes, out: Outcome, *, verified_budget: float | None = None) -> None:
     """The silo's whole history as the signed log holds it (its entries with no receipt too, its create
     entry first): each leaf in the current head, each record its leaf's, and then the ε each entry states,
     the budget and the filter, recomposed from the mechanisms with the service's accounting code.
@@ -417,10 +422,19 @@ def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: d
             "entries": [{"log_index": i, "record": leaf.record, "inclusion_path": [p.hex() for p in inclusion.get(i, [])]}
                         for i, leaf, _ in signed],
         })
-    _compare_served(get, silo_id, composed, out, whole=cut is None)
+    if composed is not None:
+        out.budgets[silo_id] = composed.budget
+    _compare_served(get, silo_id, composed, out, whole=cut is None, before=verified_budget)
 
 
-def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: Outcome, *, whole: bool = True) -> None:
+def budget_went(silo_id: int, before: float | None, now: Any, out: Outcome) -> None:
+    """A silo whose budget is not the one this party last verified: said with both numbers."""
+    if before is not None and now != before:
+        out.problems.append(f"silo {silo_id}: its budget went from ε={before:g}, as last verified, to ε={now} now")
+
+
+def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: Outcome, *, whole: bool = True,
+                    before: float | None = None) -> None:
     """What the ledger serves as the silo's budget, filter and ε now, against its own signed entries
     (its ε only where `whole`: every entry was recomposed; only whether it serves the silo at all
     where nothing was)."""
@@ -435,6 +449,7 @@ def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: O
     if not isinstance(detail, dict):
         out.problems.append(f"silo {silo_id}: the ledger serves the silo as {str(detail)[:60]!r}, not a silo's record")
         return
+    budget_went(silo_id, before, detail.get("epsilon"), out)
     if composed is None:
         return
     name = f"silo {silo_id}"
@@ -488,6 +503,12 @@ def audit(get: Get, held: dict[str, Any] | None) -> Outcome:
     if previous is not None:
         check_extends(get, previous, head, key, out)
     _check_leaves(get, head, out)
+    before = {int(k): v for k, v in (held or {}).get("budgets", {}).items()} if held is not None else {}
+    if before:  # a budget edited and sealed leaves no signed record of the one before: the head file has it
+        served = {s.get("id"): s.get("epsilon") for s in get("/v1/silos", None) if isinstance(s, dict)}
+        for silo_id, budget in sorted(before.items()):
+            if silo_id in served:
+                budget_went(silo_id, budget, served[silo_id], out)
     out.notes.append(f"head of size {head.tree_size}, root {head.root_hash[:16]}…")
     return out
 
@@ -562,8 +583,10 @@ class _Replays:
             next(replay)
         try:
             replay.send(record)
-        except StopIteration:
+        except StopIteration as stop:
             self.ended.add(silo_id)
+            if stop.value is not None:
+                self.out.budgets[silo_id] = stop.value.budget
 
     def halt(self, silo_id: Any, where: str) -> None:
         """Ends `silo_id`'s replay where its record is not what the ledger signed (the entries after it
@@ -896,7 +919,8 @@ def audit_command(args: argparse.Namespace) -> int:
     code = report(out)
     if out.ok and out.head is not None:
         key = held["public_key"] if held is not None else _ask(LedgerClient.log_public_key).public_key
-        args.since.write_text(json.dumps({"public_key": key, "head": out.head.model_dump()}, indent=2) + "\n")
+        args.since.write_text(json.dumps({"public_key": key, "head": out.head.model_dump(),
+                                          "budgets": {str(k): v for k, v in sorted(out.budgets.items())}}, indent=2) + "\n")
         print(f"saved the head of size {out.head.tree_size} to {args.since}")
         try:
             head = out.head

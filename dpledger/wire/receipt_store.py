@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,14 +83,26 @@ def add_holder(root: Path, key_id: str, silo_id: int, holder: str) -> None:
         out.write(line + "\n")
 
 
-def save_head(root: Path, head: SignedTreeHead, public_key: str) -> Path:
-    """Keeps `head` as the newest verified head of its ledger (written whole, then renamed)."""
+def save_head(root: Path, head: SignedTreeHead, public_key: str, budgets: Mapping[int, float] | None = None) -> Path:
+    """Keeps `head` as the newest verified head of its ledger (written whole, then renamed), with each
+    silo's budget as its signed entries fixed it then (kept from before for silos not checked now)."""
     path = ledger_folder(root, head.key_id) / HEAD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    kept = dict(_budgets(path))
+    kept.update(budgets or {})
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps({"public_key": public_key, "head": head.model_dump()}, indent=2) + "\n")
+    temporary.write_text(json.dumps({"public_key": public_key, "head": head.model_dump(),
+                                     "budgets": {str(k): v for k, v in sorted(kept.items())}}, indent=2) + "\n")
     temporary.replace(path)
     return path
+
+
+def _budgets(path: Path) -> dict[int, float]:
+    try:
+        found = json.loads(path.read_text()).get("budgets", {})
+        return {int(k): float(v) for k, v in found.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
 
 
 @dataclass
@@ -101,6 +113,7 @@ class Held:
     receipts: list[Receipt] = field(default_factory=list)
     heads: dict[str, list[SignedTreeHead]] = field(default_factory=dict)  # key id → heads held beside the receipts
     holders: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  # key id → (silo id, fingerprint)
+    budgets: dict[str, dict[int, float]] = field(default_factory=dict)  # key id → silo → budget, as last verified
 
     def key_ids(self) -> set[str]:
         return {key_id_of(r) for r in self.receipts}
@@ -154,6 +167,7 @@ def load(path: Path) -> Held:
             except (ValueError, KeyError, TypeError) as error:
                 raise StoreError(f"{head_file} is not a head that `dpledger verify --receipts` kept: {error}") from None
             held.heads.setdefault(head.key_id, []).append(head)
+            held.budgets.setdefault(head.key_id, {}).update(_budgets(head_file))
         holders = folder / HOLDERS_FILE
         if holders.is_file():
             for line in holders.read_text().splitlines():

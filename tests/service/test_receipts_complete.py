@@ -77,7 +77,7 @@ class World:
 @pytest.fixture
 def world(url: str, tmp_path: Path) -> Iterator[World]:
     key_file = write_key(tmp_path / "log.pem")
-    app = create_app(Settings(database_url=url, admin_key=ADMIN_KEY, signing_key_file=key_file))
+    app = create_app(Settings(database_url=url, admin_key=ADMIN_KEY, signing_key_file=key_file, log_sequence_interval_ms=10))
     http = TestClient(app)
     sites = {}
     for name in ("a", "b"):

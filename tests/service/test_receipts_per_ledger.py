@@ -24,7 +24,7 @@ from dpledger.service import transparency_cli
 from dpledger.service.api.app import create_app
 from dpledger.service.settings import Settings
 from dpledger.wire import receipt_store
-from dpledger.wire.client import LedgerClient
+from dpledger.wire.client import LedgerClient, Retry
 from dpledger.wire.receipts import Receipt, check_receipt
 from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON
 from tests.service.test_transparency import STEP, write_key
@@ -49,7 +49,7 @@ def ledgers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[l
 
         migrate(database)
         app = create_app(Settings(database_url=database, admin_key=ADMIN_KEY,
-                                  signing_key_file=write_key(tmp_path / f"key{n}.pem")))
+                                  signing_key_file=write_key(tmp_path / f"key{n}.pem"), log_sequence_interval_ms=10))
         apps.append(app)
         http = TestClient(app)
         silos = []
