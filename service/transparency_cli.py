@@ -706,6 +706,8 @@ def _replay_entries(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any
             if event == "seal" and subject.get("plan") is not None:
                 plan = plans.Plan.from_json(subject["plan"])
             if event == "create":
+                if entry["epsilon_spent"] != 0:  # nothing is charged yet: a create entry states ε = 0
+                    out.problems.append(f"{name} (create) states ε={entry['epsilon_spent']!r} before any charge")
                 continue
         if event == "filter":
             spec = rdp_filter.FilterSpec.from_json(subject["filter"])
