@@ -458,9 +458,9 @@ def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: O
             out.problems.append(f"{name}: the ledger serves {field_name}={detail.get(field_name)!r}, "
                                 f"but its signed {composed.record_event} entry fixed {signed!r}")
     if composed.spec is not None:
-        served = detail.get("filter") or {}
-        served = served if isinstance(served, dict) else {}
-        shown = [served.get(k) if isinstance(served.get(k), list) else [] for k in ("orders", "weights")]
+        found = detail.get("filter") or {}
+        served: dict[str, Any] = found if isinstance(found, dict) else {}
+        shown: list[list[Any]] = [v if isinstance(v := served.get(k), list) else [] for k in ("orders", "weights")]
         if (tuple(shown[0]), tuple(shown[1])) != (composed.spec.orders, composed.spec.weights):
             out.problems.append(f"{name}: the ledger serves a filter other than the one its signed "
                                 f"{composed.record_event} entry fixed (orders {served.get('orders')} "
@@ -505,10 +505,11 @@ def audit(get: Get, held: dict[str, Any] | None) -> Outcome:
     _check_leaves(get, head, out)
     before = {int(k): v for k, v in (held or {}).get("budgets", {}).items()} if held is not None else {}
     if before:  # a budget edited and sealed leaves no signed record of the one before: the head file has it
-        served = {s.get("id"): s.get("epsilon") for s in get("/v1/silos", None) if isinstance(s, dict)}
+        listed = get("/v1/silos", None)
+        budgets_now = {s.get("id"): s.get("epsilon") for s in listed if isinstance(s, dict)} if isinstance(listed, list) else {}
         for silo_id, budget in sorted(before.items()):
-            if silo_id in served:
-                budget_went(silo_id, budget, served[silo_id], out)
+            if silo_id in budgets_now:
+                budget_went(silo_id, budget, budgets_now[silo_id], out)
     out.notes.append(f"head of size {head.tree_size}, root {head.root_hash[:16]}…")
     return out
 

@@ -253,6 +253,10 @@ class LedgerClient:
 
     def close(self) -> None:
         try:
+            if self.receipts_dir is not None:  # and what earlier clients of these silos left pending
+                for key, silo_id in self._holding:
+                    for receipt in receipt_store.uncompleted_tail(self.receipts_dir, key, silo_id):
+                        self._pending.setdefault(receipt.leaf_hash, (receipt, 0.0))
             self.complete_pending()
         finally:
             if self._owns_http:

@@ -72,6 +72,34 @@ def append(root: Path, receipts: Iterable[Receipt]) -> None:
             out.write("".join(text))
 
 
+TAIL_BYTES = 64 * 1024  # how far back a client looks for promises an earlier client left uncompleted
+
+
+def uncompleted_tail(root: Path, key_id: str, silo_id: int) -> list[Receipt]:
+    """The promises in the last TAIL_BYTES of the silo's file that no later line completes: what an
+    earlier client (a Flower round's, closed before the sequencer logged its commit) left pending.
+    A completion is always appended after its promise, so the tail alone decides."""
+    path = silo_file(root, key_id, silo_id)
+    try:
+        with path.open("rb") as file:
+            start = max(0, path.stat().st_size - TAIL_BYTES)
+            file.seek(start)
+            lines = file.read().decode(errors="replace").splitlines()[1 if start else 0:]  # a first line cut short
+    except OSError:
+        return []
+    pending: dict[str, Receipt] = {}
+    for line in lines:
+        try:
+            receipt = Receipt.model_validate_json(line)
+        except ValidationError:
+            continue
+        if receipt.included:
+            pending.pop(receipt.leaf_hash, None)
+        else:
+            pending[receipt.leaf_hash] = receipt
+    return list(pending.values())
+
+
 def add_holder(root: Path, key_id: str, silo_id: int, holder: str) -> None:
     """Notes that the API key with this fingerprint received receipts of `silo_id` under `key_id`."""
     path = ledger_folder(root, key_id) / HOLDERS_FILE

@@ -76,6 +76,16 @@ class World:
 
 @pytest.fixture
 def world(url: str, tmp_path: Path) -> Iterator[World]:
+    yield from make_world(url, tmp_path)
+
+
+@pytest.fixture
+def any_world(database_url: str, tmp_path: Path) -> Iterator[World]:
+    """On SQLite, and on PostgreSQL where DPLEDGER_TEST_POSTGRES_URL is set."""
+    yield from make_world(database_url, tmp_path)
+
+
+def make_world(url: str, tmp_path: Path) -> Iterator[World]:
     key_file = write_key(tmp_path / "log.pem")
     app = create_app(Settings(database_url=url, admin_key=ADMIN_KEY, signing_key_file=key_file, log_sequence_interval_ms=10))
     http = TestClient(app)
@@ -127,7 +137,8 @@ def indices_of(url: str, silo_id: int) -> list[int]:
     return found
 
 
-def test_two_silos_entries_swapped_in_a_rebuilt_and_resigned_log_are_found_by_each_silo_alone(world: World) -> None:
+def test_two_silos_entries_swapped_in_a_rebuilt_and_resigned_log_are_found_by_each_silo_alone(any_world: World) -> None:
+    world = any_world
     world.train("a", 2, "a")
     world.train("b", 2, "b")
     world.train("a", 1, "a-late")
@@ -156,7 +167,8 @@ def test_two_silos_entries_swapped_in_a_rebuilt_and_resigned_log_are_found_by_ea
         assert world.http.get("/v1/log/head", headers=ADMIN).json()["root_hash"] not in heads
 
 
-def test_a_naive_edit_of_a_committed_charge_is_found_and_no_proof_rests_on_the_edited_records(world: World) -> None:
+def test_a_naive_edit_of_a_committed_charge_is_found_and_no_proof_rests_on_the_edited_records(any_world: World) -> None:
+    world = any_world
     world.train("b", 3, "b")
     assert world.check("b").ok
     engine = create_engine(world.url)
@@ -213,3 +225,18 @@ def test_a_log_restored_from_a_backup_and_grown_again_breaks_a_promise_with_a_pr
     out = world.check("a")
     assert any(p.startswith("BROKEN PROMISE:") for p in out.problems), out.problems
     assert "broken promise" in [check_proof(evidence) for evidence in out.evidence]
+
+
+def test_a_promise_an_earlier_client_left_pending_is_completed_by_the_next_one(world: World) -> None:
+    """A Flower round's client closes right after its commit, before the sequencer logs it; the next
+    round's client completes it (it reads the tail of the silo's file at close)."""
+    site = world.sites["a"]
+    answer = world.http.post(f"/v1/silos/{site.silo_id}/charges", headers={"Authorization": f"Bearer {site.key}"},
+                             json={"mechanism": STEP, "idempotency_key": "earlier"}).json()
+    from dpledger.wire.receipts import Receipt
+
+    receipt_store.append(site.folder, [Receipt(**answer["receipt"])])
+    assert [r.included for r in receipt_store.load(site.folder).receipts] == [False]
+    world.train("a", 1, "next")
+    kept = receipt_store.load(site.folder).receipts
+    assert len(kept) == 3 and kept[0].leaf_hash == answer["receipt"]["leaf_hash"] and kept[0].included

@@ -62,7 +62,8 @@ def ledgers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[l
     # `dpledger`'s client, pointed at the in-process apps by URL.
     by_url = {ledger.url: ledger.http for ledger in made}
     monkeypatch.setattr(transparency_cli, "_client",
-                        lambda url, key: LedgerClient(url, key, http=by_url[url], receipts=False))
+                        lambda url, key: LedgerClient(url, key, http=by_url[url], receipts=False,
+                                                             retry=Retry(window=0)))
     yield made, folder
     for app in apps:
         app.state.engine.dispose()
