@@ -19,8 +19,9 @@ import argparse
 import functools
 import json
 import math
+import sys
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -69,10 +70,13 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     evidence: list[dict[str, Any]] = field(default_factory=list)  # proofs of misbehaviour, as printed
     head: SignedTreeHead | None = None  # the current head, once verified
+    unasked: list[str] = field(default_factory=list)  # what could not be asked (exit 2 unless there is a finding)
+    completions: list[Receipt] = field(default_factory=list)  # promises found in the log, with their inclusion
+    budgets: dict[int, float] = field(default_factory=dict)  # each silo's ε budget as its signed entries fix it
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unasked
 
     def fork(self, a: SignedTreeHead, b: SignedTreeHead, public_key: bytes, why: str) -> None:
         self.problems.append(why)
@@ -151,12 +155,18 @@ def current_head(get: Get, public_key: bytes, out: Outcome) -> SignedTreeHead | 
 
 
 def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None = None,
-                    clock: Callable[[], float] = time.time) -> Outcome:
+                    clock: Callable[[], float] = time.time, heads: Sequence[SignedTreeHead] = (),
+                    budgets: Mapping[int, float] | None = None) -> Outcome:
     """A silo's check of the receipts it holds (see the module's docstring). About ten requests
     whatever the number of receipts: the silo's leaves in one page, every proof in one batch. A
     receipt that holds only a promise is found in the log by its leaf; while one is missing and its
     deadline is ahead, the log is read again (every `WAIT_S`, never past the latest deadline); one
-    still missing from a head signed after its deadline is a broken promise, printed as evidence."""
+    still missing from a head signed after its deadline is a broken promise, printed as evidence.
+    `heads`: heads held beside the receipts (the newest one verified before, other completions), each
+    checked for consistency with today's log like the receipts' own. Each promise found in the log
+    comes back completed (`Outcome.completions`: its index, today's head and the path to it).
+    `budgets`: each silo's budget as this party last verified it; a silo served with another is named,
+    with both numbers (a seal of an edited budget leaves no signed record of the one before)."""
     out = Outcome()
     if not receipts:
         out.problems.append("no receipts to check")
@@ -175,12 +185,17 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
         except HeadError as error:
             out.problems.append(f"receipt of silo {r.silo_id} entry {r.seq}: {error}")
     by_size: dict[int, SignedTreeHead] = {}
-    for r in held:
-        if r.tree_head is None:
-            continue
-        earlier = by_size.setdefault(r.tree_head.tree_size, r.tree_head)
-        if earlier.root_hash != r.tree_head.root_hash:
-            out.fork(earlier, r.tree_head, key, f"FORK: two signed heads of size {earlier.tree_size} with different roots")
+    kept_heads = []
+    for head in heads:
+        try:
+            verify_head(head, key)
+            kept_heads.append(head)
+        except HeadError as error:
+            out.problems.append(f"a head held beside the receipts: {error}")
+    for head in [r.tree_head for r in held if r.tree_head is not None] + kept_heads:
+        earlier = by_size.setdefault(head.tree_size, head)
+        if earlier.root_hash != head.root_hash:
+            out.fork(earlier, head, key, f"FORK: two signed heads of size {earlier.tree_size} with different roots")
     silo_ids = sorted({r.silo_id for r in held})
     while True:
         checking = Outcome()
@@ -206,10 +221,20 @@ def verify_receipts(get: Get, receipts: list[Receipt], *, public_key: str | None
         asked_past += check_extends(get, head, current, key, out, proof=consistency.get(head.tree_size),
                                     ask_past=asked_past < MAX_PAST_HEADS)
     for r in held:
-        _check_held_entry(r, placed[id(r)], leaves[r.silo_id], inclusion, current, key, out)
+        _check_held_entry(get, r, placed[id(r)], leaves[r.silo_id], inclusion, current, key, out)
+        index = placed[id(r)]
+        if not r.included and index is not None and index < current.tree_size and index in inclusion:
+            done = r.model_copy(update={"log_index": index, "tree_head": current,
+                                        "inclusion_path": [p.hex() for p in inclusion[index]]})
+            try:
+                check_receipt(done, key)
+                out.completions.append(done)
+            except HeadError:
+                pass  # _check_held_entry named it: the signed leaf is not in the current log
     receipted = {index for index in placed.values() if index is not None}
     for silo_id in silo_ids:
-        _check_silo(get, silo_id, leaves[silo_id], inclusion, receipted, current, key, out)
+        _check_silo(get, silo_id, leaves[silo_id], inclusion, receipted, current, key, out,
+                    verified_budget=(budgets or {}).get(silo_id))
     out.notes.append(f"{len(held)} receipts, {len(heads)} distinct heads and {sum(map(len, leaves.values()))} entries "
                      f"of silo {', '.join(map(str, silo_ids))} against the head of size {current.tree_size}")
     return out
@@ -224,17 +249,13 @@ def _key_ids(r: Receipt) -> set[str]:
 
 def _place(r: Receipt, leaves: dict[int, LogLeaf]) -> int | None:
     """The log index of a receipt's entry: the one it names, else the silo's leaf with its leaf hash,
-    else the leaf whose record is its entry (edited since: checked below), else None (not in the log)."""
+    else None (its leaf is not in the log: a promise broken once its deadline passed, even where
+    another leaf now stands for the same entry, as in a log that was cut and grew again)."""
     if r.log_index is not None:
         return r.log_index
     for index, leaf in leaves.items():
         if leaf.leaf_hash == r.leaf_hash:
             return index
-    for index, leaf in leaves.items():
-        if leaf.record is not None:
-            entry = json.loads(leaf.record)["entry"]
-            if (entry["silo_id"], entry["seq"]) == (r.silo_id, r.seq):
-                return index
     return None
 
 
@@ -267,20 +288,28 @@ def _proofs(get: Get, size: int, indices: list[int], firsts: list[int]) -> tuple
     return inclusion, consistency
 
 
-def _check_held_entry(r: Receipt, index: int | None, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]],
-                      current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
+def _check_held_entry(get: Get, r: Receipt, index: int | None, leaves: dict[int, LogLeaf],
+                      inclusion: dict[int, list[bytes]], current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
     if index is None:  # a promise only, and no leaf of its entry in the log
         assert r.promise is not None  # a receipt without inclusion carries a promise (Receipt's validator)
         name = f"silo {r.silo_id} entry {r.seq} (leaf {r.leaf_hash[:16]}…)"
+        standing = next((i for i, leaf in leaves.items() if _names(leaf, r.silo_id, r.seq)), None)
+        instead = "" if standing is None else f"; log index {standing} now holds another leaf for that entry"
         if r.promise.deadline <= current.timestamp:
             why = (f"BROKEN PROMISE: {name} was promised in the log by {_when(r.promise.deadline)}; the head of size "
-                   f"{current.tree_size} signed at {_when(current.timestamp)} does not hold it")
+                   f"{current.tree_size} signed at {_when(current.timestamp)} does not hold it{instead}")
             out.problems.append(why)
-            out.evidence.append({"misbehaviour": why, "public_key": public_key.hex(), "promise": r.promise.model_dump(),
-                                 "head": current.model_dump()})
+            evidence: dict[str, Any] = {"misbehaviour": why, "public_key": public_key.hex(),
+                                        "promise": r.promise.model_dump(), "head": current.model_dump()}
+            every = _head_leaves(get, current)
+            if every is not None:  # the head's every leaf: anyone recomputes its root and sees the promised one absent
+                evidence["leaf_hashes"] = every
+            out.problems.extend([] if every is not None else [
+                f"{name}: the log's leaves do not make the root of the head of size {current.tree_size}"])
+            out.evidence.append(evidence)
         else:
             out.problems.append(f"{name}: not in the log yet, though promised by {_when(r.promise.deadline)} "
-                                "(check again after it)")
+                                f"(check again after it){instead}")
         return
     name = f"silo {r.silo_id} entry {r.seq} (log index {index})"
     if index >= current.tree_size:
@@ -290,9 +319,12 @@ def _check_held_entry(r: Receipt, index: int | None, leaves: dict[int, LogLeaf],
     if leaf is None or leaf.record is None:
         out.problems.append(f"{name}: the leaf at that index is no longer this silo's entry")
         return
-    entry = json.loads(leaf.record)["entry"]
-    if (entry["silo_id"], entry["seq"]) != (r.silo_id, r.seq):
-        out.problems.append(f"{name}: the leaf at that index is now silo {entry['silo_id']} entry {entry['seq']}")
+    record = parse_record(leaf.record)
+    if record is None:
+        out.problems.append(f"{name}: the ledger serves a record for it that is not an entry's ({leaf.record[:60]!r}…)")
+    elif (record["entry"].get("silo_id"), record["entry"].get("seq")) != (r.silo_id, r.seq):
+        entry = record["entry"]
+        out.problems.append(f"{name}: the leaf at that index is now silo {entry.get('silo_id')} entry {entry.get('seq')}")
     if record_leaf_hash(leaf.record) != r.leaf_hash:
         out.problems.append(f"{name}: the entry now reads differently from what the ledger signed "
                             f"(its record hashes to {record_leaf_hash(leaf.record)[:16]}…, the receipt says {r.leaf_hash[:16]}…)")
@@ -303,31 +335,84 @@ def _check_held_entry(r: Receipt, index: int | None, leaves: dict[int, LogLeaf],
         out.problems.append(f"{name}: the signed leaf is not in the current log: {error}")
 
 
+def parse_record(text: str | None) -> dict[str, Any] | None:
+    """A leaf's record as JSON with an `entry` and a `subject` object, or None: a record the ledger
+    serves is data to check, never trusted to be well formed."""
+    if text is None:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("entry"), dict) or not isinstance(record.get("subject"), dict):
+        return None
+    return record
+
+
+def _names(leaf: LogLeaf, silo_id: int, seq: int) -> bool:
+    """Whether the leaf's record (where the caller may read it) is this silo's entry `seq`."""
+    record = parse_record(leaf.record)
+    return record is not None and (record["entry"].get("silo_id"), record["entry"].get("seq")) == (silo_id, seq)
+
+
+MAX_PROOF_LEAVES = 20_000  # a broken promise's proof lists the head's leaves up to this size (1.3 MB of hex)
+
+
+def _head_leaves(get: Get, head: SignedTreeHead) -> list[str] | None:
+    """Every leaf hash of the tree `head` signs, checked to make its root; [] past MAX_PROOF_LEAVES
+    (the proof then names the head only: anyone reads its leaves from the log), None if they do not."""
+    if head.tree_size > MAX_PROOF_LEAVES:
+        return []
+    hashes = [leaf.leaf_hash for page in _pages(get, head.tree_size) for leaf in page if leaf.log_index < head.tree_size]
+    if merkle.root(_hex(hashes)).hex() != head.root_hash:
+        return None
+    return hashes
+
+
 def _when(milliseconds: int) -> str:
     return datetime.fromtimestamp(milliseconds / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: dict[int, list[bytes]], receipted: set[int],
-                current: SignedTreeHead, public_key: bytes, out: Outcome) -> None:
+                current: SignedTreeHead, public_key: bytes, out: Outcome, *, verified_budget: float | None = None) -> None:
     """The silo's whole history as the signed log holds it (its entries with no receipt too, its create
     entry first): each leaf in the current head, each record its leaf's, and then the ε each entry states,
-    the budget and the filter, recomposed from the mechanisms with the service's accounting code."""
-    records = []
+    the budget and the filter, recomposed from the mechanisms with the service's accounting code.
+
+    Only signed data is recomposed: the records that hash to their leaves, in the current head, up to
+    the first that does not (an edited record says nothing the ledger signed, and every ε after it
+    depends on it). So what the replay finds is a proof: those entries, their paths and the head."""
+    signed: list[tuple[int, LogLeaf, dict[str, Any]]] = []
+    cut: int | None = None  # the first log index whose record is not what the ledger signed
     for index, leaf in sorted(leaves.items()):
         if leaf.record is None:
             continue
-        if index not in receipted:  # a receipt's entry is named above, by what it signed
-            if record_leaf_hash(leaf.record) != leaf.leaf_hash:
-                out.problems.append(f"silo {silo_id} log index {index}: its entry no longer matches its leaf "
-                                    "(edited after it was logged)")
-            try:
-                merkle.verify_inclusion(index=index, size=current.tree_size, leaf=bytes.fromhex(leaf.leaf_hash),
-                                        path=inclusion.get(index, []), root_hash=bytes.fromhex(current.root_hash))
-            except merkle.ProofError as error:
+        matches = record_leaf_hash(leaf.record) == leaf.leaf_hash
+        try:
+            merkle.verify_inclusion(index=index, size=current.tree_size, leaf=bytes.fromhex(leaf.leaf_hash),
+                                    path=inclusion.get(index, []), root_hash=bytes.fromhex(current.root_hash))
+            in_head = True
+        except merkle.ProofError as error:
+            in_head = False
+            if index not in receipted:  # a receipt's entry is named above, by what it signed
                 out.problems.append(f"silo {silo_id} log index {index}: its leaf is not in the current log: {error}")
-        records.append(json.loads(leaf.record))
+        if not matches and index not in receipted:
+            out.problems.append(f"silo {silo_id} log index {index}: its entry no longer matches its leaf "
+                                "(edited after it was logged)")
+        record = parse_record(leaf.record)
+        if record is None and matches:
+            out.problems.append(f"silo {silo_id} log index {index}: the ledger signed a record that is not an entry "
+                                f"({leaf.record[:60]!r}…)")
+        if cut is None and matches and in_head and record is not None:
+            signed.append((index, leaf, record))
+        elif cut is None:
+            cut = index
+    if cut is not None:
+        out.notes.append(f"silo {silo_id}: its ε is recomposed from its signed entries before log index {cut} only: "
+                         "the record served there is not what the ledger signed")
     before = len(out.problems)
-    composed = _compose_silo(silo_id, records, out)
+    # Nothing signed before the first edited record (its create entry was edited): nothing to recompose.
+    composed = _compose_silo(silo_id, [record for _, _, record in signed], out) if signed or cut is None else None
     if len(out.problems) > before:
         # The ledger signed these entries (each in the head below, by its path): anyone with the key and
         # dp-accounting can recompose them and see that what they state is not what they compose to.
@@ -335,18 +420,37 @@ def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: d
             "misbehaviour": f"silo {silo_id}: " + "; ".join(out.problems[before:before + 3]),
             "public_key": public_key.hex(), "head": current.model_dump(),
             "entries": [{"log_index": i, "record": leaf.record, "inclusion_path": [p.hex() for p in inclusion.get(i, [])]}
-                        for i, leaf in sorted(leaves.items()) if leaf.record is not None],
+                        for i, leaf, _ in signed],
         })
     if composed is not None:
-        _compare_served(get, silo_id, composed, out)
+        out.budgets[silo_id] = composed.budget
+    _compare_served(get, silo_id, composed, out, whole=cut is None, before=verified_budget)
 
 
-def _compare_served(get: Get, silo_id: int, composed: Composition, out: Outcome) -> None:
-    """What the ledger serves as the silo's budget, filter and ε now, against its own signed entries."""
+def budget_went(silo_id: int, before: float | None, now: Any, out: Outcome) -> None:
+    """A silo whose budget is not the one this party last verified: said with both numbers."""
+    if before is not None and now != before:
+        out.problems.append(f"silo {silo_id}: its budget went from ε={before:g}, as last verified, to ε={now} now")
+
+
+def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: Outcome, *, whole: bool = True,
+                    before: float | None = None) -> None:
+    """What the ledger serves as the silo's budget, filter and ε now, against its own signed entries
+    (its ε only where `whole`: every entry was recomposed; only whether it serves the silo at all
+    where nothing was)."""
     try:
         detail = get(f"/v1/silos/{silo_id}", None)
     except RefusedError as error:  # a tampered record is refused by name (409): a finding, not a failure to ask
         out.problems.append(f"silo {silo_id}: the ledger refuses to serve the silo: {error}")
+        return
+    except people_cli.CliError as error:  # could not ask about this silo: the others are still checked
+        out.unasked.append(f"silo {silo_id}: {error}")
+        return
+    if not isinstance(detail, dict):
+        out.problems.append(f"silo {silo_id}: the ledger serves the silo as {str(detail)[:60]!r}, not a silo's record")
+        return
+    budget_went(silo_id, before, detail.get("epsilon"), out)
+    if composed is None:
         return
     name = f"silo {silo_id}"
     for field_name, signed in (("epsilon", composed.budget), ("delta", composed.delta)):
@@ -354,15 +458,23 @@ def _compare_served(get: Get, silo_id: int, composed: Composition, out: Outcome)
             out.problems.append(f"{name}: the ledger serves {field_name}={detail.get(field_name)!r}, "
                                 f"but its signed {composed.record_event} entry fixed {signed!r}")
     if composed.spec is not None:
-        served = detail.get("filter") or {}
-        if (tuple(served.get("orders", ())), tuple(served.get("weights", ()))) != (composed.spec.orders, composed.spec.weights):
+        found = detail.get("filter") or {}
+        served: dict[str, Any] = found if isinstance(found, dict) else {}
+        shown: list[list[Any]] = [v if isinstance(v := served.get(k), list) else [] for k in ("orders", "weights")]
+        if (tuple(shown[0]), tuple(shown[1])) != (composed.spec.orders, composed.spec.weights):
             out.problems.append(f"{name}: the ledger serves a filter other than the one its signed "
                                 f"{composed.record_event} entry fixed (orders {served.get('orders')} "
                                 f"weights {served.get('weights')})")
     if composed.retired_seq is not None and detail.get("retired_seq") != composed.retired_seq:
         out.problems.append(f"{name}: its signed entry {composed.retired_seq} retired it, but the ledger serves it "
                             f"with retired_seq={detail.get('retired_seq')!r}")
-    stated = math.inf if detail.get("epsilon_spent") is None else float(detail["epsilon_spent"])
+    if not whole:
+        return
+    try:
+        stated = math.inf if detail.get("epsilon_spent") is None else float(detail["epsilon_spent"])
+    except (TypeError, ValueError):
+        out.problems.append(f"{name}: the ledger serves ε spent as {detail.get('epsilon_spent')!r}, not a number")
+        return
     if not _same_epsilon(stated, composed.epsilon):
         out.problems.append(f"{name}: the ledger says ε={stated:.6g} is spent now, but the mechanisms of its "
                             f"signed entries compose to ε={composed.epsilon:.6g}")
@@ -391,6 +503,13 @@ def audit(get: Get, held: dict[str, Any] | None) -> Outcome:
     if previous is not None:
         check_extends(get, previous, head, key, out)
     _check_leaves(get, head, out)
+    before = {int(k): v for k, v in (held or {}).get("budgets", {}).items()} if held is not None else {}
+    if before:  # a budget edited and sealed leaves no signed record of the one before: the head file has it
+        listed = get("/v1/silos", None)
+        budgets_now = {s.get("id"): s.get("epsilon") for s in listed if isinstance(s, dict)} if isinstance(listed, list) else {}
+        for silo_id, budget in sorted(before.items()):
+            if silo_id in budgets_now:
+                budget_went(silo_id, budget, budgets_now[silo_id], out)
     out.notes.append(f"head of size {head.tree_size}, root {head.root_hash[:16]}…")
     return out
 
@@ -407,11 +526,19 @@ def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> None:
             if leaf.record is None:
                 out.problems.append(f"log index {leaf.log_index}: no entry behind the leaf (it was deleted)")
                 continue
+            record = parse_record(leaf.record)
+            silo_id = record["entry"].get("silo_id") if record is not None else None
             if record_leaf_hash(leaf.record) != leaf.leaf_hash:
                 out.problems.append(f"log index {leaf.log_index}: the entry no longer matches its leaf "
                                     "(edited after it was logged)")
-            record = json.loads(leaf.record)
-            replays.feed(record, record["entry"]["silo_id"])
+                # Not what the ledger signed: that silo is recomposed up to here only (signed data alone).
+                replays.halt(silo_id, f"log index {leaf.log_index}")
+                continue
+            if record is None or not isinstance(silo_id, int):
+                out.problems.append(f"log index {leaf.log_index}: the ledger signed a record that is not an entry "
+                                    f"({leaf.record[:60]!r}…)")
+                continue
+            replays.feed(record, silo_id)
     if [leaf.log_index for leaf in leaves] != list(range(head.tree_size)):
         out.problems.append(f"the log serves {len(leaves)} leaves, not the {head.tree_size} its head signs")
         return
@@ -457,8 +584,22 @@ class _Replays:
             next(replay)
         try:
             replay.send(record)
-        except StopIteration:
+        except StopIteration as stop:
             self.ended.add(silo_id)
+            if stop.value is not None:
+                self.out.budgets[silo_id] = stop.value.budget
+
+    def halt(self, silo_id: Any, where: str) -> None:
+        """Ends `silo_id`'s replay where its record is not what the ledger signed (the entries after it
+        would be read against an unknown one)."""
+        if not isinstance(silo_id, int) or silo_id in self.ended:
+            return
+        self.ended.add(silo_id)
+        replay = self.running.pop(silo_id, None)
+        if replay is not None:
+            replay.close()
+        self.out.notes.append(f"silo {silo_id}: its ε is recomposed from its signed entries before {where} only: "
+                              "the record served there is not what the ledger signed")
 
     def finish(self) -> None:
         for silo_id in list(self.running):
@@ -486,7 +627,9 @@ def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome
     replay = _replay(silo_id, out)
     next(replay)
     try:
-        for record in sorted(silo_records, key=lambda r: r["entry"]["seq"]):
+        # A seq that is not a number (a hostile record) sorts last, where the replay names it.
+        for record in sorted(silo_records, key=lambda r: (0, r["entry"]["seq"]) if type(r["entry"].get("seq")) is int
+                             else (1, 0)):
             replay.send(record)
         replay.send(None)
     except StopIteration as stop:
@@ -496,6 +639,30 @@ def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome
 
 
 def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None, Composition | None]:
+    """`_replay_entries`, whose any failure on a record is a finding that ends this silo's replay: a
+    hostile ledger may sign any record (a filter whose weights are [1, 0, …], a mechanism that no
+    longer parses, a curve of another length), and one such silo never stops the check of the others."""
+    inner = _replay_entries(silo_id, out)
+    next(inner)
+    seq: Any = None
+    while True:
+        record = yield
+        try:
+            if record is not None:
+                seq = record["entry"]["seq"]
+            inner.send(record)
+        except StopIteration as stop:
+            composed: Composition | None = stop.value
+            return composed
+        # Any error, deliberately: the accounting code raises what it raises on data no honest ledger writes.
+        except Exception as error:
+            where = f"entry {seq}" if record is not None else f"its entries up to entry {seq}"
+            out.problems.append(f"silo {silo_id} {where}: what the ledger signed does not recompose "
+                                f"({type(error).__name__}: {str(error)[:200]})")
+            return None
+
+
+def _replay_entries(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None, Composition | None]:
     """Replays one silo's entries, sent one at a time (None ends it), so that an audit replays each
     page of the log while the ledger serves the next: the chain links, and the ε each entry states against the RDP
     composition of the mechanisms of the charges reserved and not released, read as the gate reads
@@ -530,14 +697,18 @@ def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None
         event = entry["event"]
         if event in ("create", "seal"):
             if event == "seal" and budget is not None and (subject.get("epsilon"), subject.get("delta")) != (budget, delta):
-                out.problems.append(f"{name}: an admin's seal changed the silo's promise from (ε={budget}, δ={delta}) "
-                                    f"fixed by its create entry to (ε={subject.get('epsilon')}, δ={subject.get('delta')})")
+                went = [f"its budget went from ε={budget:g} to ε={subject.get('epsilon')}" if subject.get("epsilon") != budget
+                        else "", f"its δ went from {delta:g} to {subject.get('delta')}" if subject.get("delta") != delta else ""]
+                out.problems.append(f"{name}: an admin's seal changed the silo's promise to its people: "
+                                    f"{' and '.join(w for w in went if w)} (fixed by its {fixed_by} entry before)")
             budget, delta, fixed_by = subject.get("epsilon"), subject["delta"], event
             if "filter" in subject:
                 spec = rdp_filter.FilterSpec.from_json(subject["filter"])
             if event == "seal" and subject.get("plan") is not None:
                 plan = plans.Plan.from_json(subject["plan"])
             if event == "create":
+                if entry["epsilon_spent"] != 0:  # nothing is charged yet: a create entry states ε = 0
+                    out.problems.append(f"{name} (create) states ε={entry['epsilon_spent']!r} before any charge")
                 continue
         if event == "filter":
             spec = rdp_filter.FilterSpec.from_json(subject["filter"])
@@ -701,23 +872,6 @@ def _client(url: str, key: str) -> LedgerClient:
     return LedgerClient(url, key, retry=Retry(window=0), timeout=120.0, receipts=False)
 
 
-def load_receipts(path: Path) -> list[Receipt]:
-    if not path.exists():
-        raise people_cli.CliError(f"no receipts at {path}: the trainer's client keeps them in $DPLEDGER_RECEIPTS")
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    if not files:
-        raise people_cli.CliError(f"no receipts (*.jsonl) in {path}")
-    receipts = []
-    for file in files:
-        for number, line in enumerate(file.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    receipts.append(Receipt.model_validate_json(line))
-                except ValidationError as error:
-                    raise people_cli.CliError(f"{file}:{number} is not a receipt: {error.errors()[0]['msg']}") from None
-    return receipts
-
-
 def _proof_header(evidence: dict[str, Any]) -> str:
     if "heads" in evidence:
         return "two heads signed by the ledger's key that cannot both be honest"
@@ -737,18 +891,22 @@ def report(out: Outcome, *, proof: Callable[[dict[str, Any]], str] = _proof_head
         print(f"ok: {note}" if out.ok else f"note: {note}")
     if out.ok:
         return 0
-    print(f"BROKEN: {len(out.problems)} problem(s){of}")
-    for problem in out.problems:
-        print(f"  - {problem}")
-    return people_cli.EXIT_BROKEN
+    if out.problems:
+        print(f"BROKEN: {len(out.problems)} problem(s){of}")
+        for problem in out.problems:
+            print(f"  - {problem}")
+    for unasked in out.unasked:  # said even beside a finding: that part was not checked
+        print(f"dpledger: could not ask: {unasked}", file=sys.stderr)
+    return people_cli.EXIT_BROKEN if out.problems else people_cli.EXIT_FAILED
 
 
 @people_cli._reports_errors
 def verify_receipts_command(args: argparse.Namespace) -> int:
-    receipts = load_receipts(default_receipts_dir() if args.receipts is _DEFAULT_RECEIPTS else args.receipts)
-    if args.silo is not None:
-        receipts = [r for r in receipts if r.silo_id == args.silo]
-    return report(verify_receipts(_guarded(http_get), receipts, public_key=args.public_key))
+    from dpledger.service import held
+
+    folder = held.require(default_receipts_dir() if args.receipts is _DEFAULT_RECEIPTS else args.receipts)
+    return report(held.check(_guarded(http_get), folder, public_key=args.public_key, silo=args.silo,
+                             holder=people_cli.ledger_key()))
 
 
 @people_cli._reports_errors
@@ -764,7 +922,8 @@ def audit_command(args: argparse.Namespace) -> int:
     code = report(out)
     if out.ok and out.head is not None:
         key = held["public_key"] if held is not None else _ask(LedgerClient.log_public_key).public_key
-        args.since.write_text(json.dumps({"public_key": key, "head": out.head.model_dump()}, indent=2) + "\n")
+        args.since.write_text(json.dumps({"public_key": key, "head": out.head.model_dump(),
+                                          "budgets": {str(k): v for k, v in sorted(out.budgets.items())}}, indent=2) + "\n")
         print(f"saved the head of size {out.head.tree_size} to {args.since}")
         try:
             head = out.head

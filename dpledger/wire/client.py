@@ -21,6 +21,7 @@ otherwise): long enough to ride out a ledger restart, short enough to give up on
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -33,17 +34,21 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from dpledger.wire import receipt_store
 from dpledger.wire.enums import ChargeStatus, Role
 from dpledger.wire.errors import Denied, LedgerError, Rejected, Unreachable
 from dpledger.wire.log_proofs import LogProofs
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 from dpledger.wire.receipts import (
+    HeadError,
     InclusionProof,
     LogLeaf,
     PublicKey,
     Receipt,
     SignedTreeHead,
+    check_receipt,
     default_receipts_dir,
+    key_id,
 )
 from dpledger.wire.schemas import (
     CalibrateResponse,
@@ -71,7 +76,11 @@ _SILOS: TypeAdapter[list[SiloSummary]] = TypeAdapter(list[SiloSummary])
 _CHARGES: TypeAdapter[list[ChargeReserved]] = TypeAdapter(list[ChargeReserved])
 _LEAVES: TypeAdapter[list[LogLeaf]] = TypeAdapter(list[LogLeaf])
 ModelT = TypeVar("ModelT", bound=BaseModel)
-RECEIPTS_FILE = "receipts.jsonl"
+log = logging.getLogger("dpledger.client")
+# A kept promise is completed (its inclusion and a signed head fetched) at the client's next answer
+# once it is this old (the sequencer runs every ≤ 100 ms), at most once per COMPLETE_EVERY_S, and at close.
+COMPLETE_AFTER_S = 0.2
+COMPLETE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -165,28 +174,93 @@ class LedgerClient:
                  receipts: Path | bool = True) -> None:
         """`http`: an httpx client to send through instead of a new one (e.g. an in-process app's
         test client); the key is sent with every request either way. `receipts`: the directory to
-        keep the ledger's receipts in (one JSON line each), True for `default_receipts_dir()`,
-        False for none."""
+        keep the ledger's receipts in (a folder per ledger, a file per silo: `receipt_store`), True
+        for `default_receipts_dir()`, False for none."""
         self._owns_http = http is None
         self._http = http if http is not None else httpx.Client(base_url=base_url, transport=transport, timeout=timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"}
         # Read here, not at import: $DPLEDGER_RETRY_WINDOW may be set after the module was imported.
         self._retry = retry if retry is not None else Retry()
-        self.receipts_file = None if receipts is False else (
-            (default_receipts_dir() if receipts is True else Path(receipts)) / RECEIPTS_FILE
-        )
+        self.receipts_dir = None if receipts is False else (default_receipts_dir() if receipts is True else Path(receipts))
+        self._holder = receipt_store.fingerprint(api_key)
+        self._holding: set[tuple[str, int]] = set()  # (log key id, silo) noted in the holders file
+        self._pending: dict[str, tuple[Receipt, float]] = {}  # leaf hash → kept promise, when kept (monotonic)
+        self._last_completion = 0.0
+        self._log_key: bytes | None = None
 
     def _keep(self, receipt: Receipt | None) -> None:
         # Appended before the answer is used: a receipt is the silo's evidence against the ledger.
-        if receipt is None or self.receipts_file is None:
+        if receipt is None or self.receipts_dir is None:
             return
-        self.receipts_file.parent.mkdir(parents=True, exist_ok=True)
-        with self.receipts_file.open("a") as out:
-            out.write(receipt.model_dump_json() + "\n")
+        key = receipt_store.key_id_of(receipt)
+        receipt_store.append(self.receipts_dir, [receipt])
+        if (key, receipt.silo_id) not in self._holding:
+            receipt_store.add_holder(self.receipts_dir, key, receipt.silo_id, self._holder)
+            self._holding.add((key, receipt.silo_id))
+        now = time.monotonic()
+        ripe = any(now - kept >= COMPLETE_AFTER_S for _, kept in self._pending.values())
+        if not receipt.included:
+            self._pending[receipt.leaf_hash] = (receipt, now)
+        if ripe and now - self._last_completion >= COMPLETE_EVERY_S:
+            self.complete_pending()
+
+    def complete_pending(self) -> int:
+        """Completes the promises this client kept whose leaves the sequencer has logged: each with its
+        log index, the log's signed head and the path to it, checked under the key that signed the
+        promise, appended beside the promise. Best effort (the answer it rides on is never failed for
+        it): what is still pending waits for the next call, or for `dpledger verify --receipts`.
+        Returns how many it completed."""
+        if not self._pending or self.receipts_dir is None:
+            return 0
+        self._last_completion = time.monotonic()
+        retry, self._retry = self._retry, Retry(window=0)  # one attempt: never hold a worker's round for it
+        try:
+            completed = self._complete([r for r, _ in self._pending.values()])
+        except (LedgerError, ValidationError, OSError) as error:
+            log.debug("receipts not completed yet: %s", error)
+            return 0
+        finally:
+            self._retry = retry
+        receipt_store.append(self.receipts_dir, completed)
+        for receipt in completed:
+            self._pending.pop(receipt.leaf_hash, None)
+        return len(completed)
+
+    def _complete(self, pending: list[Receipt]) -> list[Receipt]:
+        head = self.log_head()
+        if self._log_key is None:
+            self._log_key = bytes.fromhex(self.log_public_key().public_key)
+        done = []
+        for receipt in pending:
+            if receipt_store.key_id_of(receipt) != key_id(self._log_key):
+                continue  # signed by a key the ledger no longer serves: `verify --receipts` says so
+            try:
+                proof = self.log_inclusion(receipt.leaf_hash, size=head.tree_size)
+            except Rejected:  # sequenced after the head was read: the next call
+                continue
+            if proof is None:
+                continue
+            completed = receipt.model_copy(update={"log_index": proof.log_index, "tree_head": head,
+                                                   "inclusion_path": proof.path})
+            try:
+                check_receipt(completed, self._log_key)
+            except HeadError as error:  # kept as the promise alone: `verify --receipts` names what is wrong
+                log.warning("the ledger's inclusion of silo %d entry %d does not verify: %s", receipt.silo_id,
+                            receipt.seq, error)
+                continue
+            done.append(completed)
+        return done
 
     def close(self) -> None:
-        if self._owns_http:
-            self._http.close()
+        try:
+            if self.receipts_dir is not None:  # and what earlier clients of these silos left pending
+                for key, silo_id in self._holding:
+                    for receipt in receipt_store.uncompleted_tail(self.receipts_dir, key, silo_id):
+                        self._pending.setdefault(receipt.leaf_hash, (receipt, 0.0))
+            self.complete_pending()
+        finally:
+            if self._owns_http:
+                self._http.close()
 
     def __enter__(self) -> LedgerClient:
         return self
