@@ -61,6 +61,8 @@ REST_WEIGHT = 0.01
 # log t; a horizon shorter than a knot skips it.
 GOAL_FIRST, GOAL_THIRD, GOAL_TENTH, END_EXCESS = 0.5, 0.25, 0.15, 0.03
 END_SPAN = 1.1
+# The share of the horizon's units the budget must still buy under the filter (see allocate).
+ROUNDS_KEPT = 0.96
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
 PATH_UNITS = 16
 PATH_POINTS = 48
@@ -282,7 +284,12 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     fixed before the silo's first charge and the gate stays the union bound above."""
     base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
     units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
-    prefixes = path_prefixes(units)
+    # The rounds the budget buys: where the horizon is long enough to lose one, the prefix at
+    # ROUNDS_KEPT of it is held to read at most the budget itself (E(K)), so that the gate affords at
+    # least that share of dp-accounting's units however slowly ε grows there (sublinear growth turns
+    # an END_EXCESS in ε into several times that in rounds).
+    keep = ROUNDS_KEPT * units if units * (1 - ROUNDS_KEPT) >= 1 else None
+    prefixes = path_prefixes(units) if keep is None else np.unique(np.append(path_prefixes(units), keep))
     excess = goal_excess(prefixes, units)
     if offset is not None:
         prefixes, excess = np.concatenate([[0.0], prefixes]), np.concatenate([[GOAL_FIRST], excess])
@@ -297,6 +304,9 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
         raise ValueError("the horizon reads ε = 0 or ∞ at every prefix of its path")
     conv, best, prefixes, excess = conv[:, kept], best[kept], prefixes[kept], excess[kept]
     at_end = prefixes >= units / END_SPAN
+    if keep is not None and keep in prefixes and best[-1] > best[prefixes == keep][0]:
+        held_at = prefixes == keep
+        excess = np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess)
     budget = 1 - REST_WEIGHT
 
     def cover(targets: np.ndarray) -> tuple[float, dict[int, float]]:
