@@ -70,13 +70,14 @@ def draw(rng: np.random.Generator, index: int) -> Workload:
         name = f"fed n={size} b={batch} σ={sigma} {steps}/round"
     else:
         size = 60_000
-        batch = int(round(size * 10 ** rng.uniform(-3, np.log10(0.05))))
+        batch = round(size * 10 ** rng.uniform(-3, np.log10(0.05)))
         units = int(10 ** rng.uniform(2, np.log10(3_000)))
         unit = {"type": "dpsgd", "batch_size": batch, "noise_multiplier": sigma, "steps": 1}
         name = f"central q={batch / size:.4f} σ={sigma}"
     search = None
     if variant == "selection":
-        unit = {"type": "composed", "events": [unit, {"type": "gaussian", "noise_multiplier": round(float(rng.uniform(4, 10)), 2)}]}
+        selection = {"type": "gaussian", "noise_multiplier": round(float(rng.uniform(4, 10)), 2)}
+        unit = {"type": "composed", "events": [unit, selection]}
     if variant == "search":
         search = {"type": "repeat_and_select", "mean": round(float(rng.uniform(3, 10)), 2), "shape": 1.0, "event": unit}
     return Workload(f"{name} [{variant}]", size, unit, units, variant, search)
@@ -162,7 +163,8 @@ def main() -> None:
         app.state.engine.dispose()
     columns = ["1", "3", "10%", "end", "units"]
     width = max(len(w.name) for w, _ in results)
-    print(f"{'workload (ledger ε ÷ dp-accounting RDP ε; units bought ÷ the run)':<{width}}  " + "  ".join(f"{c:>6}" for c in columns))
+    title = "workload (ledger ε ÷ dp-accounting RDP ε; units bought ÷ the run)"
+    print(f"{title:<{width}}  " + "  ".join(f"{c:>6}" for c in columns))
     for work, row in results:
         print(f"{work.name:<{width}}  " + "  ".join(f"{row[c]:6.3f}" if c in row else f"{'—':>6}" for c in columns))
     print()
