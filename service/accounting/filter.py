@@ -220,14 +220,16 @@ def goal_excess(prefixes: np.ndarray, units: float) -> np.ndarray:
     """The goal profile's excess at each prefix (see GOAL_FIRST): 0.5 at one unit, 0.25 at three,
     0.15 from a tenth of the horizon, END_EXCESS within END_SPAN of its end; log-linear between."""
     knots = [(1.0, GOAL_FIRST), (3.0, GOAL_THIRD), (max(3.0, units / 10), GOAL_TENTH), (max(3.0, units / END_SPAN), END_EXCESS)]
-    xs, ys = [], []
+    xs: list[float] = []
+    ys: list[float] = []
     for x, y in knots:
         if xs and x <= xs[-1]:
             xs[-1], ys[-1] = x, y  # a short horizon: the later goal holds from here
         else:
             xs.append(x)
             ys.append(y)
-    return np.interp(np.log(np.maximum(prefixes, 1e-12)), np.log(xs), ys, left=ys[0], right=ys[-1])
+    profile: np.ndarray = np.interp(np.log(np.maximum(prefixes, 1e-12)), np.log(xs), ys, left=ys[0], right=ys[-1])
+    return profile
 
 
 @dataclass(frozen=True)
@@ -316,7 +318,8 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
         return _cheapest_cover(need)
 
     def goals(scale: float, held: bool) -> np.ndarray:
-        return 1 + np.where(at_end & held, min(scale, 1.0), scale) * excess
+        targets: np.ndarray = 1 + np.where(at_end & held, min(scale, 1.0), scale) * excess
+        return targets
 
     held = cover(goals(MAX_SCALE, True))[0] <= budget  # else the end is scaled like every prefix
     if cover(goals(MAX_SCALE, held))[0] > budget:
