@@ -203,7 +203,7 @@ def sums_differ(state: State, spent_text: str, committed_text: str) -> list[str]
     return differ
 
 
-def first_difference(state: State, silo: Silo) -> tuple[str, int | None, EntryEvent | None] | None:
+def first_difference(state: State, silo: Silo) -> tuple[str, int, EntryEvent] | None:
     """The first column of the row's chain-decided seqs that is not what the chain makes it, as (why,
     the entry to name, its event), or None."""
     if silo.retired_seq != state.retired_seq:
@@ -213,19 +213,19 @@ def first_difference(state: State, silo: Silo) -> tuple[str, int | None, EntryEv
         return (f"says it was retired at entry {silo.retired_seq}, but no retire entry of its chain is there",
                 silo.retired_seq, EntryEvent.retire)
     if silo.sealed_seq != state.sealed_seq:
-        where = state.sealed_seq if state.sealed_seq is not None else silo.sealed_seq
         return (f"says it was sealed at entry {silo.sealed_seq}, but its chain's newest seal is "
-                f"{'none' if state.sealed_seq is None else f'entry {state.sealed_seq}'}", where, EntryEvent.seal)
+                f"{'none' if state.sealed_seq is None else f'entry {state.sealed_seq}'}",
+                *((state.sealed_seq, EntryEvent.seal) if state.sealed_seq is not None else (state.seq, state.event)))
     if silo.filter_seq == 0 and (state.filter_seq is not None or state.charged or state.sealed_seq is not None):
         if state.filter_seq is not None:
             return ("says its filter is still to be fixed by its first charge, but this entry fixed it",
                     state.filter_seq, EntryEvent.filter)
         return ("says its filter is still to be fixed by its first charge, but its chain holds charges",
-                state.seq, None)
+                state.seq, state.event)
     if silo.filter_seq not in (0, 1) and silo.filter_seq != state.filter_seq:
         return (f"says its filter is at entry {silo.filter_seq}, but its chain's filter entry is "
-                f"{'none' if state.filter_seq is None else f'entry {state.filter_seq}'}", state.filter_seq or silo.filter_seq,
-                EntryEvent.filter)
+                f"{'none' if state.filter_seq is None else f'entry {state.filter_seq}'}",
+                *((state.filter_seq, EntryEvent.filter) if state.filter_seq is not None else (state.seq, state.event)))
     if silo.plan is None and state.plan_seq is not None:
         return ("holds no plan, but this entry declared one", state.plan_seq, EntryEvent.plan)
     return None

@@ -207,9 +207,12 @@ def covering(
     value = rows[0][-1] if column is not None and rows else None
     state, seen = _replay(session, silo, rows)
     if (state.seq, state.head) != (silo.chain_seq, silo.chain_head):
-        raise Tampered(silo_id=silo.id, seq=max(state.seq, silo.chain_seq), event=EntryEvent.reserve, recomputed=True,
-                       why=f"ends its chain at entry {silo.chain_seq}, but its chain's last entry is entry {state.seq}"
-                           + (" (the record was rolled back)" if state.seq > silo.chain_seq else ""))
+        why = (f"ends its chain at entry {silo.chain_seq}, but its chain's last entry is entry {state.seq}"
+               + (" (the record was rolled back)" if state.seq > silo.chain_seq else "")
+               if state.seq != silo.chain_seq else
+               f"names {silo.chain_head[:16]}… as the hash of its chain's last entry, entry {state.seq}, whose hash is "
+               f"{state.head[:16]}…")
+        raise Tampered(silo_id=silo.id, seq=state.seq, event=state.event, recomputed=True, why=why)
     found = {**seen, **{row.seq: cast(LedgerEntry, row) for row in rows}}
     out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
     if silo.plan is not None:
@@ -243,8 +246,7 @@ def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any
     differs = replayed.first_difference(state, silo)
     if differs is not None:
         why, seq, event = differs
-        raise Tampered(silo_id=silo.id, seq=seq if seq is not None else state.seq, recomputed=True, why=why,
-                       event=event if event is not None else EntryEvent.reserve)
+        raise Tampered(silo_id=silo.id, seq=seq, event=event, why=why, recomputed=True)
     for event, seq, entry in entries:
         if entry is None:
             raise Tampered(silo_id=silo.id, seq=seq, event=event, why="is covered by no entry: the entry was removed")
