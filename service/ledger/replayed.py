@@ -211,7 +211,7 @@ def first_difference(state: State, silo: Silo) -> tuple[str, int, EntryEvent] | 
             return (f"says it is {'in service' if silo.retired_seq is None else f'retired at entry {silo.retired_seq}'}, "
                     f"but entry {state.retired_seq} retired it", state.retired_seq, EntryEvent.retire)
         return (f"says it was retired at entry {silo.retired_seq}, but no retire entry of its chain is there",
-                silo.retired_seq, EntryEvent.retire)
+                silo.retired_seq or 0, EntryEvent.retire)
     if silo.sealed_seq != state.sealed_seq:
         return (f"says it was sealed at entry {silo.sealed_seq}, but its chain's newest seal is "
                 f"{'none' if state.sealed_seq is None else f'entry {state.sealed_seq}'}",

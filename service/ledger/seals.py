@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CompoundSelect, Label, Select, Table, bindparam, select, union_all
+from sqlalchemy import ColumnElement, CompoundSelect, Connection, Label, Select, Table, bindparam, select, union_all
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
@@ -112,7 +113,7 @@ class Tampered(Conflict):
 
 
 @functools.cache
-def _statement(column: Label[Any] | None) -> CompoundSelect:
+def _statement(column: Label[Any] | None) -> CompoundSelect[Any]:
     if column is None:
         return union_all(_COVERING, _AFTER)
     return union_all(_COVERING.add_columns(column), _AFTER.add_columns(column))
@@ -128,7 +129,7 @@ def _key(session: Session, silo_id: int) -> tuple[object, int]:
     # By the database's URL: a write session may be bound to a connection, a read one to an engine
     # with options; the chain's end validates what is kept in any case.
     bind = session.get_bind()
-    return getattr(bind, "engine", bind).url, silo_id
+    return (bind.engine if isinstance(bind, Connection) else bind).url, silo_id
 
 
 def derived(session: Session, silo: Silo) -> replayed.State | None:
@@ -153,7 +154,7 @@ def _event(value: Any) -> EntryEvent:
     return value if isinstance(value, EntryEvent) else EntryEvent.reserve
 
 
-def _replay(session: Session, silo: Silo, rows: list[Any]) -> tuple[replayed.State, dict[int, Any]]:
+def _replay(session: Session, silo: Silo, rows: Sequence[Any]) -> tuple[replayed.State, dict[int, Any]]:
     """The chain's state through its end, from this process's (and `rows`, the entries after it), or
     replayed from the start; and the record entries a cold replay read (the covering ones among them)."""
     kept = _DERIVED.get(_key(session, silo.id))
