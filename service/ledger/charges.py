@@ -32,7 +32,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import gate, keys, seals, silos, transparency
+from dpledger.service.ledger import chain, gate, keys, seals, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import (
     Conflict,
@@ -447,6 +447,7 @@ def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int 
             raise SettledAlready(charge_id, ChargeStatus(charge.status).value)
         if event is EntryEvent.release:
             _check_untouched(session, charge)
+        _check_as_reserved(session, charge)
         curve = curve_from_json(charge.rdp)
         spent = RunningSum.from_json(silo.rdp_spent)
         rdp_spent = rdp_committed = None  # the running sum the event changes, written with its entry
@@ -461,6 +462,19 @@ def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int 
         position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps,
                                       now=datetime.now(UTC), rdp_spent=rdp_spent, rdp_committed=rdp_committed)
         return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
+
+
+def _check_as_reserved(session: Session, charge: Charge) -> None:
+    """The charge's curve is what its reserve entry's hash covers: a release subtracts it from the running
+    sum, which the silo's record check then derives from the chain (ledger/replayed.py), so a curve edited
+    upward would otherwise lower the sum by more than was reserved, and an edit that no longer parses
+    would answer a 500."""
+    entry = session.scalars(select(LedgerEntry).where(
+        LedgerEntry.charge_id == charge.id, LedgerEntry.event == EntryEvent.reserve)).first()
+    if entry is None or chain.entry_hash(entry, subject=chain.charge_fields(charge)) != entry.hash:
+        where = "has no reserve entry" if entry is None else f"no longer matches its reserve entry (seq {entry.seq})'s hash"
+        raise Conflict(f"charge {charge.id} {where}: it is settled only as it was reserved; GET /v1/audit/verify names "
+                       "every broken entry")
 
 
 def _check_untouched(session: Session, charge: Charge) -> None:

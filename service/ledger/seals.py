@@ -1,74 +1,191 @@
-"""A silo's stored record checked against the entries whose hashes cover it, each time it is loaded.
+"""A silo's stored record checked, each time it is loaded, against the chain of entries that covers it.
 
-The budget, δ, dataset size, relation, filter and plan live on the silo row, and the gate reads them
-from there. Each is covered by the hash of one entry of the silo's chain (create, filter, plan):
-recomputing those one to three hashes costs one or two indexed reads, so every request that loads the
-silo can afford it, and an edited row is named (a 409 saying which record and which entry) before
-anything parses it or approves against it, instead of a 500 or an approval under a forged budget.
+The gate reads every column of the silo row (COVERAGE below), and each is sound in one of two ways:
+- a stored field (budget, δ, dataset size, relation, filter, plan, retirement reason, ...) is covered by
+  the hash of one entry of the silo's chain (create, filter, plan, seal, retire): recomputing those few
+  hashes costs one indexed read, so every request that loads the silo can afford it;
+- a column the chain decides (running sums, the place on the plan, the seqs of its filter, plan, seal
+  and retire entries, the chain's end) is recomputed from the chain's entries and their charges
+  (replayed.py), kept per process by the chain's end and extended by each approval, in the same read.
+An edited row is named (a 409 saying which record and which entry) before anything parses it or
+approves against it, instead of a 500 or an approval under a forged budget.
 
 Resolution: an admin who inspected the silo either restores the row (the hashes recompute again and
-the silo answers as before) or seals the record as it stands: a `seal` entry in the silo's chain and
-in the transparency log, whose hash covers the whole record from then on. The seal does not hide the
-edit: the create entry's leaf still no longer matches its record, which every silo's `verify
---receipts` and every auditor's `audit` go on reporting.
+the silo answers as before) or, for a stored field, seals the record as it stands: a `seal` entry in
+the silo's chain and in the transparency log, whose hash covers the whole record from then on. The
+seal does not hide the edit: the create entry's leaf still no longer matches its record, which every
+silo's `verify --receipts` and every auditor's `audit` go on reporting. A column the chain decides is
+never sealed: it is restored (its right value is in the 409).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import Label, Select, bindparam, select
+from sqlalchemy import ColumnElement, CompoundSelect, Connection, Label, Select, Table, bindparam, select, union_all
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans
-from dpledger.service.ledger import chain, gate
+from dpledger.service.ledger import chain, gate, replayed
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict
-from dpledger.service.ledger.models import EntryEvent, LedgerEntry, Silo
+from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Silo
 
 # The events whose entries cover the silo's record rather than a charge.
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
 
-_TABLE = LedgerEntry.__table__
-# Built once (every approval runs it), with a fixed list of seqs rather than an expanding one, which
-# would be rendered again at each execution: a record is covered by at most three entries (its
-# create or seal entry, its filter entry, its retire entry), and a shorter list repeats its first.
-_COVERING_AT_MOST = 3
-_ENTRIES_AT = select(*_TABLE.c).where(
-    _TABLE.c.silo_id == bindparam("silo_id"),
-    _TABLE.c.seq.in_([bindparam(f"seq{i}") for i in range(_COVERING_AT_MOST)]),
-)
+# Every column of the silos table, and what keeps an approval from reading it edited (a test holds the
+# table to this list). HASHED: the entries whose hash covers the field as stored (chain.py).
+HASHED: dict[str, tuple[EntryEvent, ...]] = {
+    "id": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "name": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "epsilon": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "delta": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "dataset_size": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "relation": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "created_at": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
+    "filter_spec": (EntryEvent.create, EntryEvent.filter, EntryEvent.seal),
+    "plan": (EntryEvent.plan, EntryEvent.seal),
+    "retired_reason": (EntryEvent.retire,),
+}
+# RECOMPUTED: the columns the chain decides, replayed from its entries and their charges (replayed.py).
+RECOMPUTED: dict[str, str] = {
+    "rdp_spent": "the curves of the charges reserved and not released, in chain order",
+    "rdp_committed": "the curves of the committed charges, in chain order",
+    "chain_seq": "the seq of the chain's last entry",
+    "chain_head": "the hash of the chain's last entry",
+    "filter_seq": "the seq of the filter entry; else 1 or 0, which decides whether the create entry's hash covers the filter",
+    "plan_used": "the plan's units the reserves after the plan entry took (gate.take)",
+    "plan_ended_seq": "the reserve entry whose charge left the plan (gate.take)",
+    "sealed_seq": "the seq of the newest seal entry",
+    "retired_seq": "the seq of the retire entry",
+}
+# UNREAD: columns that decide no approval, each with why (none today).
+UNREAD: dict[str, str] = {}
+
+_TABLE = cast(Table, LedgerEntry.__table__)
+_CHARGES = cast(Table, Charge.__table__)
+# A record is covered by at most four entries (its create or seal entry, its filter entry, its retire
+# entry, its plan entry); the list is fixed, not expanding (which would be rendered again at each
+# execution), and a shorter one repeats its first.
+_COVERING_AT_MOST = 4
+_PAGE = 2000  # entries a cold replay reads at a time
+
+
+def _entries(where: ColumnElement[bool]) -> Select[Any]:
+    """The silo's entries where `where` holds, each with the charge it names (`c_*`: what its hash covers)."""
+    return select(*_TABLE.c, *(_CHARGES.c[name].label(f"c_{name}") for name in replayed.CHARGE_COLUMNS)).select_from(
+        _TABLE.outerjoin(_CHARGES, _CHARGES.c.id == _TABLE.c.charge_id)
+    ).where(_TABLE.c.silo_id == bindparam("silo_id"), where)
+
+
+# Every load runs it: the entries that cover the record, and those past `since` (the end of the chain
+# this process replayed; none where it holds the record's own end). A UNION ALL of two index ranges,
+# where an OR of them would scan the silo's whole chain on SQLite.
+_COVERING = _entries(_TABLE.c.seq.in_([bindparam(f"seq{i}") for i in range(_COVERING_AT_MOST)]))
+_AFTER = _entries(_TABLE.c.seq > bindparam("since"))
+_PAGE_AFTER = _AFTER.order_by(_TABLE.c.seq).limit(_PAGE)
 
 
 class Tampered(Conflict):
-    """The silo's row no longer recomputes to the hash of the entry that covers it."""
+    """The silo's row no longer recomputes to the hash of the entry that covers it, or no longer reads
+    as its chain makes it (`recomputed`: a column that no hash covers as stored, replayed.py)."""
 
-    def __init__(self, *, silo_id: int, seq: int, event: EntryEvent, why: str) -> None:
+    def __init__(self, *, silo_id: int, seq: int, event: EntryEvent, why: str, recomputed: bool = False) -> None:
+        covers = "decides" if recomputed else "covers"
         super().__init__(
-            f"silo {silo_id}'s record (the silos row) {why}: its {event.value} entry (seq {seq}) covers it. "
-            f"Nothing is approved on this silo until an admin inspects it, then restores the row or seals it "
-            f"as it stands (POST /v1/silos/{silo_id}/seal); GET /v1/audit/verify names every broken entry"
+            f"silo {silo_id}'s record (the silos row) {why}: its {event.value} entry (seq {seq}) {covers} it. "
+            f"Nothing is approved on this silo until an admin inspects it, then restores the row"
+            + ("" if recomputed else f" or seals it as it stands (POST /v1/silos/{silo_id}/seal)")
+            + "; GET /v1/audit/verify names every broken entry"
         )
         self.silo_id = silo_id
         self.seq = seq
         self.event = event
+        self.why = why
+        self.recomputed = recomputed
 
 
 @functools.cache
-def _entries_and(column: Label[Any] | None) -> Select[Any]:
-    return _ENTRIES_AT if column is None else _ENTRIES_AT.add_columns(column)
+def _statement(column: Label[Any] | None) -> CompoundSelect[Any]:
+    if column is None:
+        return union_all(_COVERING, _AFTER)
+    return union_all(_COVERING.add_columns(column), _AFTER.add_columns(column))
+
+
+# What this process derived of each silo's chain (replayed.State), by engine and silo: any process's
+# write moves the chain's end, and an edit of the row is compared against it, never adopted.
+_DERIVED_LIMIT = 4096
+_DERIVED: dict[tuple[object, int], replayed.State] = {}
+
+
+def _key(session: Session, silo_id: int) -> tuple[object, int]:
+    # By the database's URL: a write session may be bound to a connection, a read one to an engine
+    # with options; the chain's end validates what is kept in any case.
+    bind = session.get_bind()
+    return (bind.engine if isinstance(bind, Connection) else bind).url, silo_id
+
+
+def derived(session: Session, silo: Silo) -> replayed.State | None:
+    """This process's state of the silo's chain through its current end, if it holds it (for `extend`)."""
+    state = _DERIVED.get(_key(session, silo.id))
+    return state if state is not None and (state.seq, state.head) == (silo.chain_seq, silo.chain_head) else None
+
+
+def keep(session: Session, silo_id: int, state: replayed.State | None) -> None:
+    key = _key(session, silo_id)
+    if state is None:
+        _DERIVED.pop(key, None)
+        return
+    if len(_DERIVED) >= _DERIVED_LIMIT:
+        _DERIVED.clear()
+    _DERIVED[key] = state
+
+
+def _event(value: Any) -> EntryEvent:
+    # A Tampered names an entry by its event; an edited event that is no member names it as the
+    # record's create entry would not, so it is named as the charge event it most likely was.
+    return value if isinstance(value, EntryEvent) else EntryEvent.reserve
+
+
+def _replay(session: Session, silo: Silo, rows: Sequence[Any]) -> tuple[replayed.State, dict[int, Any]]:
+    """The chain's state through its end, from this process's (and `rows`, the entries after it), or
+    replayed from the start; and the record entries a cold replay read (the covering ones among them)."""
+    kept = _DERIVED.get(_key(session, silo.id))
+    if kept is not None and kept.seq <= silo.chain_seq:
+        try:
+            state = replayed.advance(kept, replayed.rows_after(rows, kept.seq), silo_id=silo.id)
+        except replayed.Broken:
+            pass  # kept from a transaction that rolled back, say: the chain is replayed from its start
+        else:
+            if (state.seq, state.head) == (silo.chain_seq, silo.chain_head):
+                return state, {}
+    state, seen = replayed.genesis(track_plan=silo.plan is not None), {}
+    while True:
+        page = session.connection().execute(_PAGE_AFTER, {"silo_id": silo.id, "since": state.seq}).all()
+        try:
+            state = replayed.advance(state, page, silo_id=silo.id)
+        except replayed.Broken as broken:
+            raise Tampered(silo_id=silo.id, seq=broken.seq, event=_event(broken.event),
+                           why=f"is not what its chain makes it: the chain {broken.why}", recomputed=True) from None
+        seen.update({row.seq: row for row in page if row.event in RECORD_EVENTS})
+        if len(page) < _PAGE:
+            return state, seen
 
 
 def covering(
     session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any]] | None = None,
-) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], Any]:
-    """The entries that cover the silo's record now, as (event, seq, the entry or None if gone), and
-    the value of `also` (a scalar column and its parameters) read in the same statement: None where
-    no covering entry was found, which `check` refuses before anyone reads it."""
+) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], Any, replayed.State]:
+    """The entries that cover the silo's record now, as (event, seq, the entry or None if gone), the
+    value of `also` (a scalar column and its parameters) read in the same statement (None where no
+    entry was read, which `check` refuses before anyone reads it), and the chain's state through its
+    end (replayed.py). One statement where this process holds the chain's end or a recent one."""
     wanted: dict[int, EntryEvent] = {}
     if silo.sealed_seq is not None:
         wanted[silo.sealed_seq] = EntryEvent.seal
@@ -80,25 +197,32 @@ def covering(
         # Last, so that a retired_seq moved onto another record entry is read as a retire entry there and
         # refused (the entry it names is no retire entry), never as that entry's own.
         wanted[silo.retired_seq] = EntryEvent.retire
-    # Core rows (they carry an entry's attributes, all that a hash reads): every approval makes this read.
-    seqs = list(wanted)
+    kept = _DERIVED.get(_key(session, silo.id))
+    since = kept.seq if kept is not None and kept.seq <= silo.chain_seq else silo.chain_seq
+    seqs = [*wanted, *([kept.plan_seq] if kept is not None and kept.plan_seq is not None else [])]
     column, extra = also if also is not None else (None, {})
-    rows = session.connection().execute(_entries_and(column), {
-        **extra, "silo_id": silo.id, **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(_COVERING_AT_MOST)},
+    rows = session.connection().execute(_statement(column), {
+        **extra, "silo_id": silo.id, "since": since,
+        **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(_COVERING_AT_MOST)},
     }).all()
-    found = {e.seq: cast(LedgerEntry, e) for e in rows}
     value = rows[0][-1] if column is not None and rows else None
+    state, seen = _replay(session, silo, rows)
+    if (state.seq, state.head) != (silo.chain_seq, silo.chain_head):
+        why = (f"ends its chain at entry {silo.chain_seq}, but its chain's last entry is entry {state.seq}"
+               + (" (the record was rolled back)" if state.seq > silo.chain_seq else "")
+               if state.seq != silo.chain_seq else
+               f"names {silo.chain_head[:16]}… as the hash of its chain's last entry, entry {state.seq}, whose hash is "
+               f"{state.head[:16]}…")
+        raise Tampered(silo_id=silo.id, seq=state.seq, event=state.event, recomputed=True, why=why)
+    found = {**seen, **{row.seq: cast(LedgerEntry, row) for row in rows}}
     out = [(event, seq, found.get(seq)) for seq, event in sorted(wanted.items())]
     if silo.plan is not None:
-        # A plan is declared before any charge, so its entry is among the silo's first: the scan in
-        # seq order along the (silo_id, seq) index stops there. One declared after a seal is not covered by it.
-        plan_entry = session.scalars(
-            select(LedgerEntry).where(LedgerEntry.silo_id == silo.id, LedgerEntry.event == EntryEvent.plan,
-                                      LedgerEntry.seq > (silo.sealed_seq or 0)).order_by(LedgerEntry.seq).limit(1)
-        ).first()
-        if plan_entry is not None or silo.sealed_seq is None:
-            out.append((EntryEvent.plan, 0 if plan_entry is None else plan_entry.seq, plan_entry))
-    return out, value
+        # A plan declared after a seal is not covered by it; one declared before, by the seal.
+        if state.plan_seq is not None and state.plan_seq > (silo.sealed_seq or 0):
+            out.append((EntryEvent.plan, state.plan_seq, found.get(state.plan_seq)))
+        elif state.plan_seq is None and silo.sealed_seq is None:
+            out.append((EntryEvent.plan, 0, None))
+    return out, value, state
 
 
 # What `check` found sound, by every value its hash reads (the entry's columns, the record's fields):
@@ -115,9 +239,15 @@ def _exactly(*values: object) -> tuple[object, ...]:
 
 
 def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any]] | None = None) -> Any:
-    """Raises Tampered unless every entry that covers the silo's record recomputes to its hash.
-    Returns the value of `also`, read with the entries (see `covering`), once the record is sound."""
-    entries, value = covering(session, silo, also=also)
+    """Raises Tampered unless every column of the silo's record that an approval reads is sound: each
+    stored field recomputes to the hash of the entry that covers it, and each column its chain decides
+    is what the chain makes it (replayed.py; COVERAGE says which is which). Returns the value of `also`,
+    read with the entries (see `covering`), once the record is sound."""
+    entries, value, state = covering(session, silo, also=also)
+    differs = replayed.first_difference(state, silo)
+    if differs is not None:
+        why, seq, event = differs
+        raise Tampered(silo_id=silo.id, seq=seq, event=event, why=why, recomputed=True)
     for event, seq, entry in entries:
         if entry is None:
             raise Tampered(silo_id=silo.id, seq=seq, event=event, why="is covered by no entry: the entry was removed")
@@ -134,14 +264,24 @@ def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any
         if len(_SOUND) >= _SOUND_LIMIT:
             _SOUND.clear()
         _SOUND.add(read)
-    if silo.sealed_seq is None and gate.pending(silo):
-        # A record that says its first charge is still to fix its filter must hold no filter entry:
-        # else an edit back to pending would let the next charge fix another filter over a spent sum.
-        fixed = session.scalars(select(LedgerEntry.seq).where(
-            LedgerEntry.silo_id == silo.id, LedgerEntry.event == EntryEvent.filter).limit(1)).first()
-        if fixed is not None:
-            raise Tampered(silo_id=silo.id, seq=fixed, event=EntryEvent.filter,
-                           why="says its filter is still to be fixed by its first charge, but this entry fixed it")
+    # The plan's text is sound now (its entry's hash, or the seal's): its place on it can be replayed.
+    folded = replayed.fold_plan(state, silo.plan)
+    if folded is None:  # the reserves a plan that came with a seal places were not kept: from the start
+        keep(session, silo.id, None)
+        _, value, state = covering(session, silo, also=also)
+        folded = replayed.fold_plan(state, silo.plan)
+        assert folded is not None, "a replay from the start keeps every reserve of a silo with a plan"
+    state = folded
+    plan_why = replayed.plan_differs(state, silo)
+    if plan_why is not None:
+        named = (EntryEvent.plan, state.plan_seq) if state.plan_seq is not None else (EntryEvent.seal, silo.sealed_seq or 0)
+        raise Tampered(silo_id=silo.id, seq=named[1], event=named[0], why=plan_why, recomputed=True)
+    differ = replayed.sums_differ(state, silo.rdp_spent, silo.rdp_committed)
+    if differ:
+        raise Tampered(silo_id=silo.id, seq=state.seq, event=state.event, recomputed=True,
+                       why=f"holds {' and '.join(differ)} that the charges of its chain through entry {state.seq} "
+                           "do not add up to")
+    keep(session, silo.id, replace(state, texts=(silo.rdp_spent, silo.rdp_committed)))
     return value
 
 
@@ -182,8 +322,10 @@ def seal(db: Database, silo_id: int) -> int:
         silos.refuse_if_retired(silo)
         try:
             check(session, silo)
-        except Tampered:
-            pass
+        except Tampered as tampered:
+            if tampered.recomputed:  # a seal accepts stored fields; these its chain decides, whatever is stored
+                raise Conflict(f"silo {silo_id}'s record cannot be sealed as it stands: it {tampered.why}, a column its "
+                               "chain decides, which no seal may accept. Restore the row first") from None
         else:
             raise Conflict(f"silo {silo_id}'s record matches the hashes of its entries: there is nothing to seal")
         sealable(silo)

@@ -4,7 +4,7 @@ retirement (an admin stops a mis-registered silo for good: `retire`, `refuse_if_
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -18,7 +18,7 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain, gate, seals, transparency
+from dpledger.service.ledger import chain, gate, replayed, seals, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
@@ -210,6 +210,10 @@ def append_entry(
     entry's event, written with its chain fields. `new_charge`: PostgreSQL only, the row of `charge`
     (its id taken from the sequence), inserted first in the same statement. Returns the entry's leaf
     and its promise."""
+    # What this process derived of the chain through the previous entry (seals.check, under this lock),
+    # and the sums as they read then: extended by this entry below (replayed.extend).
+    derived = replayed.genesis(track_plan=False) if silo.chain_seq == 0 else seals.derived(session, silo)
+    before = (silo.rdp_spent, silo.rdp_committed)
     entry = EntryRecord(
         silo_id=silo.id, seq=silo.chain_seq + 1, event=event, charge_id=None if charge is None else charge.id,
         epsilon_spent=epsilon_spent, created_at=now, prev_hash=silo.chain_head, hash="",
@@ -229,6 +233,7 @@ def append_entry(
         _store(session, silo, **columns)
         entry.id = connection.execute(_INSERT_ENTRY, {column: getattr(entry, column) for column in _ENTRY_COLUMNS}
                                       ).scalar_one()
+        _derive(session, silo, derived, event=event, before=before)
         return transparency.enqueue(session, entry, subject_text=subject_text)
     leaf, position = transparency.pending_leaf(entry, subject_text=subject_text)
     connection.execute(_append_statement(tuple(columns), with_charge=new_charge is not None), {
@@ -237,7 +242,20 @@ def append_entry(
         **{f"charge_{column}": value for column, value in (new_charge or {}).items()},
     })
     _stored(silo, columns)
+    _derive(session, silo, derived, event=event, before=before)
     return position
+
+
+def _derive(session: Session, silo: Silo, derived: replayed.State | None, *, event: EntryEvent,
+            before: tuple[str, str]) -> None:
+    """Keeps what the chain makes of the record after the entry just written, where this process held
+    it before: the next check of the silo then replays nothing. (Kept before the transaction commits:
+    one that rolls back leaves the chain's end behind it, and the next check replays from the start.)"""
+    if derived is None:
+        return
+    if silo.chain_seq == 1:  # the create entry: the registered sums are the empty ones the chain starts from
+        derived = replace(derived, texts=before)
+    seals.keep(session, silo.id, replayed.extend(derived, silo, event=event, before=before))
 
 
 def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:

@@ -14,11 +14,14 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import text
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.app import create_app
+from dpledger.service.ledger import seals
+from dpledger.service.ledger.models import Silo
 from dpledger.service.settings import Settings
 from dpledger.service.transparency_cli import verify_receipts
 from dpledger.wire import merkle
@@ -64,10 +67,25 @@ def test_an_honest_run_raises_no_alarm_and_checks_every_head(ledger: Ledger) -> 
         assert out.notes[0].startswith(f"{len(party.receipts)} receipts, {heads} distinct heads and {entries} entries")
 
 
-def test_a_lowered_running_sum_is_found_by_recomposing_the_entries_that_followed(ledger: Ledger, operator: Operator) -> None:
+def unchecked(session: Session, silo: Silo, *, also: tuple[Any, dict[str, Any]] | None = None) -> Any:
+    """seals.check as a patched server would run it: the record is never checked, `also` still read."""
+    return None if also is None else session.execute(select(also[0]), {**also[1], "silo_id": silo.id}).scalar()
+
+
+def test_a_lowered_running_sum_is_found_by_recomposing_the_entries_that_followed(
+    ledger: Ledger, operator: Operator, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     b = ledger.ids["b"]
     # Only the running sum: no entry, leaf or hash touched, so every check of the chain and the log holds.
     operator.sql("UPDATE silos SET rdp_spent = :empty WHERE id = :id", empty=RunningSum.empty(len(rdp.ORDERS)).to_json(), id=b)
+    # The service recomputes the sum from the chain at load (ledger/replayed.py): refused, nothing written.
+    refused = ledger.client.post(f"/v1/silos/{b}/charges", headers=ledger.b.headers,
+                                 json={"mechanism": {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1},
+                                       "idempotency_key": "refused"})
+    assert refused.status_code == 409 and refused.json()["tampered"]["silo_id"] == b, refused.text
+    assert "holds rdp_spent that the charges of its chain" in refused.json()["detail"]
+    # An operator who also runs a server patched to skip that check: the silo alone still finds the lie.
+    monkeypatch.setattr(seals, "check", unchecked)
     detail = ledger.client.get(f"/v1/silos/{b}", headers=ADMIN).json()
     assert detail["epsilon_spent"] == 0.0  # what the gate now approves against
     charge = keep_charging(ledger, "b3")  # approved and signed: it states the ε of b3 alone

@@ -199,44 +199,36 @@ def test_the_retire_entry_is_in_the_chain_and_the_log_and_an_honest_ledger_audit
     assert checked.ok, checked.problems
 
 
-def test_a_retirement_taken_back_in_the_database_is_caught_by_the_chain_check_the_auditor_and_the_silo(
-    client: TestClient, engine: Engine
-) -> None:
+def test_a_retirement_taken_back_in_the_database_is_refused_before_any_approval(client: TestClient, engine: Engine) -> None:
     target, headers = silo(client, "target")
-    receipts = [Receipt(**charge(client, target, headers, "before").json()["receipt"])]
+    assert charge(client, target, headers, "before").status_code == 201
     seq = retire(client, target).json()["retired_seq"]
-    # The operator nulls the retirement, keeping the reason (so the retire entry still hashes), and charges again.
+    # The operator nulls the retirement, keeping the reason (so the retire entry still hashes), and charges again:
+    # the chain decides retired_seq (its retire entry), so the record is named before anything is approved.
     sql(engine, "UPDATE silos SET retired_seq = NULL WHERE id = :id", id=target)
+    written = entries(engine)
     resumed = charge(client, target, headers, "after")
-    assert resumed.status_code == 201, resumed.text
-    receipts.append(Receipt(**resumed.json()["receipt"]))
-    late = resumed.json()["charge_id"]
-    logged(client, engine)
-
+    assert resumed.status_code == 409, resumed.text
+    assert resumed.json()["tampered"] == {"silo_id": target, "table": "silos", "entry_seq": seq, "entry_event": "retire"}
+    assert resumed.json()["detail"].startswith(f"silo {target}'s record (the silos row) says it is in service, but entry "
+                                               f"{seq} retired it: its retire entry (seq {seq}) decides it")
+    assert entries(engine) == written
     report = client.get("/v1/audit/verify", headers=ADMIN).json()
-    assert report["ok"] is False and report["bad_charge_ids"] == [late]
-    assert report["problems"] == [
-        f"silo {target}: entry {seq} retired the silo, but the silo's record says it is in service",
-        f"silo {target}: entry {seq + 1} reserves charge {late} after the silo's retire entry {seq}: a retired silo "
-        "approves nothing",
-    ]
-    auditor = bearer(client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"])
-    line = (f"silo {target} entry {seq + 1} (reserve of charge {late}) comes after the silo's retire entry {seq}: "
-            "a retired silo approves nothing")
-    assert audit(reader(client, auditor), None).problems == [line]
-    checked = verify_receipts(reader(client, headers), receipts)
-    assert checked.problems == [
-        line, f"silo {target}: its signed entry {seq} retired it, but the ledger serves it with retired_seq=None",
-    ]
+    assert report["ok"] is False and report["bad_charge_ids"] == []
+    assert report["problems"] == [f"silo {target}: entry {seq} retired the silo, but the silo's record says it is in service"]
+    # Restored, it refuses as a retired silo does.
+    sql(engine, "UPDATE silos SET retired_seq = :seq WHERE id = :id", seq=seq, id=target)
+    assert charge(client, target, headers, "after").status_code == 409
+    assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
 
 
 @pytest.mark.parametrize(("edit", "why"), [
     ("UPDATE silos SET retired_reason = 'a kinder reason' WHERE id = :id",
      "no longer matches the hash of the entry that covers it: its retire entry (seq {seq}) covers it"),
     ("UPDATE silos SET retired_seq = 1 WHERE id = :id",
-     "is covered by entry 1, which now reads as a create entry: its retire entry (seq 1) covers it"),
+     "says it is retired at entry 1, but entry {seq} retired it: its retire entry (seq {seq}) decides it"),
     ("UPDATE silos SET retired_seq = retired_seq + 5 WHERE id = :id",
-     "is covered by no entry: the entry was removed: its retire entry (seq {moved}) covers it"),
+     "says it is retired at entry {moved}, but entry {seq} retired it: its retire entry (seq {seq}) decides it"),
 ])
 def test_an_edited_retirement_is_named_as_tampered(client: TestClient, engine: Engine, edit: str, why: str) -> None:
     target, headers = silo(client, "target")

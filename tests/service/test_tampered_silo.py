@@ -173,3 +173,36 @@ def test_an_edit_that_python_reads_as_equal_is_still_named_after_the_record_was_
     assert sql(engine, "SELECT epsilon_spent::text FROM ledger_entries WHERE silo_id = :id AND seq = 1",
                id=tampered).scalar_one() == "-0"
     assert_names(charge(client, tampered, headers, "after"), tampered, 1, "create")
+
+
+HOSTILE = [
+    # A filter whose weights put every δ share on one order (issue 41): the audit names it, never crashes.
+    "UPDATE silos SET filter_spec = :one_weight WHERE id = :id",
+    "UPDATE silos SET plan = '{\"segments\": [' WHERE id = :id",
+    "UPDATE silos SET rdp_spent = 'not a sum', rdp_committed = '{\"finite\": [1.0], \"infinite\": [0]}' WHERE id = :id",
+    "UPDATE charges SET rdp = '[1, 2', mechanism = '{' WHERE silo_id = :id",
+    "UPDATE charges SET status = 'refunded' WHERE silo_id = :id",
+    "UPDATE ledger_entries SET event = 'gift' WHERE silo_id = :id AND seq = 2",
+]
+
+
+def test_the_chain_check_reports_a_hostile_record_as_a_finding_never_a_crash(client: TestClient, engine: Engine) -> None:
+    other, other_headers = silo(client, "other")
+    assert charge(client, other, other_headers, "a").status_code == 201
+    for i, edit in enumerate(HOSTILE):  # each on a silo of its own; the ones before stay edited
+        tampered, headers = silo(client, f"hostile-{i}")
+        declared = client.post(f"/v1/silos/{tampered}/plan", headers=ADMIN, json={"mechanism": {**STEP, "steps": 3}})
+        assert declared.status_code == 201, declared.text
+        for key in ("a", "b"):
+            assert charge(client, tampered, headers, key).status_code == 201
+        spec = json.loads(sql(engine, "SELECT filter_spec FROM silos WHERE id = :id", id=tampered).scalar_one())
+        one_weight = json.dumps({**spec, "weights": [1.0] + [0.0] * (len(spec["weights"]) - 1)})
+        sql(engine, edit, id=tampered, **({"one_weight": one_weight} if ":one_weight" in edit else {}))
+        report = client.get("/v1/audit/verify", headers=ADMIN)
+        assert report.status_code == 200, (edit, report.text)
+        assert report.json()["ok"] is False
+        problems = report.json()["problems"]
+        assert any(p.startswith(f"silo {tampered}: ") for p in problems), (edit, problems)
+        assert not any(p.startswith(f"silo {other}: ") for p in problems), (edit, problems)  # the others are audited
+        if "UPDATE silos" in edit:
+            assert charge(client, tampered, headers, "after").status_code == 409  # and the gate refuses the record
