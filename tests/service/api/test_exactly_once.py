@@ -269,7 +269,9 @@ def test_item9_the_gate_has_no_tolerance_and_calibration_leaves_the_margin(clien
     eps = oracle(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(0.01, de.GaussianDpEvent(1.0)), 50))
     # The budget is the gate's own ε of the step on a fresh silo, to the last bit.
     quoted = client.post("/v1/quote", json={"mechanism": step, "silo_id": make_silo().id}, headers=ADMIN).json()
-    assert quoted["epsilon"] == pytest.approx(certified(0.01, 1.0, 50), rel=1e-9) and quoted["epsilon"] <= eps
+    # Never above dp-accounting's by more than float noise (1e-9 relative): the ledger's curve is a
+    # certified bound and its conversion is read on its safe side, where dp-accounting's may read low.
+    assert quoted["epsilon"] == pytest.approx(certified(0.01, 1.0, 50), rel=1e-9) and quoted["epsilon"] <= eps * (1 + 1e-9)
     exact = make_silo(epsilon=quoted["epsilon_if_approved"])
     assert charge(client, exact, "fits", step).status_code == 201  # ε ≤ budget, to the last bit
     # A hair below: approved exactly when the gate's own preview fits, with no tolerance (the old
