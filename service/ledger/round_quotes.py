@@ -8,9 +8,9 @@ mechanism is priced once and every candidate is the running sum the gate would h
 
 from __future__ import annotations
 
+from dpledger.service.accounting import cost, rdp
 from dpledger.service.accounting import filter as rdp_filter
-from dpledger.service.accounting import rdp
-from dpledger.service.accounting.events import MechanismError
+from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges, gate, silos
 from dpledger.service.ledger.db import Database
@@ -27,6 +27,7 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
     if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: it is approved the plan's units only, nothing else")
     declared = [run.mechanism for run in body.runs for _ in range(run.count)]
+    _price(silo, body)  # all of it, before any of it runs
     curves, resolved = {}, {}
     for index, run in enumerate(body.runs):
         key = None if run.mechanism is None else run.mechanism.model_dump_json()
@@ -36,6 +37,7 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
             except MechanismError as error:
                 raise InvalidRequest(error.field, error.message) from error
             curves[key], resolved[key] = priced.curve, priced.mechanism
+            cost.tick()
     # Beside a plan: whether its branch is still alive after each round (the rounds follow it or not).
     alive = gate.plan_path(silo, [None if m is None else resolved[m.model_dump_json()] for m in declared])
     # What the gate would hold after each round: the spent sum, plus each round's charge in turn.
@@ -86,3 +88,41 @@ def _calibrated(silo: Silo, rounds: list[AnyMechanism | None]) -> tuple[float | 
         return None, "σ is calibrated only where every round is the same plain DP-SGD of a batch_size"
     plan = silos.plan_noise(silo, batch_size=first.batch_size, steps=len(rounds) * first.steps, first_steps=first.steps)
     return plan.noise_multiplier, None
+
+
+# Following a plan, each round's charge is cut into the plan's units (plans.segments) and matched:
+# ~2 µs a node of its mechanism, measured; a round quote does it for every round while the plan lives.
+PLAN_STEP_SECONDS = 2e-6
+
+
+def _price(silo: Silo, body: RoundsQuoteRequest) -> None:
+    """The rounds' work priced together before any of it runs: their distinct mechanisms' leaves
+    counted once across all of them (the curve cache computes each once), and, beside a live plan,
+    every round matched against it (rounds × its mechanism's nodes). Over one request's price: a
+    422 naming `runs`, with what would fit."""
+    total, seen = cost.Estimate(), set()
+    following = 0.0
+    for index, run in enumerate(body.runs):
+        if run.mechanism is None:
+            continue
+        path = f"runs.{index}.mechanism"
+        try:
+            walk = cost.estimate(resolve(run.mechanism, dataset_size=silo.dataset_size, charged=False, path=path), path=path)
+        except MechanismError as error:
+            raise InvalidRequest(error.field, error.message) from error
+        following += run.count * walk.nodes * PLAN_STEP_SECONDS
+        key = run.mechanism.model_dump_json()
+        if key not in seen:
+            seen.add(key)
+            total.merge(walk)
+    if not gate.on_plan(silo):
+        following = 0.0
+    seconds = total.rdp_seconds + following
+    if seconds > cost.MAX_SECONDS:
+        what = (f"{len(seen)} distinct mechanisms holding {len(total.leaves)} distinct leaves, {total.sampled} of them "
+                f"sampled" + ("" if following < 0.05 else f", and {following:.2g} s matching every round to the plan"))
+        dearest = max(total.leaves.values(), default=cost.NODE_SECONDS)
+        raise InvalidRequest("runs", f"would cost dp-accounting about {seconds:.1f} s of CPU ({what}); one request may "
+                                     f"cost at most {cost.MAX_SECONDS:g} s, about {int(cost.MAX_SECONDS / dearest)} of its "
+                                     "dearest leaf: quote fewer distinct mechanisms per request, or reuse leaves")
+    cost.admit(following)

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dpledger.service.accounting import cost
 from dpledger.service.accounting.trial_counts import (
     MAX_MEAN_TRIALS,
     TrialDistribution,
@@ -108,9 +109,11 @@ def start_search(
     response: Response,
 ) -> SearchStarted:
     caller.require_silo(silo_id)
-    started = searches.start(
-        db, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key, key_id=caller.key_id
-    )
+    with cost.guard("trial"):  # the search's charge priced before its curve, as any charge (cost.py)
+        started = searches.start(
+            db, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key,
+            key_id=caller.key_id,
+        )
     if started.replayed:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
@@ -139,9 +142,11 @@ def report_trial(search_id: IdPath, body: TrialReport, caller: PrincipalDep, db:
 def quote_search(body: SearchQuoteRequest, caller: PrincipalDep) -> SearchQuote:
     """The naive search (a fixed grid, every run composed) beside each random-K search of the same
     mean (Papernot & Steinke 2022), before anyone spends."""
-    quoted = searches.quote(
-        body.trial, delta=body.delta, mean_trials=body.mean_trials, grid_size=body.grid_size, tnb_shapes=body.tnb_shapes
-    )
+    with cost.guard("trial"):  # every law's curve priced with the trial's before any runs (cost.py)
+        quoted = searches.quote(
+            body.trial, delta=body.delta, mean_trials=body.mean_trials, grid_size=body.grid_size,
+            tnb_shapes=body.tnb_shapes,
+        )
     return SearchQuote(
         delta=body.delta, trial_epsilon=finite_or_none(quoted.trial_epsilon), naive_grid_size=quoted.grid_size,
         naive_epsilon=finite_or_none(quoted.naive_epsilon),
