@@ -9,7 +9,8 @@ from dpledger.service.accounting import cost, plans, rdp, reports
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.api.deps import READERS, DbDep, Principal, PrincipalDep
+from dpledger.service.api.admission import TOO_MANY, AdmittedDep
+from dpledger.service.api.deps import READERS, DbDep, Principal
 from dpledger.service.ledger import charges, gate, round_quotes
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import InvalidRequest
@@ -28,8 +29,8 @@ from dpledger.wire.schemas import (
 router = APIRouter(prefix="/v1", tags=["quotes"])
 
 
-@router.post("/quote", response_model=QuoteResponse, name="quote")
-def quote(body: QuoteRequest, caller: PrincipalDep, db: DbDep) -> QuoteResponse:
+@router.post("/quote", response_model=QuoteResponse, name="quote", responses=TOO_MANY)
+def quote(body: QuoteRequest, caller: AdmittedDep, db: DbDep) -> QuoteResponse:
     """What the mechanism costs alone (RDP, and PLD where within bounds), and with `silo_id` what
     approving it would leave that silo at: the same preview a reservation decides on. Priced before
     any work, under one guard: its RDP curve first (over the price: a 422), then the PLD report and
@@ -91,8 +92,8 @@ def _plan_price(answer: QuoteResponse, mechanism: AnyMechanism, *, delta: float,
         answer.plan_note = error.message
 
 
-@router.post("/calibrate", response_model=CalibrateResponse, name="calibrate")
-def calibrate(body: CalibrateRequest, caller: PrincipalDep) -> CalibrateResponse:
+@router.post("/calibrate", response_model=CalibrateResponse, name="calibrate", responses=TOO_MANY)
+def calibrate(body: CalibrateRequest, caller: AdmittedDep) -> CalibrateResponse:
     """The smallest DP-SGD noise multiplier whose ε at δ stays within the target, with a margin so
     that a plan calibrated to a silo's whole budget still passes the ledger's exact gate."""
     with cost.guard("epsilon"):
@@ -102,8 +103,8 @@ def calibrate(body: CalibrateRequest, caller: PrincipalDep) -> CalibrateResponse
     return CalibrateResponse(noise_multiplier=sigma, epsilon=eps)
 
 
-@router.post("/quote/rounds", response_model=RoundsQuote, name="quote_rounds")
-def quote_rounds(body: RoundsQuoteRequest, caller: PrincipalDep, db: DbDep) -> RoundsQuote:
+@router.post("/quote/rounds", response_model=RoundsQuote, name="quote_rounds", responses=TOO_MANY)
+def quote_rounds(body: RoundsQuoteRequest, caller: AdmittedDep, db: DbDep) -> RoundsQuote:
     """A job's rounds for one silo, priced in one request: how many of them its remaining budget buys,
     read by its gate as it will approve them one by one (what `dpledger train --plan` prints); with
     `calibrate`, the σ for the job's rounds. Reserves nothing. Calibration answers from the silo's

@@ -17,6 +17,7 @@ from dpledger.service.accounting.trial_counts import (
     TrialDistribution,
     distribution,
 )
+from dpledger.service.api.admission import TOO_MANY, AdmittedDep
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.errors import spend_route
 from dpledger.service.api.receipts import SignerDep, receipt
@@ -105,7 +106,7 @@ def _detail(search: Search) -> SearchDetail:
     replay="the search already started", over_budget="nothing was written, no K drawn",
 )
 def start_search(
-    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
+    silo_id: IdPath, body: SearchRequest, caller: AdmittedDep, db: DbDep, signer: SignerDep,
     response: Response,
 ) -> SearchStarted:
     caller.require_silo(silo_id)
@@ -138,8 +139,8 @@ def report_trial(search_id: IdPath, body: TrialReport, caller: PrincipalDep, db:
     return _detail(search)
 
 
-@router.post("/v1/searches/quote", response_model=SearchQuote, name="quote_search")
-def quote_search(body: SearchQuoteRequest, caller: PrincipalDep) -> SearchQuote:
+@router.post("/v1/searches/quote", response_model=SearchQuote, name="quote_search", responses=TOO_MANY)
+def quote_search(body: SearchQuoteRequest, caller: AdmittedDep) -> SearchQuote:
     """The naive search (a fixed grid, every run composed) beside each random-K search of the same
     mean (Papernot & Steinke 2022), before anyone spends."""
     with cost.guard("trial"):  # every law's curve priced with the trial's before any runs (cost.py)

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from dpledger.service.accounting import cost, rdp
 from dpledger.service.accounting.events import resolve
 from dpledger.service.accounting.running_sum import RunningSum
+from dpledger.service.api.admission import TOO_MANY, AdmittedDep
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import charges, gate, jobs, seals, silos
 from dpledger.service.ledger import history as ledger_history
@@ -50,8 +51,8 @@ def _summary(silo: Silo) -> SiloSummary:
     )
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo")
-def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> SiloCreated:
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo", responses=TOO_MANY)
+def create_silo(body: SiloCreateRequest, caller: AdmittedDep, db: DbDep) -> SiloCreated:
     caller.require(Role.admin)
     epsilon, delta = body.epsilon, body.delta
     if body.level is not None:
@@ -126,10 +127,10 @@ def _plan_view(silo: Silo) -> PlanView | None:
     status_code=status.HTTP_201_CREATED,
     response_model=PlanView,
     name="declare_plan",
-    responses={409: {"model": OverBudgetResponse, "description": "the plan's ε exceeds the budget, or the silo "
-                     "holds charges or a plan already: nothing was written"}},
+    responses={**TOO_MANY, 409: {"model": OverBudgetResponse, "description": "the plan's ε exceeds the budget, or the "
+                                 "silo holds charges or a plan already: nothing was written"}},
 )
-def declare_plan(silo_id: IdPath, body: PlanRequest, caller: PrincipalDep, db: DbDep) -> PlanView:
+def declare_plan(silo_id: IdPath, body: PlanRequest, caller: AdmittedDep, db: DbDep) -> PlanView:
     """Fixes the silo's one plan before its first charge, priced by its PLD ε on its share of δ:
     while every charge follows it, in order, the gate reads the lower of that ε and the filter's
     (on the rest of δ); stopping early is free, and a charge off the plan ends the plan's branch
@@ -196,8 +197,8 @@ def retire_silo(silo_id: IdPath, body: SiloRetireRequest, caller: PrincipalDep, 
     return get_silo(silo_id, caller, db)
 
 
-@router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
-def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, db: DbDep) -> SiloCalibration:
+@router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo", responses=TOO_MANY)
+def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: AdmittedDep, db: DbDep) -> SiloCalibration:
     """The noise multiplier that lets `rounds` more rounds of DP-SGD fit what this silo has LEFT.
 
     Only the silo's own key and admins: the answer is a function of the silo's budget, which the
