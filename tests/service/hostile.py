@@ -89,3 +89,38 @@ def request(rng: random.Random, *, silo_id: int, replace_one_silo_id: int) -> tu
                 {"mechanism": mechanism(rng, charged=True), "idempotency_key": f"k{rng.getrandbits(64)}"}, "silo")
     return "/v1/searches/quote", {"trial": mechanism(rng), "mean_trials": rng.choice([2.0, 100.0]), "delta": 1e-5,
                                   "tnb_shapes": [0.5 + i for i in range(rng.choice([1, 16]))]}, "admin"
+
+
+def table(silo: int, replace_one: int) -> list[tuple[str, str, dict[str, Any], str]]:
+    """The issue's table, row by row: (name, path, body, whose key)."""
+    def swr(i: int) -> dict[str, Any]:
+        return {"type": "sampled_without_replacement", "source_size": DATASET_SIZE, "sample_size": 10 + i,
+                "event": {"type": "gaussian", "noise_multiplier": 1.0}}
+
+    def g(sigma: float) -> dict[str, Any]:
+        return {"type": "gaussian", "noise_multiplier": sigma}
+
+    return [
+        ("rounds: 32 × 4 sampled without replacement", "/v1/quote/rounds", {"silo_id": replace_one, "rounds": 32, "runs": [
+            {"mechanism": {"type": "composed", "events": [swr(4 * j + i) for i in range(4)]}, "count": 1}
+            for j in range(32)]}, "admin"),
+        ("quote: 8 DP-SGD leaves, q ≈ 0.9, σ 0.5", "/v1/quote", {"delta": 1e-5, "mechanism": {"type": "composed", "events": [
+            {"type": "dpsgd", "sampling_rate": 0.9 + i / 1000, "noise_multiplier": 0.5, "steps": 2} for i in range(8)]}},
+         "admin"),
+        ("quote: 9,000 alternating Gaussians", "/v1/quote", {"delta": 1e-5, "mechanism": {"type": "composed", "events": [
+            {"type": "composed", "events": [g(20.0 + k % 2) for k in range(1000)]} for _ in range(9)]}}, "admin"),
+        ("rounds: 32 repeat_and_select of 29 leaves", "/v1/quote/rounds", {"silo_id": silo, "rounds": 32, "runs": [
+            {"mechanism": {"type": "repeat_and_select", "mean": 10, "shape": 1, "event": {"type": "composed", "events": [
+                g(5 + j + i / 100) for i in range(29)]}}, "count": 1} for j in range(32)]}, "admin"),
+        ("plan: 10,000 runs of alternating units", f"/v1/silos/{silo}/plan", {"mechanism": {"type": "composed", "events": [
+            {"type": "composed", "events": [g(200.0 + k % 2) for k in range(1000)]} for _ in range(10)]}}, "silo"),
+        ("rounds: 32 × 15 new sampled pairs", "/v1/quote/rounds", {"silo_id": silo, "rounds": 32, "runs": [
+            {"mechanism": {"type": "composed", "events": [{"type": "dpsgd", "batch_size": 10 + 15 * j + i,
+                                                          "noise_multiplier": 1.0, "steps": 1} for i in range(15)]},
+             "count": 1} for j in range(32)]}, "admin"),
+        ("quote: DP-SGD q 0.999, σ 0.5, 5 steps", "/v1/quote", {"delta": 1e-5, "mechanism": {
+            "type": "dpsgd", "sampling_rate": 0.999, "noise_multiplier": 0.5, "steps": 5}}, "admin"),
+        ("rounds: 32 × 1,000 distinct Gaussians", "/v1/quote/rounds", {"silo_id": silo, "rounds": 32, "runs": [
+            {"mechanism": {"type": "composed", "events": [g(1 + j + i / 10_000) for i in range(1000)]}, "count": 1}
+            for j in range(32)]}, "admin"),
+    ]

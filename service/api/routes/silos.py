@@ -11,7 +11,7 @@ import numpy as np
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
-from dpledger.service.accounting import cost, rdp
+from dpledger.service.accounting import cost, plans, rdp
 from dpledger.service.accounting.events import resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.admission import TOO_MANY, AdmittedDep
@@ -137,8 +137,11 @@ def declare_plan(silo_id: IdPath, body: PlanRequest, caller: AdmittedDep, db: Db
     (the filter alone from then on), never the silo."""
     caller.require_silo(silo_id, also=(Role.admin,))
     with db.read() as session:  # a plan's q is the service's, as a charge's: a declared sampling_rate is refused
-        resolve(body.mechanism, dataset_size=silos.get(session, silo_id).dataset_size, charged=True)
+        resolved = resolve(body.mechanism, dataset_size=silos.get(session, silo_id).dataset_size, charged=True)
     with cost.guard("mechanism"):  # its PLD priced before it runs, and stopped where it outruns that (plans.py)
+        too_costly = cost.check(resolved, pld_discretization=plans.PLAN_DISCRETIZATION, warm=False)
+        if too_costly is not None:  # before the plan is cut into units: a 422 at once
+            raise InvalidRequest("mechanism", f"cannot be priced as a plan within one request's bounded work: {too_costly}")
         silos.declare_plan(db, silo_id=silo_id, mechanism=body.mechanism)
     with db.read() as session:
         silo = silos.get(session, silo_id)
