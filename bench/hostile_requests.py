@@ -59,7 +59,8 @@ def main() -> None:
 
         def silo(name: str, **extra: Any) -> dict[str, Any]:
             body = {"name": name, "epsilon": 1000.0, "delta": 1e-5, "dataset_size": hostile.DATASET_SIZE, **extra}
-            return http.post("/v1/silos", json=body, headers=admin).json()  # type: ignore[no-any-return]
+            made: dict[str, Any] = http.post("/v1/silos", json=body, headers=admin).json()
+            return made
 
         plain, replace = silo("plain"), silo("replace", relation="replace_one")
         keys = {"admin": admin, "silo": {"Authorization": f"Bearer {plain['api_key']}"}}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request, status
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,7 +73,8 @@ async def admitted(request: Request, caller: PrincipalDep) -> AsyncIterator[Prin
 
 # A route that computes takes this in place of PrincipalDep.
 AdmittedDep = Annotated[Principal, Depends(admitted)]
-TOO_MANY = {429: {"description": "this key has too many requests in flight on routes that compute (see Retry-After)"}}
+TOO_MANY: dict[int | str, dict[str, Any]] = {
+    429: {"description": "this key has too many requests in flight on routes that compute (see Retry-After)"}}
 
 
 class BodyLimit:
