@@ -130,8 +130,18 @@ class SiloCreated(_SiloFields):
     api_key: str = Field(description="the silo's key, shown once")
 
 
+# Beside every ε the ledger states (the gate's reading), labelled as a reference (docs/concepts/gate.md).
+_REFERENCE_NOTE = ("for reference only: dp-accounting's non-adaptive RDP ε of the same charges (best order, whole δ), "
+                   "which adaptive choices may exceed")
+
+
+def _reference(of: str = "") -> Any:
+    return Field(None, description=_REFERENCE_NOTE + (f", beside {of}" if of else ""))
+
+
 class SiloSummary(_SiloFields):
     epsilon_spent: float | None
+    epsilon_dp_accounting: float | None = _reference("epsilon_spent")
     retired_seq: int | None = Field(None, description="the silo's retire entry, where an admin retired it: it approves "
                                     "nothing since (its earlier reservations are still settled); null: in service")
     retired_reason: str | None = Field(None, description="why an admin retired the silo, as its retire entry covers it")
@@ -157,9 +167,6 @@ class PlanView(BaseModel):
 
 
 class SiloDetail(SiloSummary):
-    epsilon_dp_accounting: float | None = Field(
-        None, description="for reference only: dp-accounting's non-adaptive RDP ε of the same charges (best order, "
-        "whole δ), which adaptive choices may exceed")
     epsilon_committed: float | None
     epsilon_remaining: float
     rho: float | None
@@ -211,8 +218,10 @@ class ChargeReserved(BaseModel):
     charge_id: int
     status: ChargeStatus = Field(description="reserved, committed or released: the charge's real state now")
     replayed: bool = Field(description="true when this answers an idempotency key seen before: no new approval")
-    epsilon: float | None = Field(description="this charge's own ε at the silo's δ (null: infinite)")
+    epsilon: float | None = Field(description="this charge's own ε at the silo's δ, alone (dp-accounting's RDP "
+                                  "conversion of its curve; null: infinite)")
     epsilon_spent: float | None = Field(description="the silo's ε spent (reserved + committed) now")
+    epsilon_dp_accounting: float | None = _reference("epsilon_spent")
     epsilon_remaining: float
     job_id: str | None
     round: int | None
@@ -238,6 +247,7 @@ class ChargeSettled(BaseModel):
     charge_id: int
     status: ChargeStatus
     epsilon_spent: float | None
+    epsilon_dp_accounting: float | None = _reference("epsilon_spent")
     receipt: Receipt | None = Field(None, description=RECEIPT_NOTE)
 
 
@@ -347,12 +357,15 @@ class QuoteResponse(BaseModel):
     pld_note: str | None = Field(None, description="why no PLD ε, where dp-accounting's PLD accountant lacks the mechanism")
     delta: float
     silo_epsilon_spent: float | None = None
+    silo_epsilon_spent_dp_accounting: float | None = _reference("silo_epsilon_spent")
     epsilon_if_approved: float | None = None
+    epsilon_if_approved_dp_accounting: float | None = _reference("epsilon_if_approved")
     epsilon_rdp_proven: float | None = Field(
         None, description="ε by the union-bound Rényi filter: the silo's (spent + this), or without a silo, a filter "
         "committed to this mechanism's best order")
     epsilon_plan: float | None = Field(
-        None, description="the PLD ε if this mechanism were declared as the silo's plan (null where it cannot be one)")
+        None, description="the PLD ε if this mechanism were declared as the silo's plan, on the plan's share of the "
+        "silo's δ as the plan would be stored (without a silo: at `delta`); null where it cannot be one")
     plan_note: str | None = None
     gated_on: Literal["rdp_filter", "plan", "plan_and_filter"] | None = Field(
         None, description="what the silo's approvals are checked against (null without a silo)")
@@ -399,7 +412,9 @@ class SiloCalibration(BaseModel):
     rounds: int
     steps_per_round: int
     epsilon_spent: float | None = Field(description="the silo's ε before the planned rounds")
+    epsilon_spent_dp_accounting: float | None = _reference("epsilon_spent")
     epsilon_after: float = Field(description="the silo's ε once every planned round is spent at this σ")
+    epsilon_after_dp_accounting: float | None = _reference("epsilon_after")
     epsilon: float = Field(description="the silo's budget")
 
 

@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dp_accounting.pld import pld_privacy_accountant
-
-from dpledger.service.accounting import cost
+from dpledger.service.accounting import cost, reports
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.wire.mechanisms import (
     AnyMechanism,
@@ -126,18 +124,25 @@ def consume(plan: list[Segment], *, used: int, charge: list[Segment]) -> int:
 
 def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> float:
     """The plan's ε at δ by dp-accounting's PLD accountant; MechanismError if it cannot price it, or
-    not within one request's bounded work (cost.check, at this finer discretization)."""
-    too_costly = cost.check(mechanism, pld_discretization=PLAN_DISCRETIZATION)
+    not within what is left of one request's price (cost.check, at this finer discretization), or
+    if its accountant outruns that price (a guard of its own, ticked PLD by PLD)."""
+    too_costly = cost.check(mechanism, pld_discretization=PLAN_DISCRETIZATION, warm=False)
     if too_costly is not None:
         raise MechanismError("mechanism", f"cannot be priced as a plan within one request's bounded work: {too_costly}")
     event = to_dp_event(mechanism)
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLAN_DISCRETIZATION)
+    accountant = reports.MeteredPLDAccountant(value_discretization_interval=PLAN_DISCRETIZATION)
     if not accountant.supports(event):
         raise MechanismError("mechanism", f"dp-accounting's PLD accountant does not support {type(event).__name__} in this plan")
+    price = cost.estimate(mechanism).pld_seconds(PLAN_DISCRETIZATION)
     try:
-        accountant.compose(event)
-        return float(accountant.get_epsilon(delta))
+        with cost.guard("mechanism", price=price, slack=cost.PART_SLACK, message=(
+                f"cannot be priced as a plan within one request's bounded work: dp-accounting's PLD accountant "
+                f"outran its price ({price:.2g} s of CPU) and was stopped")):
+            accountant.compose(event)
+            return float(accountant.get_epsilon(delta))
     except (ValueError, ArithmeticError, MemoryError) as error:
+        if isinstance(error, MechanismError):
+            raise
         raise MechanismError(
             "mechanism", f"dp-accounting's PLD accountant failed on this plan: {type(error).__name__}"
         ) from error

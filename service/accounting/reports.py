@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +14,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import cost, rdp
 from dpledger.service.accounting.events import MechanismError, to_dp_event
 from dpledger.service.accounting.rdp import ORDERS
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd
@@ -32,18 +32,33 @@ class PldReport:
 
 def pld_epsilon(mechanism: AnyMechanism, *, delta: float, skip_reason: str | None = None) -> PldReport:
     """ε from dp-accounting's PLD accountant, or why it cannot (or, per `cost.check`'s
-    `skip_reason`, may not) report one for this mechanism."""
+    `skip_reason`, may not) report one for this mechanism. Run under a guard of its own priced at its
+    estimate: a report that outruns it is stopped and skipped, the request goes on."""
     if skip_reason is not None:
         return PldReport(None, skip_reason)
     event = to_dp_event(mechanism)
-    accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
+    accountant = MeteredPLDAccountant(value_discretization_interval=PLD_DISCRETIZATION)
     if not accountant.supports(event):
         return PldReport(None, f"dp-accounting's PLD accountant does not support {type(event).__name__} in this mechanism")
+    price = cost.estimate(mechanism).pld_seconds(PLD_DISCRETIZATION)
     try:
-        accountant.compose(event)
-        return PldReport(float(accountant.get_epsilon(delta)), None)
+        with cost.guard("mechanism", price=price, slack=cost.PART_SLACK):
+            accountant.compose(event)
+            return PldReport(float(accountant.get_epsilon(delta)), None)
+    except cost.Stopped as stopped:
+        return PldReport(None, f"PLD report stopped after {stopped.spent:.2f} s of CPU, past its price ({price:.2g} s)")
     except (ValueError, ArithmeticError, MemoryError) as error:  # a report beside the ledger: never a 500
         return PldReport(None, f"dp-accounting's PLD accountant failed on this mechanism: {type(error).__name__}")
+
+
+class MeteredPLDAccountant(pld_privacy_accountant.PLDAccountant):  # type: ignore[misc]  # dp-accounting is untyped
+    """dp-accounting's PLD accountant with the request's guard ticked before each PLD it builds and
+    composes (cost.tick): its work is one PLD per node of the event, each up to seconds."""
+
+    def _maybe_compose(self, event: de.DpEvent, count: int, do_compose: bool) -> object:
+        if do_compose and not isinstance(event, de.ComposedDpEvent | de.SelfComposedDpEvent):
+            cost.tick()
+        return super()._maybe_compose(event, count, do_compose)
 
 
 def dpsgd_event(*, noise_multiplier: float, sampling_rate: float, steps: int) -> de.DpEvent:
@@ -63,29 +78,18 @@ CALIBRATION_MARGIN = 1e-9
 
 
 # A σ search is priced as it runs: each of its steps composes a new (q, σ) pair, tens of milliseconds
-# (~0.1 s near q = 1), and how many steps it takes depends on where the root lies; so its CPU is
-# counted step by step and the search is refused (a 422) past the bound every request has
-# (accounting/cost.py), after its σ range was bounded before it started.
-MAX_CALIBRATION_SECONDS = 2.0
+# (~0.1 s near q = 1), and how many steps it takes depends on where the root lies; so it runs under a
+# CPU guard of its own (cost.guard), ticked step by step, and is refused (a 422) past the bound every
+# request has, after its σ range was bounded before it started.
+# As before issue 46 (legitimate searches near q = 1 take ~1.5 s on a busy box); the step that crosses
+# it still runs (one (q, σ) pair near q = 1: up to ~0.4 s).
+MAX_CALIBRATION_SECONDS = cost.GUARD_SECONDS
 
 
-class _OutOfTime(Exception):
-    """The search spent its CPU bound (no ValueError: the searches' own error handling must not catch it)."""
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.start = time.thread_time()  # the request's own thread: what it costs, not what others do meanwhile
-
-    def tick(self) -> None:
-        if time.thread_time() - self.start > MAX_CALIBRATION_SECONDS:
-            raise _OutOfTime
-
-
-def _out_of_time(field: str) -> MechanismError:
-    return MechanismError(field, f"the σ search was stopped after {MAX_CALIBRATION_SECONDS:g} s of CPU, the most one request "
-                                 "may cost (each of its steps composes a new (q, σ) pair): ask for fewer steps, a smaller "
-                                 "sampling rate or a larger ε")
+def _search_guard(field: str) -> AbstractContextManager[cost.Guard]:
+    return cost.guard(field, seconds=MAX_CALIBRATION_SECONDS, message=(
+        f"the σ search was stopped after {MAX_CALIBRATION_SECONDS:g} s of CPU, the most one request may cost (each of "
+        "its steps composes a new (q, σ) pair): ask for fewer steps, a smaller sampling rate or a larger ε"))
 
 
 def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float, steps: int) -> tuple[float, float]:
@@ -96,16 +100,11 @@ def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float,
     so rounding in the search can only cost noise, never privacy (as Opacus does).
     """
     epsilon = epsilon * (1 - CALIBRATION_MARGIN)
-    clock = _Clock()
-    try:
-        return _calibrate_dpsgd_noise(epsilon=epsilon, delta=delta, sampling_rate=sampling_rate, steps=steps, clock=clock)
-    except _OutOfTime:
-        raise _out_of_time("epsilon") from None
+    with _search_guard("epsilon"):
+        return _calibrate_dpsgd_noise(epsilon=epsilon, delta=delta, sampling_rate=sampling_rate, steps=steps)
 
 
-def _calibrate_dpsgd_noise(
-    *, epsilon: float, delta: float, sampling_rate: float, steps: int, clock: _Clock
-) -> tuple[float, float]:
+def _calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float, steps: int) -> tuple[float, float]:
     # Bounded before the search: past σ = SIGMA_CEILING the noise drowns any gradient, and a search that
     # would end there walks a bracket up to it step by step (~10 s was seen at q = 0.5, 10^5 steps).
     at_ceiling = dpsgd_epsilon(noise_multiplier=SIGMA_CEILING, sampling_rate=sampling_rate, steps=steps, delta=delta)
@@ -116,7 +115,7 @@ def _calibrate_dpsgd_noise(
         )
 
     def make_event(sigma: float) -> de.DpEvent:
-        clock.tick()
+        cost.tick()
         return dpsgd_event(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps)
 
     try:
@@ -138,7 +137,7 @@ def _calibrate_dpsgd_noise(
         ) from error
     eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
     while eps > epsilon:
-        clock.tick()
+        cost.tick()
         sigma *= 1 + 1e-6
         eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
     return sigma, eps
@@ -176,17 +175,14 @@ def calibrate_remaining(
     if not math.isfinite(budget) or budget <= 0:
         raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
     budget = budget * (1 - CALIBRATION_MARGIN)  # the ledger's gate has no tolerance
-    clock = _Clock()
 
     def epsilon_after(sigma: float) -> float:
-        clock.tick()
+        cost.tick()
         planned = DpSgd(sampling_rate=sampling_rate, noise_multiplier=sigma, steps=steps)
         return epsilon_of(spent + rdp.certified_curve(planned))
 
-    try:
+    with _search_guard("rounds"):
         return _search_remaining(epsilon_after, epsilon_of(spent), budget=budget)
-    except _OutOfTime:
-        raise _out_of_time("rounds") from None
 
 
 def _search_remaining(epsilon_after: Callable[[float], float], already: float, *, budget: float) -> RemainingCalibration:

@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from fastapi_offline import FastAPIOffline
 
 from dpledger.service.api import errors, metrics
+from dpledger.service.api.admission import BodyLimit, InFlight
 from dpledger.service.api.known import Known
 from dpledger.service.api.ledger_file import FileWatch, FileWatchMiddleware, sqlite_file
 from dpledger.service.api.refusals import RefusalLog
@@ -67,6 +68,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db = db
     app.state.engine = db.engine
     app.state.refusals = RefusalLog()
+    app.state.in_flight = InFlight()  # requests in flight per key on the routes that compute (admission.py)
     app.state.known = Known()  # keys and silos this process has approved for (service/api/known.py)
     # The log's sequencer runs in every serving process; one per database leads (ledger/sequencer.py).
     # Started here, not at the lifespan's start, so that an app driven without one (a test client
@@ -81,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     _watch_file(app, db, settings.database_url)  # before metrics: its access line and counters see the 503s too
     metrics.install(app)
+    app.add_middleware(BodyLimit)  # outermost: a body larger than any request needs is never read
     for module in (silos, charges, jobs, audit, quote, keys, searches, log, checkpoint, dashboard):
         app.include_router(module.router)
 

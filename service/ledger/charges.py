@@ -87,6 +87,7 @@ class ChargeView:
     epsilon_remaining: float
     replayed: bool
     position: transparency.Position  # the reserve entry's place in the transparency log (the receipt)
+    epsilon_dp_accounting: float  # for reference: dp-accounting's non-adaptive RDP ε of the silo's same charges
 
     @property
     def charge_id(self) -> int:
@@ -103,6 +104,7 @@ class Settlement:
     status: ChargeStatus
     epsilon_spent: float
     position: transparency.Position
+    epsilon_dp_accounting: float  # for reference, beside epsilon_spent (as ChargeView's)
 
 
 @dataclass(frozen=True)
@@ -193,13 +195,23 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
 
 def view(
     session: Session, silo: Silo, charge: Charge | ChargeRecord, *, replayed: bool, position: transparency.Position | None = None,
-    own: float | None = None, spent: float | None = None,
+    own: float | None = None, spent: float | None = None, reference: float | None = None,
 ) -> ChargeView:
-    """`own`, `spent`: the charge's ε and the silo's where the caller has just computed them."""
+    """`own`, `spent`, `reference`: the charge's ε, the silo's, and dp-accounting's reference of the
+    silo's (its running sum's non-adaptive RDP ε) where the caller has just computed them."""
     spent = silos.epsilon_spent(silo) if spent is None else spent
     own = float(rdp.epsilons(curve_from_json(charge.rdp), delta=silo.delta)[0]) if own is None else own
+    reference = spent_reference(silo) if reference is None else reference
     where = position if position is not None else reserve_position(session, charge.id)
-    return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where)
+    return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where, reference)
+
+
+def spent_reference(silo: Silo, running: RunningSum | None = None) -> float:
+    """For reference beside the gate's ε: dp-accounting's non-adaptive RDP ε (best order, whole δ)
+    of the silo's reserved + committed charges (`running`: that sum where the caller holds it), by
+    rdp.epsilons, dp-accounting's conversion vectorised (~20 µs against its own ~0.6 ms)."""
+    curve = (RunningSum.from_json(silo.rdp_spent) if running is None else running).curve()
+    return float(rdp.epsilons(curve, delta=silo.delta)[0])
 
 
 def reserve_position(session: Session, charge_id: int) -> transparency.Position:
@@ -353,8 +365,9 @@ def reserve_locked(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
         rdp_spent=decision.candidate.to_json(), new_charge=new_charge,
     )
-    own = float(rdp.epsilons(priced.curve, delta=silo.delta)[0])  # dp-accounting's conversion, vectorised (as view)
-    return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after)
+    # dp-accounting's conversion, vectorised (as view): the charge's own ε, and the reference of the sum after it.
+    own, reference = (float(e) for e in rdp.epsilons(np.vstack([priced.curve, decision.candidate.curve()]), delta=silo.delta))
+    return view(session, silo, charge, replayed=False, position=position, own=own, spent=spent_after, reference=reference)
 
 
 def _lock(
@@ -408,13 +421,14 @@ def list_for_silo(
 ) -> list[ChargeView]:
     with db.read() as session:
         silo = silos.get(session, silo_id)
+        spent, reference = silos.epsilon_spent(silo), spent_reference(silo)  # the silo's, once for all its charges
         query = select(Charge).where(Charge.silo_id == silo_id)
         if status is not None:
             query = query.where(Charge.status == status)
         if job_id is not None:
             query = query.where(Charge.job_id == job_id)
         found = session.scalars(query.order_by(Charge.id).limit(limit))
-        return [view(session, silo, charge, replayed=False) for charge in found]
+        return [view(session, silo, charge, replayed=False, spent=spent, reference=reference) for charge in found]
 
 
 def _visible(session: Session, charge_id: int, silo_scope: int | None) -> Charge:
@@ -461,7 +475,7 @@ def _settle(db: Database, *, charge_id: int, event: EntryEvent, silo_scope: int 
         eps = gate.reading(silo, spent).epsilon  # as silos.epsilon_spent reads the stored sum
         position = silos.append_entry(session, silo, event=event, charge=charge, epsilon_spent=eps,
                                       now=datetime.now(UTC), rdp_spent=rdp_spent, rdp_committed=rdp_committed)
-        return Settlement(charge_id, ChargeStatus(charge.status), eps, position)
+        return Settlement(charge_id, ChargeStatus(charge.status), eps, position, spent_reference(silo, spent))
 
 
 def _check_as_reserved(session: Session, charge: Charge) -> None:

@@ -8,9 +8,9 @@ mechanism is priced once and every candidate is the running sum the gate would h
 
 from __future__ import annotations
 
+from dpledger.service.accounting import cost, plans, rdp
 from dpledger.service.accounting import filter as rdp_filter
-from dpledger.service.accounting import rdp
-from dpledger.service.accounting.events import MechanismError
+from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges, gate, silos
 from dpledger.service.ledger.db import Database
@@ -27,30 +27,55 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
     if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: it is approved the plan's units only, nothing else")
     declared = [run.mechanism for run in body.runs for _ in range(run.count)]
-    curves, resolved = {}, {}
-    for index, run in enumerate(body.runs):
-        key = None if run.mechanism is None else run.mechanism.model_dump_json()
+    _price(silo, body)  # all of it, before any of it runs
+    # Each run's mechanism keyed once (one JSON dump a run, not one a round: 8,605 dumps of a large
+    # mechanism took 3 s of CPU), its curve priced and computed once per distinct key.
+    keys = [None if run.mechanism is None else run.mechanism.model_dump_json() for run in body.runs]
+    rounds = [key for key, run in zip(keys, body.runs, strict=True) for _ in range(run.count)]
+    curves, resolved, declared_by_key = {}, {}, {}
+    for index, (key, run) in enumerate(zip(keys, body.runs, strict=True)):
         if run.mechanism is not None and key not in curves:
             try:
                 priced = charges.price(run.mechanism, silo=silo, charged=False, path=f"runs.{index}.mechanism")
             except MechanismError as error:
                 raise InvalidRequest(error.field, error.message) from error
-            curves[key], resolved[key] = priced.curve, priced.mechanism
+            curves[key], resolved[key], declared_by_key[key] = priced.curve, priced.mechanism, run.mechanism
+            cost.tick()
     # Beside a plan: whether its branch is still alive after each round (the rounds follow it or not).
-    alive = gate.plan_path(silo, [None if m is None else resolved[m.model_dump_json()] for m in declared])
+    alive = gate.plan_path(silo, [None if key is None else resolved[key] for key in rounds])
     # What the gate would hold after each round: the spent sum, plus each round's charge in turn.
     spent = RunningSum.from_json(silo.rdp_spent)
     after = [spent]
-    for mechanism in declared:
-        after.append(after[-1] if mechanism is None else after[-1].add(curves[mechanism.model_dump_json()]))
+    for key in rounds:
+        after.append(after[-1] if key is None else after[-1].add(curves[key]))
+        cost.tick()
 
-    first = next((m for m in declared if m is not None), None)
-    # A pending silo's filter is the one its first round would fix (gate.pending).
-    first_curve = (None if first is None or not gate.pending(silo)
-                   else rdp_filter.FirstCharge(curves[first.model_dump_json()], rdp.training_unit(first)))
+    # The first charged round: where the job's first rounds charge nothing, the first one that does.
+    first_index = next((n for n, key in enumerate(rounds, start=1) if key is not None), None)
+    # A pending silo's filter is the one its first round would fix (gate.pending), computed once here
+    # (its allocation costs ~0.01–0.5 s, and gate.reading would redo it at every reading).
+    fixed = None
+    if first_index is not None and gate.pending(silo):
+        cost.admit(cost.FIRST_FILTER_SECONDS)
+        first_key = rounds[first_index - 1]
+        first = rdp_filter.FirstCharge(curves[first_key], rdp.training_unit(declared_by_key[first_key]))
+        fixed = gate.spec(silo, first=first)
+
+    def gate_epsilon(n: int, running: RunningSum) -> float:
+        """gate.reading of the sum after `n` rounds, under the filter `fixed` where the silo is pending
+        (its spent sum is empty: it holds no charge), as plans.gate_epsilon reads it beside a plan."""
+        if fixed is None:
+            return gate.reading(silo, running, alive=alive[n]).epsilon
+        by_filter = rdp_filter.read(fixed, running.curve(), delta=silo.delta).epsilon
+        declared_plan = gate.plan(silo)
+        if declared_plan is None:
+            return by_filter
+        ran = first_index is not None and n >= first_index
+        return plans.gate_epsilon(declared_plan, on_plan=alive[n], ran=ran, by_filter=by_filter)
 
     def fits(n: int) -> bool:
-        return rdp.within_budget(gate.reading(silo, after[n], first=first_curve, alive=alive[n]).epsilon, budget=silo.epsilon)
+        cost.tick()
+        return rdp.within_budget(gate_epsilon(n, after[n]), budget=silo.epsilon)
 
     # A running sum only grows, so the rounds that fit are a prefix: bisect for its end.
     low, high = 0, len(declared) + 1
@@ -59,13 +84,11 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
         low, high = (middle, high) if fits(middle) else (low, middle)
     sigma, note = _calibrated(silo, declared[: body.rounds]) if body.calibrate else (None, None)
     def gate_eps(n: int, running: RunningSum) -> float | None:
-        return finite_or_none(gate.reading(silo, running, first=first_curve, alive=alive[n]).epsilon)
+        return finite_or_none(gate_epsilon(n, running))
 
     def reference(running: RunningSum) -> float | None:
         return finite_or_none(rdp.epsilon(running.curve(), delta=silo.delta)[0])
 
-    # The first charged round: where the job's first rounds charge nothing, the first one that does.
-    first_index = next((n for n, m in enumerate(declared, start=1) if m is not None), None)
     return RoundsQuote(
         silo_id=silo.id, epsilon=silo.epsilon, delta=silo.delta,
         epsilon_spent=finite_or_none(gate.reading(silo, spent).epsilon), epsilon_spent_dp_accounting=reference(spent),
@@ -86,3 +109,41 @@ def _calibrated(silo: Silo, rounds: list[AnyMechanism | None]) -> tuple[float | 
         return None, "σ is calibrated only where every round is the same plain DP-SGD of a batch_size"
     plan = silos.plan_noise(silo, batch_size=first.batch_size, steps=len(rounds) * first.steps, first_steps=first.steps)
     return plan.noise_multiplier, None
+
+
+# Following a plan, each round's charge is cut into the plan's units (plans.segments) and matched:
+# ~2 µs a node of its mechanism, measured; a round quote does it for every round while the plan lives.
+PLAN_STEP_SECONDS = 2e-6
+
+
+def _price(silo: Silo, body: RoundsQuoteRequest) -> None:
+    """The rounds' work priced together before any of it runs: their distinct mechanisms' leaves
+    counted once across all of them (the curve cache computes each once), and, beside a live plan,
+    every round matched against it (rounds × its mechanism's nodes). Over one request's price: a
+    422 naming `runs`, with what would fit."""
+    total, seen = cost.Estimate(), set()
+    following = 0.0
+    for index, run in enumerate(body.runs):
+        if run.mechanism is None:
+            continue
+        path = f"runs.{index}.mechanism"
+        try:
+            walk = cost.estimate(resolve(run.mechanism, dataset_size=silo.dataset_size, charged=False, path=path), path=path)
+        except MechanismError as error:
+            raise InvalidRequest(error.field, error.message) from error
+        following += run.count * walk.nodes * PLAN_STEP_SECONDS
+        key = run.mechanism.model_dump_json()
+        if key not in seen:
+            seen.add(key)
+            total.merge(walk)
+    if not gate.on_plan(silo):
+        following = 0.0
+    seconds = total.rdp_seconds + following
+    if seconds > cost.MAX_SECONDS:
+        what = (f"{len(seen)} distinct mechanisms holding {len(total.leaves)} distinct leaves, {total.sampled} of them "
+                f"sampled" + ("" if following < 0.05 else f", and {following:.2g} s matching every round to the plan"))
+        dearest = max(total.leaves.values(), default=cost.NODE_SECONDS)
+        raise InvalidRequest("runs", f"would cost dp-accounting about {seconds:.1f} s of CPU ({what}); one request may "
+                                     f"cost at most {cost.MAX_SECONDS:g} s, about {int(cost.MAX_SECONDS / dearest)} of its "
+                                     "dearest leaf: quote fewer distinct mechanisms per request, or reuse leaves")
+    cost.admit(following)

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import cost, rdp
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.trial_counts import TrialDistribution, distribution, draw_trials
 from dpledger.service.ledger import charges, keys, silos, transparency
@@ -117,11 +117,19 @@ def quote(
     grid = grid_size if grid_size is not None else math.ceil(mean_trials)
     laws = [distribution(kind, mean=mean_trials) for kind in ("poisson", "geometric", "logarithmic")]
     laws += [distribution("truncated_negative_binomial", mean=mean_trials, shape=eta) for eta in tnb_shapes]
+    searched = [search_mechanism(priced.mechanism, law) for law in laws]
+    for mechanism in searched:  # every law's curve priced with the trial's before any is computed (a 422 over)
+        cost.check(mechanism, path="trial", warm=False)
+
+    def epsilon_of(mechanism: RepeatAndSelect) -> float:
+        cost.tick()  # each law's curve is a dp-accounting computation of its own
+        return rdp.epsilon(rdp.rdp_curve(mechanism), delta=delta)[0]
+
     return SearchQuote(
         trial_epsilon=rdp.epsilon(priced.curve, delta=delta)[0],
         grid_size=grid,
         naive_epsilon=rdp.epsilon(grid * priced.curve, delta=delta)[0],
-        searches=[(law, rdp.epsilon(rdp.rdp_curve(search_mechanism(priced.mechanism, law)), delta=delta)[0]) for law in laws],
+        searches=[(law, epsilon_of(mechanism)) for law, mechanism in zip(laws, searched, strict=True)],
     )
 
 

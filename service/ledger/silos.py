@@ -104,7 +104,15 @@ def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyM
     expects); with none, a pending filter that its first charge replaces (fix_filter); never from
     anything a charge returns."""
     if horizon is None:
-        return rdp_filter.pending_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
+        try:
+            return rdp_filter.pending_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
+        except ValueError as error:  # was a 500: ε = 1e-12 (or 1e-3) at δ 1e-5, ε ≤ 1 at δ 0.999
+            # The default workload scaled to this budget reads ε 0 or ∞ at every order: a δ near 1 makes every
+            # order's ε 0, a tiny ε leaves no order finite. Which field to change: δ where it is that large.
+            raise InvalidRequest("delta" if delta >= 0.5 else "epsilon", (
+                f"no filter can be fixed for ε={epsilon!r} at δ={delta!r}: the default workload scaled to it "
+                f"({error}); register with a larger ε{' or a smaller δ' if delta >= 0.5 else ''}, or declare a "
+                "horizon (the workload this silo will run)")) from error
     try:
         curve = rdp.certified_curve(resolve(horizon, dataset_size=dataset_size, path="horizon"))
         return rdp_filter.horizon_spec(epsilon=epsilon, delta=delta, horizon=curve)

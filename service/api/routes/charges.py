@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.security import HTTPAuthorizationCredentials
 
+from dpledger.service.accounting import cost
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.api.deps import READERS, BearerDep, DbDep, IdPath, Principal, PrincipalDep, authenticate
 from dpledger.service.api.errors import spend_route
@@ -38,7 +39,8 @@ def _answer(found: charges.ChargeView, signer: SignerDep | None) -> ChargeReserv
     return ChargeReserved(
         charge_id=found.charge_id, status=found.status, replayed=found.replayed,
         epsilon=finite_or_none(found.epsilon), epsilon_spent=finite_or_none(found.epsilon_spent),
-        epsilon_remaining=found.epsilon_remaining, job_id=found.charge.job_id, round=found.charge.round,
+        epsilon_dp_accounting=finite_or_none(found.epsilon_dp_accounting), epsilon_remaining=found.epsilon_remaining,
+        job_id=found.charge.job_id, round=found.charge.round,
         attempt_id=found.charge.attempt_id, receipt=None if signer is None else receipt(signer, found.position),
     )
 
@@ -55,6 +57,13 @@ def reserve_charge(
     # The hot path, in one hop to the threadpool: no sync dependency (each would be a hop of its
     # own). A key and silo this process has served before: priced at once, then one write
     # transaction; else the key, the silo and its earlier charge are read in one session first.
+    with cost.guard("mechanism"):  # pricing and the approval under one CPU bound (cost.py)
+        return _reserve_charge(silo_id, body, credentials, request)
+
+
+def _reserve_charge(
+    silo_id: int, body: ChargeRequest, credentials: HTTPAuthorizationCredentials | None, request: Request,
+) -> Response:
     db: Database = request.app.state.db
     known: Known = request.app.state.known
     fast = _start_known(request, known, silo_id, body, credentials)
@@ -144,7 +153,7 @@ def list_charges(
 def _settled(result: charges.Settlement, signer: SignerDep) -> ChargeSettled:
     return ChargeSettled(
         charge_id=result.charge_id, status=result.status, epsilon_spent=finite_or_none(result.epsilon_spent),
-        receipt=receipt(signer, result.position),
+        epsilon_dp_accounting=finite_or_none(result.epsilon_dp_accounting), receipt=receipt(signer, result.position),
     )
 
 

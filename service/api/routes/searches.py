@@ -11,11 +11,13 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Response, status
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dpledger.service.accounting import cost
 from dpledger.service.accounting.trial_counts import (
     MAX_MEAN_TRIALS,
     TrialDistribution,
     distribution,
 )
+from dpledger.service.api.admission import TOO_MANY, AdmittedDep
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.errors import spend_route
 from dpledger.service.api.receipts import SignerDep, receipt
@@ -104,13 +106,15 @@ def _detail(search: Search) -> SearchDetail:
     replay="the search already started", over_budget="nothing was written, no K drawn",
 )
 def start_search(
-    silo_id: IdPath, body: SearchRequest, caller: PrincipalDep, db: DbDep, signer: SignerDep,
+    silo_id: IdPath, body: SearchRequest, caller: AdmittedDep, db: DbDep, signer: SignerDep,
     response: Response,
 ) -> SearchStarted:
     caller.require_silo(silo_id)
-    started = searches.start(
-        db, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key, key_id=caller.key_id
-    )
+    with cost.guard("trial"):  # the search's charge priced before its curve, as any charge (cost.py)
+        started = searches.start(
+            db, silo_id=silo_id, trial=body.trial, law=body.law(), idempotency_key=body.idempotency_key,
+            key_id=caller.key_id,
+        )
     if started.replayed:
         response.status_code = status.HTTP_200_OK
         response.headers["Idempotent-Replayed"] = "true"
@@ -135,13 +139,15 @@ def report_trial(search_id: IdPath, body: TrialReport, caller: PrincipalDep, db:
     return _detail(search)
 
 
-@router.post("/v1/searches/quote", response_model=SearchQuote, name="quote_search")
-def quote_search(body: SearchQuoteRequest, caller: PrincipalDep) -> SearchQuote:
+@router.post("/v1/searches/quote", response_model=SearchQuote, name="quote_search", responses=TOO_MANY)
+def quote_search(body: SearchQuoteRequest, caller: AdmittedDep) -> SearchQuote:
     """The naive search (a fixed grid, every run composed) beside each random-K search of the same
     mean (Papernot & Steinke 2022), before anyone spends."""
-    quoted = searches.quote(
-        body.trial, delta=body.delta, mean_trials=body.mean_trials, grid_size=body.grid_size, tnb_shapes=body.tnb_shapes
-    )
+    with cost.guard("trial"):  # every law's curve priced with the trial's before any runs (cost.py)
+        quoted = searches.quote(
+            body.trial, delta=body.delta, mean_trials=body.mean_trials, grid_size=body.grid_size,
+            tnb_shapes=body.tnb_shapes,
+        )
     return SearchQuote(
         delta=body.delta, trial_epsilon=finite_or_none(quoted.trial_epsilon), naive_grid_size=quoted.grid_size,
         naive_epsilon=finite_or_none(quoted.naive_epsilon),

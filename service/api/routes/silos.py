@@ -7,17 +7,21 @@ import io
 import json
 from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import APIRouter, Query, status
 from fastapi.responses import Response
 
-from dpledger.service.accounting import cost
+from dpledger.service.accounting import cost, plans, rdp
 from dpledger.service.accounting.events import resolve
+from dpledger.service.accounting.running_sum import RunningSum
+from dpledger.service.api.admission import TOO_MANY, AdmittedDep
 from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
-from dpledger.service.ledger import gate, jobs, seals, silos
+from dpledger.service.ledger import charges, gate, jobs, seals, silos
 from dpledger.service.ledger import history as ledger_history
 from dpledger.service.ledger.errors import InvalidRequest
 from dpledger.service.ledger.models import EntryEvent, Role, Silo
 from dpledger.service.safe_text import safe_cell
+from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.schemas import (
     FilterView,
     HistoryEntry,
@@ -42,12 +46,13 @@ def _summary(silo: Silo) -> SiloSummary:
     return SiloSummary(
         id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size,
         relation=silo.relation, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
-        retired_seq=silo.retired_seq, retired_reason=silo.retired_reason,
+        epsilon_dp_accounting=finite_or_none(charges.spent_reference(silo)), retired_seq=silo.retired_seq,
+        retired_reason=silo.retired_reason,
     )
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo")
-def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> SiloCreated:
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SiloCreated, name="create_silo", responses=TOO_MANY)
+def create_silo(body: SiloCreateRequest, caller: AdmittedDep, db: DbDep) -> SiloCreated:
     caller.require(Role.admin)
     epsilon, delta = body.epsilon, body.delta
     if body.level is not None:
@@ -57,12 +62,13 @@ def create_silo(body: SiloCreateRequest, caller: PrincipalDep, db: DbDep) -> Sil
     refused = delta_refusal(delta, body.dataset_size)
     if refused is not None:  # a level's δ too: the menu's entry may suit larger silos than this one
         raise InvalidRequest("delta" if body.level is None else "level", refused)
-    if body.horizon is not None:  # priced before its curve is computed, as a charge is (cost.py)
-        cost.check(resolve(body.horizon, dataset_size=body.dataset_size, path="horizon"), path="horizon")
-    silo, api_key = silos.register(
-        db, name=body.name, epsilon=epsilon, delta=delta, dataset_size=body.dataset_size, relation=body.relation,
-        horizon=body.horizon,
-    )
+    with cost.guard("horizon"):
+        if body.horizon is not None:  # priced before its curve is computed, as a charge is (cost.py)
+            cost.check(resolve(body.horizon, dataset_size=body.dataset_size, path="horizon"), path="horizon")
+        silo, api_key = silos.register(
+            db, name=body.name, epsilon=epsilon, delta=delta, dataset_size=body.dataset_size, relation=body.relation,
+            horizon=body.horizon,
+        )
     return SiloCreated(
         id=silo.id, name=silo.name, epsilon=silo.epsilon, delta=silo.delta, dataset_size=silo.dataset_size,
         relation=silo.relation, api_key=api_key,
@@ -86,7 +92,7 @@ def get_silo(silo_id: IdPath, caller: PrincipalDep, db: DbDep) -> SiloDetail:
         silo = silos.get(session, silo_id)
     budget = silos.status(silo)
     return SiloDetail(
-        **_summary(silo).model_dump(exclude={"epsilon_spent"}),
+        **_summary(silo).model_dump(exclude={"epsilon_spent", "epsilon_dp_accounting"}),
         epsilon_spent=finite_or_none(budget.epsilon_spent),
         epsilon_dp_accounting=finite_or_none(ledger_history.dp_accounting_epsilon(silo)),
         epsilon_committed=finite_or_none(budget.epsilon_committed),
@@ -121,18 +127,22 @@ def _plan_view(silo: Silo) -> PlanView | None:
     status_code=status.HTTP_201_CREATED,
     response_model=PlanView,
     name="declare_plan",
-    responses={409: {"model": OverBudgetResponse, "description": "the plan's ε exceeds the budget, or the silo "
-                     "holds charges or a plan already: nothing was written"}},
+    responses={**TOO_MANY, 409: {"model": OverBudgetResponse, "description": "the plan's ε exceeds the budget, or the "
+                                 "silo holds charges or a plan already: nothing was written"}},
 )
-def declare_plan(silo_id: IdPath, body: PlanRequest, caller: PrincipalDep, db: DbDep) -> PlanView:
+def declare_plan(silo_id: IdPath, body: PlanRequest, caller: AdmittedDep, db: DbDep) -> PlanView:
     """Fixes the silo's one plan before its first charge, priced by its PLD ε on its share of δ:
     while every charge follows it, in order, the gate reads the lower of that ε and the filter's
     (on the rest of δ); stopping early is free, and a charge off the plan ends the plan's branch
     (the filter alone from then on), never the silo."""
     caller.require_silo(silo_id, also=(Role.admin,))
     with db.read() as session:  # a plan's q is the service's, as a charge's: a declared sampling_rate is refused
-        resolve(body.mechanism, dataset_size=silos.get(session, silo_id).dataset_size, charged=True)
-    silos.declare_plan(db, silo_id=silo_id, mechanism=body.mechanism)
+        resolved = resolve(body.mechanism, dataset_size=silos.get(session, silo_id).dataset_size, charged=True)
+    with cost.guard("mechanism"):  # its PLD priced before it runs, and stopped where it outruns that (plans.py)
+        too_costly = cost.check(resolved, pld_discretization=plans.PLAN_DISCRETIZATION, warm=False)
+        if too_costly is not None:  # before the plan is cut into units: a 422 at once
+            raise InvalidRequest("mechanism", f"cannot be priced as a plan within one request's bounded work: {too_costly}")
+        silos.declare_plan(db, silo_id=silo_id, mechanism=body.mechanism)
     with db.read() as session:
         silo = silos.get(session, silo_id)
     view = _plan_view(silo)
@@ -190,8 +200,8 @@ def retire_silo(silo_id: IdPath, body: SiloRetireRequest, caller: PrincipalDep, 
     return get_silo(silo_id, caller, db)
 
 
-@router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo")
-def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: PrincipalDep, db: DbDep) -> SiloCalibration:
+@router.post("/{silo_id}/calibrate", response_model=SiloCalibration, name="calibrate_silo", responses=TOO_MANY)
+def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: AdmittedDep, db: DbDep) -> SiloCalibration:
     """The noise multiplier that lets `rounds` more rounds of DP-SGD fit what this silo has LEFT.
 
     Only the silo's own key and admins: the answer is a function of the silo's budget, which the
@@ -201,12 +211,19 @@ def calibrate_silo(silo_id: IdPath, body: SiloCalibrateRequest, caller: Principa
     with db.read() as session:
         silo = silos.get(session, silo_id)
     # A round per charge: on a silo registered without a horizon, its first round fixes the filter.
-    plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round,
-                            first_steps=body.steps_per_round)
+    with cost.guard("rounds"):
+        plan = silos.plan_noise(silo, batch_size=body.batch_size, steps=body.rounds * body.steps_per_round,
+                                first_steps=body.steps_per_round)
+    # Beside the gate's readings, dp-accounting's reference of the same charges: spent, and spent + the rounds.
+    spent = RunningSum.from_json(silo.rdp_spent).curve()
+    planned = rdp.certified_curve(DpSgd(sampling_rate=plan.sampling_rate, noise_multiplier=plan.noise_multiplier,
+                                        steps=body.rounds * body.steps_per_round))
+    references = rdp.epsilons(np.vstack([spent, spent + planned]), delta=silo.delta)
     return SiloCalibration(
         noise_multiplier=plan.noise_multiplier, sampling_rate=plan.sampling_rate, rounds=body.rounds,
         steps_per_round=body.steps_per_round, epsilon_spent=finite_or_none(silos.epsilon_spent(silo)),
-        epsilon_after=plan.epsilon_after, epsilon=silo.epsilon,
+        epsilon_spent_dp_accounting=finite_or_none(float(references[0])), epsilon_after=plan.epsilon_after,
+        epsilon_after_dp_accounting=finite_or_none(float(references[1])), epsilon=silo.epsilon,
     )
 
 

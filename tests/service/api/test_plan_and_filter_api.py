@@ -193,7 +193,11 @@ def test_quote_shows_the_proven_rdp_epsilon_the_plan_epsilon_and_the_gate(client
     proven = proven_epsilon(filter_of(detail), dpsgd_curve([(Q, 1.1, 14_062)]), delta=1e-5)
     assert quote["epsilon_rdp_proven"] == pytest.approx(proven, rel=1e-9)
     assert quote["epsilon_if_approved"] == pytest.approx(proven, rel=1e-9)
-    assert quote["epsilon_plan"] == pytest.approx(pld_oracle(14_062), rel=1e-9)
+    # As the silo would store it (issue 46: the quote priced it on the whole δ, 2.3817, the silo on its half).
+    assert quote["epsilon_plan"] == pytest.approx(pld_oracle(14_062, 0.5e-5), rel=1e-9)
+    twin = make_silo(epsilon=3.0, dataset_size=60_000, horizon=R1_STEP)
+    declared = client.post(f"/v1/silos/{twin.id}/plan", json={"mechanism": R1_PLAN}, headers=twin.headers).json()
+    assert quote["epsilon_plan"] == declared["epsilon"]
     assert quote["gated_on"] == "rdp_filter"
     accountant = rdp_lib.RdpAccountant()
     accountant.compose(de.SelfComposedDpEvent(de.PoissonSampledDpEvent(Q, de.GaussianDpEvent(1.1)), 14_062))
