@@ -61,6 +61,8 @@ REST_WEIGHT = 0.01
 # log t; a horizon shorter than a knot skips it.
 GOAL_FIRST, GOAL_THIRD, GOAL_TENTH, END_EXCESS = 0.5, 0.25, 0.15, 0.03
 END_SPAN = 1.1
+# A horizon that takes more units than this to spend the budget reads ~0 everywhere: refused.
+MAX_UNITS = 1e10
 # The share of the horizon's units the budget must still buy under the filter (see allocate).
 ROUNDS_KEPT = 0.96
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
@@ -196,6 +198,8 @@ def horizon_units(horizon: np.ndarray, *, epsilon: float, delta: float, offset: 
             lo = mid
         if hi / lo < 1 + 1e-9:
             break
+    if lo > MAX_UNITS:  # ~0 at every order (σ ~ 1e9): no path of it ever reaches the budget
+        raise ValueError(f"the horizon spends less than the budget in {MAX_UNITS:.0e} units: declare the workload the silo runs")
     return lo
 
 
