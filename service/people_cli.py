@@ -402,7 +402,9 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     hist.set_defaults(run=history)
 
     charges = commands.add_parser(
-        "charges", help="a silo's charges; release a stranded reservation (over HTTP)", description=env_note
+        "charges", help="a silo's charges; release one whose round provably never read data (over HTTP)",
+        description=env_note + " An interrupted job is continued with `dpledger train JOB --resume`, which commits "
+        "what may have read data and releases only what provably did not: prefer it to releasing by hand."
     )
     charge_actions = charges.add_subparsers(required=True, metavar="action")
     listed = charge_actions.add_parser("list", help="a silo's charges (admin, auditor, or that silo's key)")
@@ -411,7 +413,8 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     listed.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
     listed.set_defaults(run=charges_list)
     freed = charge_actions.add_parser(
-        "release", help="release a reservation whose round never ran (admin or the silo's key; refused once it reported)"
+        "release", help="release a reservation whose round never read data (admin or the silo's key; refused once it "
+        "reported). Not for an interrupted job: `dpledger train JOB --resume` settles its rounds by the settle rule"
     )
     freed.add_argument("charge_id", type=int, metavar="CHARGE_ID")
     freed.set_defaults(run=charges_release)
