@@ -16,6 +16,8 @@ from tests.conftest import ADMIN_KEY
 
 GIB = 1024**3
 LIMIT_S = 2.0
+# The bound is on the server's CPU; wall time only catches a hang (a busy CI machine stretches it several times).
+WALL_LIMIT_S = 30.0
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
 
 
@@ -64,7 +66,7 @@ def test_the_issues_two_requests_answer_a_4xx_within_2_s_under_1_gb(server: Serv
         response, wall, cpu = ask(server, path, body, key)
         assert response.status_code == 422, response.text
         assert response.json()["detail"][0]["loc"] == where
-        assert wall < LIMIT_S and cpu < LIMIT_S, (path, wall, cpu)
+        assert wall < WALL_LIMIT_S and cpu < LIMIT_S, (path, wall, cpu)
     assert server.process is not None
     assert peak_rss_bytes(server.process.pid) < GIB
 
@@ -89,7 +91,7 @@ def test_what_was_seen_costing_seconds_or_gigabytes_answers_within_the_bound(ser
     assert response.status_code in (200, 422), response.text  # never a 500
     if response.status_code == 200 and response.json()["epsilon_pld"] is None:
         assert response.json()["pld_note"]  # a skipped PLD report says why
-    assert wall < LIMIT_S and cpu < LIMIT_S, (wall, cpu)
+    assert wall < WALL_LIMIT_S and cpu < LIMIT_S, (wall, cpu)
     assert server.process is not None
     assert peak_rss_bytes(server.process.pid) < GIB
 
@@ -122,7 +124,7 @@ def test_a_quote_of_400_gaussians_answers_within_2_s_and_256_mb(server: ServerPr
     answer = response.json()
     assert answer["epsilon"] > 0 and answer["epsilon_pld"] is not None  # the report at 1e-3: 295k points
     assert answer["epsilon_plan"] is None and "2.95e+06 points" in answer["plan_note"]
-    assert cpu < LIMIT_S and wall < LIMIT_S, (wall, cpu)
+    assert cpu < LIMIT_S and wall < WALL_LIMIT_S, (wall, cpu)
     assert peak_rss_bytes(server.process.pid) - before < GROWTH
 
 
@@ -134,7 +136,7 @@ def test_the_same_as_a_plan_is_refused_with_a_422_naming_the_mechanism(server: S
     assert response.status_code == 422, response.text
     assert response.json()["detail"][0]["loc"] == ["body", "mechanism"]
     assert "grid of 2.95e+06 points" in response.json()["detail"][0]["msg"]
-    assert cpu < LIMIT_S and wall < LIMIT_S, (wall, cpu)
+    assert cpu < LIMIT_S and wall < WALL_LIMIT_S, (wall, cpu)
 
 
 @pytest.mark.parametrize(("sigma", "status"), [(1e-9, 422), (1e9, 422), (1.0, 201)])
