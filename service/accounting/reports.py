@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from dp_accounting import dp_event as de
-from dp_accounting import mechanism_calibration
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import optimize
@@ -93,54 +92,16 @@ def _search_guard(field: str) -> AbstractContextManager[cost.Guard]:
 
 
 def calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float, steps: int) -> tuple[float, float]:
-    """The smallest σ (within 1e-6 relative) whose DP-SGD ε at δ stays below `epsilon` by the
-    margin above, at most SIGMA_CEILING.
-
-    dp-accounting brackets the root; we then step σ up until the ε it gives is within the target,
-    so rounding in the search can only cost noise, never privacy (as Opacus does).
-    """
-    epsilon = epsilon * (1 - CALIBRATION_MARGIN)
-    with _search_guard("epsilon"):
-        return _calibrate_dpsgd_noise(epsilon=epsilon, delta=delta, sampling_rate=sampling_rate, steps=steps)
-
-
-def _calibrate_dpsgd_noise(*, epsilon: float, delta: float, sampling_rate: float, steps: int) -> tuple[float, float]:
-    # Bounded before the search: past σ = SIGMA_CEILING the noise drowns any gradient, and a search that
-    # would end there walks a bracket up to it step by step (~10 s was seen at q = 0.5, 10^5 steps).
-    at_ceiling = dpsgd_epsilon(noise_multiplier=SIGMA_CEILING, sampling_rate=sampling_rate, steps=steps, delta=delta)
-    if at_ceiling > epsilon:
-        raise MechanismError(
-            "epsilon", f"even σ={SIGMA_CEILING:g} gives ε={at_ceiling:.6g} > {epsilon:.6g} at δ={delta!r} with "
-            f"sampling_rate={sampling_rate!r} and steps={steps}: ask for fewer steps, a smaller sampling rate or a larger ε"
-        )
-
-    def make_event(sigma: float) -> de.DpEvent:
-        cost.tick()
-        return dpsgd_event(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps)
-
-    try:
-        sigma = float(
-            mechanism_calibration.calibrate_dp_mechanism(
-                lambda: rdp_privacy_accountant.RdpAccountant(list(ORDERS)),
-                make_event,
-                epsilon,
-                delta,
-                mechanism_calibration.LowerEndpointAndGuess(1e-3, 1.0),
-                tol=1e-7,
-            )
-        )
-    except (mechanism_calibration.NoBracketIntervalFoundError, ArithmeticError) as error:
-        # A target so small that no σ dp-accounting can represent reaches it: the request's fault.
-        raise MechanismError(
-            "epsilon", f"no noise multiplier reaches ε={epsilon!r} at δ={delta!r} with sampling_rate={sampling_rate!r} "
-            f"and steps={steps}: {error}"
-        ) from error
-    eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
-    while eps > epsilon:
-        cost.tick()
-        sigma *= 1 + 1e-6
-        eps = dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps, delta=delta)
-    return sigma, eps
+    """The smallest σ (within 1e-9 relative, rounded up) whose DP-SGD ε at δ, as the ledger states
+    it (its certified curve read by `rdp.guarantee`), stays below `epsilon` by the margin above, and
+    that ε. The search runs on the ledger's own curves: a quote of that σ reads what it returned,
+    rounding costs noise, never privacy, and a step costs ~5 ms where dp-accounting's calibration
+    composes a new (q, σ) pair at 30–100 ms each (a 2-silo demo's calibration neared the 2 s bound)."""
+    found = calibrate_remaining(
+        rdp.zero_curve(), budget=epsilon, sampling_rate=sampling_rate, steps=steps, field="epsilon",
+        epsilon_of=lambda curve: rdp.guarantee(curve, delta=delta).epsilon,
+    )
+    return found.noise_multiplier, found.epsilon_after
 
 
 # Brackets of the remaining-budget search: below 1e-3 dp-accounting's Poisson-Gaussian series is
@@ -160,6 +121,7 @@ class RemainingCalibration:
 
 def calibrate_remaining(
     spent: np.ndarray, *, budget: float, sampling_rate: float, steps: int, epsilon_of: Callable[[np.ndarray], float],
+    field: str = "rounds",
 ) -> RemainingCalibration:
     """The smallest σ (within 1e-9 relative, rounded up) such that `steps` more DP-SGD steps at
     `sampling_rate`, added to the RDP curve already spent, keep ε at δ within `budget`.
@@ -173,7 +135,7 @@ def calibrate_remaining(
     planned steps are charged as the ledger charges them (rdp.certified_curve).
     """
     if not math.isfinite(budget) or budget <= 0:
-        raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
+        raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")  # the budget's field either way
     budget = budget * (1 - CALIBRATION_MARGIN)  # the ledger's gate has no tolerance
 
     def epsilon_after(sigma: float) -> float:
@@ -181,20 +143,22 @@ def calibrate_remaining(
         planned = DpSgd(sampling_rate=sampling_rate, noise_multiplier=sigma, steps=steps)
         return epsilon_of(spent + rdp.certified_curve(planned))
 
-    with _search_guard("rounds"):
-        return _search_remaining(epsilon_after, epsilon_of(spent), budget=budget)
+    with _search_guard(field):
+        return _search_remaining(epsilon_after, epsilon_of(spent), budget=budget, field=field)
 
 
-def _search_remaining(epsilon_after: Callable[[float], float], already: float, *, budget: float) -> RemainingCalibration:
+def _search_remaining(
+    epsilon_after: Callable[[float], float], already: float, *, budget: float, field: str,
+) -> RemainingCalibration:
 
     if not already < budget:
-        raise MechanismError("rounds", f"nothing is left to plan with: the silo has spent ε={already:.6g} of {budget:.6g}")
+        raise MechanismError(field, f"nothing is left to plan with: the silo has spent ε={already:.6g} of {budget:.6g}")
     high = 1.0
     while (eps_high := epsilon_after(high)) > budget:
         if high >= SIGMA_CEILING:
             raise MechanismError(
-                "rounds", f"even σ={SIGMA_CEILING:g} spends ε={eps_high:.6g} > what is left of ε={budget:.6g} "
-                f"(spent {already:.6g}); plan fewer rounds or steps"
+                field, f"even σ={SIGMA_CEILING:g} gives ε={eps_high:.6g} > what is left of ε={budget:.6g} (spent "
+                f"{already:.6g}): ask for fewer rounds or steps, a smaller sampling rate or a larger ε"
             )
         high = min(high * 4.0, SIGMA_CEILING)
     low = high / 4.0

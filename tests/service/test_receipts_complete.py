@@ -31,6 +31,7 @@ from dpledger.service.settings import Settings
 from dpledger.service.transparency_cli import Get, Outcome, RefusedError
 from dpledger.wire import merkle, receipt_store
 from dpledger.wire.client import LedgerClient
+from dpledger.wire.errors import Rejected
 from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON
 from tests.service.test_transparency import STEP, write_key
 from tests.wire.proof_checker import check_proof
@@ -187,7 +188,9 @@ def test_a_naive_edit_of_a_committed_charge_is_found_and_no_proof_rests_on_the_e
         check_proof(evidence)
 
 
-def test_a_lowered_running_sum_is_proven_by_signed_entries_that_an_independent_checker_accepts(world: World) -> None:
+def test_a_lowered_running_sum_is_refused_before_any_approval_rests_on_it(world: World) -> None:
+    """The running sum is recomputed from the silo's chain at every load (seals.py): an operator who
+    lowers it gets a 409 naming the record, and so does the silo's own check."""
     world.train("b", 2, "b")
     engine = create_engine(world.url)
     with engine.begin() as connection:
@@ -197,10 +200,13 @@ def test_a_lowered_running_sum_is_proven_by_signed_entries_that_an_independent_c
         connection.execute(text("UPDATE silos SET rdp_spent = :z WHERE id = :s"),
                            {"z": RunningSum.empty(len(rdp.ORDERS)).to_json(), "s": world.sites["b"].silo_id})
     engine.dispose()
-    world.train("b", 1, "b-after")  # approved against the lowered sum: its entry states too small an ε
-    out = world.check("b")
-    assert any("states ε=" in p for p in out.problems), out.problems
-    assert [check_proof(evidence) for evidence in out.evidence] == ["signed entries"]
+    with pytest.raises(Rejected) as refused:
+        world.train("b", 1, "b-after")
+    assert refused.value.status_code == 409, refused.value.body
+    assert refused.value.body["tampered"]["table"] == "silos", refused.value.body
+    assert "rdp_spent" in refused.value.body["detail"]
+    out = world.check("b")  # the silo's own check hears the same freeze, and finds nothing else wrong
+    assert len(out.problems) == 1 and "refuses to serve the silo: HTTP 409" in out.problems[0], out.problems
 
 
 def test_a_log_restored_from_a_backup_and_grown_again_breaks_a_promise_with_a_proof(

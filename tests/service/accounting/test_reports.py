@@ -8,6 +8,7 @@ import random
 
 import numpy as np
 import pytest
+from mpmath import mp
 
 from dpledger.service.accounting import rdp, reports
 from dpledger.service.accounting.events import resolve
@@ -22,6 +23,7 @@ from dpledger.wire.mechanisms import (
     SelfComposed,
     ZCdp,
 )
+from tests.service.accounting.exact_rdp import exact_epsilon, exact_rdp
 
 ORDERS = np.array(rdp.ORDERS)
 
@@ -48,15 +50,21 @@ def calibration_targets() -> list[tuple[float, float, float, int]]:
 def test_calibrated_noise_never_overshoots_and_is_tight(epsilon: float, delta: float, q: float, steps: int) -> None:
     sigma, eps = reports.calibrate_dpsgd_noise(epsilon=epsilon, delta=delta, sampling_rate=q, steps=steps)
     assert 0 < sigma and math.isfinite(sigma)
-    # never overshoots: neither the ε it reports, nor the ε the ledger will charge for that σ
+    # never overshoots: the ε it reports is the ledger's certified reading of that σ, within the target
+    planned = DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q)
     assert eps <= epsilon
-    assert eps == reports.dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta)
-    charged, _ = rdp.epsilon(rdp.rdp_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q)), delta=delta)
-    assert charged <= epsilon
-    assert rdp.within_budget(charged, budget=epsilon)
-    # tight: 0.01% less noise already spends more than the target
-    less = reports.dpsgd_epsilon(noise_multiplier=sigma * (1 - 1e-4), sampling_rate=q, steps=steps, delta=delta)
-    assert less > epsilon
+    assert eps == rdp.guarantee(rdp.certified_curve(planned), delta=delta).epsilon
+    assert rdp.within_budget(eps, budget=epsilon)
+    # sound: at the order it reads, the exact ε of that σ (50-digit reference) is no higher
+    order = rdp.guarantee(rdp.certified_curve(planned), delta=delta).order
+    assert mp.mpf(eps) >= exact_epsilon(order, steps * exact_rdp(q, sigma, order), delta)
+    # dp-accounting's reading agrees to 1e-4 (it reads above the exact value at some fractional orders)
+    reference = reports.dpsgd_epsilon(noise_multiplier=sigma, sampling_rate=q, steps=steps, delta=delta)
+    assert reference == pytest.approx(eps, rel=1e-4)
+    # tight: 0.01% less noise already spends more than the target, by the ledger and by dp-accounting
+    fewer = DpSgd(noise_multiplier=sigma * (1 - 1e-4), steps=steps, sampling_rate=q)
+    assert rdp.guarantee(rdp.certified_curve(fewer), delta=delta).epsilon > epsilon
+    assert reports.dpsgd_epsilon(noise_multiplier=sigma * (1 - 1e-4), sampling_rate=q, steps=steps, delta=delta) > epsilon
 
 
 def test_more_budget_never_asks_for_more_noise() -> None:
