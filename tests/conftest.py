@@ -17,6 +17,22 @@ from dpledger.service.settings import Settings
 
 ADMIN_KEY = "test-admin-key-0123456789abcdef"
 POSTGRES_URL = os.environ.get("DPLEDGER_TEST_POSTGRES_URL")
+# The suite runs on two pytest-xdist workers (pyproject's addopts: -n 2), a file to a worker so that its
+# module-scoped servers start once. The federations (faults/, flower/) are one unit, run one after
+# another on one worker: they mostly wait (Flower's 3 s polls, a dead node's round timeout) while the
+# other worker runs the in-process tests; two at once would only make each slower on two cores.
+ONE_AFTER_ANOTHER = ("tests/faults/", "tests/flower/")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "federations" if path.startswith(ONE_AFTER_ANOTHER) else path
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session")

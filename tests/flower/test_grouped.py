@@ -1,6 +1,9 @@
-"""PFA and FedHDP over a real Flower federation, with the privacy groups read from the ledger
-(Liu et al. 2023 §4.1): `dpledger serve`, a SuperLink, four SuperNodes whose budgets are drawn from
-MixGauss1 (Liu et al. 2023 Table 1), `flwr run`.
+"""PFA and FedHDP over Flower, with the privacy groups read from the ledger (Liu et al. 2023 §4.1):
+`dpledger serve`, a SuperLink running Flower's simulation engine with four virtual nodes whose
+budgets are drawn from MixGauss1 (Liu et al. 2023 Table 1), `flwr run`. The ServerApp and each
+ClientApp are the deployed ones, behind the same ledger gate; the SuperNodes' own process life is
+tests/flower/test_federation.py's (real SuperNodes start a ClientApp process per message: this
+module's 24 messages took 3 minutes there, 1 here).
 
 Each site picks its own σ so that its planned rounds fit its budget (the ledger's calibration,
 asked with the site's own key), so a small budget means a large σ and a noisy update. The ServerApp
@@ -53,7 +56,7 @@ def site_sigma(own: LedgerClient, silo_id: int) -> float:
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
     with federation(tmp_path_factory.mktemp("flower-grouped"), budgets=[float(e) for e in DRAW.epsilons],
-                    noise_multiplier=site_sigma, train=TRAIN, test=TEST) as f:
+                    noise_multiplier=site_sigma, train=TRAIN, test=TEST, simulation=True) as f:
         yield f
 
 

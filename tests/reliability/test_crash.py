@@ -36,7 +36,7 @@ from tests.reliability.loadgen import (
 CLIENTS = 64
 SILOS = 20
 WORKERS = 4
-APPROVAL_REQUESTS = 3_000  # with 4 restarts of 4 workers, ~1 min per database on 2 cores
+APPROVAL_REQUESTS = 2_000  # with 4 restarts of 4 workers, 60–90 s per database on 2 cores
 KILLS = 4
 SEED = 7_919
 

@@ -27,10 +27,10 @@ from tests.conftest import ADMIN_KEY
 from tests.reliability.loadgen import ADMIN
 
 OPENAPI = Path(__file__).resolve().parents[2] / "openapi" / "openapi.json"
-EXAMPLES = 25
-# A calibration runs dp-accounting's root finder: up to ~1 s at the 1e-4 floor of its target (the
-# floor exists because ε = 5e-324, found here, spun ~12 s). It is a pure function whatever the key,
-# so it is fuzzed with the admin key only, and with fewer examples.
+EXAMPLES = 12  # per operation and role: 8 × ~25 operations × 12 requests, 1.5 min on 2 cores
+# A calibration runs a σ search: tens of curves (its target has a 1e-4 floor because ε = 5e-324, found
+# here, once spun ~12 s). It is a pure function whatever the key, so it is fuzzed with the admin key
+# only, and with fewer examples.
 CALIBRATE = "POST /v1/calibrate"
 
 
