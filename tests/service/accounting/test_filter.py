@@ -337,3 +337,16 @@ def test_reading_many_sums_at_once_is_reading_each() -> None:
     for delta in (1e-5, 1e-9, 0.3):
         many = rdp_filter.read_many(spec, matrix, delta=delta)
         assert [float(e) for e in many] == [rdp_filter.read(spec, row, delta=delta).epsilon for row in rows]
+
+
+def test_a_first_charge_filter_is_computed_once_per_terms_and_equals_the_allocation() -> None:
+    """Issue 44, cheap first touch: silos that share (ε, δ, first charge) share one allocation; the
+    cached filter is the allocation's, and a caller's array changed afterwards changes nothing."""
+    curve = rdp.certified_curve(DpSgd(sampling_rate=0.02, noise_multiplier=1.3, steps=7))
+    direct = rdp_filter.allocate(curve.copy(), epsilon=2.5, delta=1e-6).spec
+    first = rdp_filter.first_charge_spec(epsilon=2.5, delta=1e-6, first=curve)
+    assert (first.orders, first.weights, first.source) == (direct.orders, direct.weights, "first_charge")
+    curve *= 2  # the caller's array, changed after the call
+    assert rdp_filter.first_charge_spec(epsilon=2.5, delta=1e-6, first=curve / 2) is first
+    assert rdp_filter.default_spec(epsilon=2.5, delta=1e-6, dataset_size=900) is rdp_filter.default_spec(
+        epsilon=2.5, delta=1e-6, dataset_size=900)
