@@ -27,6 +27,10 @@ ONE_AFTER_ANOTHER = ("tests/faults/", "tests/flower/")
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
+    # In collection order, which puts the longest units first (faults/, flower/, reliability/), not
+    # xdist's default of the units with most tests first: that left the crash and load tests for last.
+    config.option.loadscopereorder = False
+
     class ByFile(LoadScopeScheduling):  # type: ignore[misc]  # xdist is untyped
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
