@@ -100,8 +100,11 @@ def test_a_group_shares_one_commit_and_a_failing_writer_undoes_only_its_own(data
 
     outcomes = in_one_group(database, [insert(2), insert(2), insert(3), insert(4)])
 
-    assert outcomes[0] is None and outcomes[1] is None and outcomes[3] is None and outcomes[4] is None
-    assert isinstance(outcomes[2], IntegrityError)  # parent 2 has its child already (UNIQUE): this write only
+    assert outcomes[0] is None and outcomes[3] is None and outcomes[4] is None
+    # Parent 2's two writers race for their place in the group (a busy machine may start the second
+    # first): one inserts its child, the other meets UNIQUE, and that undoes its own write only.
+    one, other = outcomes[1:3]
+    assert (one is None and isinstance(other, IntegrityError)) or (other is None and isinstance(one, IntegrityError)), outcomes
     assert commits == [None]  # five writers, one COMMIT
     assert children(database) == [1, 2, 3, 4]
 
