@@ -65,6 +65,7 @@ def dpsgd_event(*, noise_multiplier: float, sampling_rate: float, steps: int) ->
 
 
 def dpsgd_epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> float:
+    """dp-accounting's ε of a DP-SGD run: the reference the ledger's own calibration is checked against."""
     accountant = rdp_privacy_accountant.RdpAccountant(list(ORDERS))
     accountant.compose(dpsgd_event(noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=steps))
     return float(accountant.get_epsilon(delta))
@@ -76,8 +77,8 @@ def dpsgd_epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, 
 CALIBRATION_MARGIN = 1e-9
 
 
-# A σ search is priced as it runs: each of its steps composes a new (q, σ) pair, tens of milliseconds
-# (~0.1 s near q = 1), and how many steps it takes depends on where the root lies; so it runs under a
+# A σ search is priced as it runs: each of its steps computes a new (q, σ) pair's certified curve
+# (~5 ms), and how many steps it takes depends on where the root lies; so it runs under a
 # CPU guard of its own (cost.guard), ticked step by step, and is refused (a 422) past the bound every
 # request has, after its σ range was bounded before it started.
 # As before issue 46 (legitimate searches near q = 1 take ~1.5 s on a busy box); the step that crosses
@@ -135,7 +136,7 @@ def calibrate_remaining(
     planned steps are charged as the ledger charges them (rdp.certified_curve).
     """
     if not math.isfinite(budget) or budget <= 0:
-        raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")  # the budget's field either way
+        raise MechanismError("epsilon", f"must be finite and > 0. Found {budget!r}.")
     budget = budget * (1 - CALIBRATION_MARGIN)  # the ledger's gate has no tolerance
 
     def epsilon_after(sigma: float) -> float:
@@ -166,7 +167,7 @@ def _search_remaining(
         high, low = low, low / 4.0
     if low > SIGMA_FLOOR:
         # ε(σ) is continuous and non-increasing: Brent's method finds the crossing in ~10 curves
-        # where plain bisection needs ~25 (each a dp-accounting evaluation of ~50 ms).
+        # where plain bisection needs ~25 (each a new pair's certified curve and its conversion).
         # An infinite ε (the spent curve may hold orders at ∞) is capped so the secant steps stay finite.
         try:
             sigma = float(optimize.brentq(lambda s: min(epsilon_after(s), 1e300) - budget, low, high,
