@@ -69,8 +69,12 @@ SLACK = 0.5  # what no price counts: reading the silo, validating, serialising (
 # RDP: cold seconds of one distinct leaf as the curve cache keys it (its own work; what dp-accounting
 # does inside it, uncached, is added from _INNER_SECONDS node by node).
 PAIR_SECONDS = 0.02  # a new Poisson-sampled (q, σ) pair, certified (rdp._sampled_gaussian_cached)
+# A search (repeat_and_select) over its run's curve: dp-accounting's formula, ~65 ms for a Poisson
+# number of runs (a δ read at each order), ~10 ms for the others.
+REPEAT_POISSON_SECONDS = 0.08
+REPEAT_SECONDS = 0.015
 _LEAF_SECONDS: dict[type, float] = {
-    m.SampledWithoutReplacement: 0.4, m.RepeatAndSelect: 0.03, m.PoissonSampled: 0.04,
+    m.SampledWithoutReplacement: 0.4, m.PoissonSampled: 0.04,
     m.Gaussian: 0.003, m.Laplace: 0.003, m.ZCdp: 0.003,
 }
 # Inside a leaf dp-accounting walks every node of its event itself (no cache, a self-composition once).
@@ -278,6 +282,15 @@ def _visit(mechanism: m.AnyMechanism, walk: Estimate, *, count: float, path: str
         case m.PoissonSampled(sampling_rate=q, event=m.Gaussian(noise_multiplier=sigma)):
             _noise_floor(sigma, path=f"{path}.event.noise_multiplier")
             _pld_gaussian(walk, sigma=sigma, q=q or 1.0, count=count)
+        case m.RepeatAndSelect(event=inner):
+            # A search's curve is a formula over its run's curve (rdp.repeat_and_select): the run's
+            # leaves are cached leaves like any other (priced once across the request), the
+            # formula has its own price; the PLD accountant supports none of it.
+            run = Estimate(nodes=walk.nodes)
+            _visit(inner, run, count=1.0, path=f"{path}.event")
+            walk.nodes = run.nodes
+            walk.leaves.update(run.leaves)
+            walk.leaf_types.update(run.leaf_types)
         case _:
             for child in m.children(mechanism):  # one `event` each: Composed was handled above
                 _visit_inner(child, walk, path=f"{path}.event")
@@ -302,6 +315,8 @@ def _leaf_seconds(mechanism: m.AnyMechanism) -> float:
     if isinstance(mechanism, m.DpSgd) or (
             isinstance(mechanism, m.PoissonSampled) and isinstance(mechanism.event, m.Gaussian)):
         return PAIR_SECONDS
+    if isinstance(mechanism, m.RepeatAndSelect):  # its run's leaves are priced on their own (_visit)
+        return REPEAT_POISSON_SECONDS if mechanism.shape == "infinity" else REPEAT_SECONDS
     own = _LEAF_SECONDS.get(type(mechanism), _INNER_CLOSED_FORM)
     return own + math.fsum(_inner_seconds(child) for child in m.children(mechanism))
 
@@ -383,20 +398,22 @@ def _warm(mechanism: m.AnyMechanism, walk: Estimate) -> None:
         tick()
 
 
-def _distinct_leaves(mechanism: m.AnyMechanism) -> Iterator[m.AnyMechanism]:
-    seen: set[str] = set()
-    stack = [mechanism]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, m.SelfComposed):
-            stack.append(node.event)
-        elif isinstance(node, m.Composed):
-            stack.extend(reversed(node.events))
-        else:
-            key = _leaf_key(node)
-            if key not in seen:
-                seen.add(key)
-                yield node
+def _distinct_leaves(mechanism: m.AnyMechanism, seen: set[str] | None = None) -> Iterator[m.AnyMechanism]:
+    """Each distinct leaf once, in order; a search's run's leaves before the search itself."""
+    seen = set() if seen is None else seen
+    if isinstance(mechanism, m.SelfComposed):
+        yield from _distinct_leaves(mechanism.event, seen)
+    elif isinstance(mechanism, m.Composed):
+        for event in mechanism.events:
+            yield from _distinct_leaves(event, seen)
+    else:
+        if isinstance(mechanism, m.RepeatAndSelect):
+            yield from _distinct_leaves(mechanism.event, seen)
+        key = _leaf_key(mechanism)
+        if key not in seen:
+            seen.add(key)
+            yield mechanism
+
 
 
 # --- the guard ---------------------------------------------------------------------------------

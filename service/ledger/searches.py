@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
-from dpledger.service.accounting.events import MechanismError
+from dpledger.service.accounting.events import MechanismError, check_relation, resolve
 from dpledger.service.accounting.trial_counts import TrialDistribution, distribution, draw_trials
 from dpledger.service.ledger import charges, keys, silos, transparency
 from dpledger.service.ledger.db import Database
@@ -113,22 +113,25 @@ def quote(
 ) -> SearchQuote:
     """A fixed grid of runs composed beside each random-K search of the same mean (a raw rate is
     fine here: a quote charges nobody)."""
-    priced = charges.price(trial, silo=None, charged=False, path="trial")
+    resolved = resolve(trial, dataset_size=None, charged=False, path="trial")
+    check_relation(resolved, silo_relation=None, path="trial")
     grid = grid_size if grid_size is not None else math.ceil(mean_trials)
     laws = [distribution(kind, mean=mean_trials) for kind in ("poisson", "geometric", "logarithmic")]
     laws += [distribution("truncated_negative_binomial", mean=mean_trials, shape=eta) for eta in tnb_shapes]
-    searched = [search_mechanism(priced.mechanism, law) for law in laws]
-    for mechanism in searched:  # every law's curve priced with the trial's before any is computed (a 422 over)
+    searched = [search_mechanism(resolved, law) for law in laws]
+    for mechanism in searched:  # every law's curve priced before any is computed (a 422 over, at once)
         cost.check(mechanism, path="trial", warm=False)
+    cost.check(resolved, path="trial")  # warm: the trial's leaves computed one by one under the guard
+    curve = rdp.certified_curve(resolved)
 
     def epsilon_of(mechanism: RepeatAndSelect) -> float:
-        cost.tick()  # each law's curve is a dp-accounting computation of its own
-        return rdp.epsilon(rdp.rdp_curve(mechanism), delta=delta)[0]
+        cost.tick()  # each law's curve is a computation of its own
+        return rdp.epsilon(rdp.certified_curve(mechanism), delta=delta)[0]  # the curve a search's charge stores
 
     return SearchQuote(
-        trial_epsilon=rdp.epsilon(priced.curve, delta=delta)[0],
+        trial_epsilon=rdp.epsilon(curve, delta=delta)[0],
         grid_size=grid,
-        naive_epsilon=rdp.epsilon(grid * priced.curve, delta=delta)[0],
+        naive_epsilon=rdp.epsilon(grid * curve, delta=delta)[0],
         searches=[(law, epsilon_of(mechanism)) for law, mechanism in zip(laws, searched, strict=True)],
     )
 
