@@ -96,40 +96,57 @@ def main() -> None:
         parallel(http, admin, silo)
 
 
-def parallel(http: httpx.Client, admin: dict[str, str], silo: Any) -> None:
-    """Item 2: 16 worst-case requests at once from one key, beside another silo's approvals."""
+def parallel(http: httpx.Client, admin: dict[str, str], silo: Any, *, seconds: float = 6.0, rounds: int = 3) -> None:
+    """Item 2: one key keeps 16 worst-case requests in flight (each thread sends its next as soon as
+    it has an answer, after Retry-After on a 429),
+    while another silo's approvals run; their median latency beside the attack against the quiet one,
+    in alternating windows, several rounds (one window is too noisy on a shared box)."""
     other = silo("other")
     headers = {"Authorization": f"Bearer {other['api_key']}"}
     step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
-    counter = iter(range(10**6))
+    counter = iter(range(10**7))
 
-    def approvals(n: int) -> list[float]:
+    def approvals(until: float) -> list[float]:
         out = []
-        for _ in range(n):
+        while time.monotonic() < until:
             started = time.perf_counter()
             http.post(f"/v1/silos/{other['id']}/charges", json={"mechanism": step, "idempotency_key": f"k{next(counter)}"},
                       headers=headers)
             out.append(time.perf_counter() - started)
         return out
 
-    quiet = statistics.median(approvals(30))
     heavy = {"delta": 1e-5, "mechanism": {"type": "dpsgd", "sampling_rate": 0.999, "noise_multiplier": 0.5, "steps": 5}}
+    ratios: list[float] = []
     codes: list[int] = []
+    for _ in range(rounds):
+        quiet = statistics.median(approvals(time.monotonic() + seconds / 2))
+        stop = time.monotonic() + seconds
 
-    def hostile_key(i: int) -> None:
-        body = {**heavy, "mechanism": {**heavy["mechanism"], "steps": 5 + i}}
-        with httpx.Client(base_url=str(http.base_url), timeout=120) as own:
-            codes.append(own.post("/v1/quote", json=body, headers=admin).status_code)
+        def hostile_key(i: int) -> None:
+            n = 0
+            with httpx.Client(base_url=str(http.base_url), timeout=120) as own:
+                while time.monotonic() < stop:
+                    n += 1  # a new mechanism each time: nothing is cached
+                    body = {**heavy, "mechanism": {**heavy["mechanism"], "steps": 5 + 1000 * i + n}}
+                    answer = own.post("/v1/quote", json=body, headers=admin)
+                    code = answer.status_code
+                    codes.append(code)
+                    if code == 429:  # as the answer says (a flood of refused requests is a proxy's to limit)
+                        time.sleep(float(answer.headers["Retry-After"]))
 
-    threads = [threading.Thread(target=hostile_key, args=(i,)) for i in range(16)]
-    for thread in threads:
-        thread.start()
-    loaded = statistics.median(approvals(30))
-    for thread in threads:
-        thread.join()
-    print(f"16 worst-case quotes in parallel from one key: {codes.count(200)} answered, {codes.count(429)} × 429; "
-          f"another silo's approval median {quiet * 1000:.1f} ms quiet, {loaded * 1000:.1f} ms beside them "
-          f"({loaded / quiet:.2f}×)")
+        threads = [threading.Thread(target=hostile_key, args=(i,)) for i in range(16)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # the attack under way
+        loaded = statistics.median(approvals(stop))
+        for thread in threads:
+            thread.join()
+        ratios.append(loaded / quiet)
+        print(f"  another silo's approval median {quiet * 1000:.1f} ms quiet, {loaded * 1000:.1f} ms beside the attack "
+              f"({loaded / quiet:.2f}×)", flush=True)
+    print(f"16 worst-case quotes kept in flight by one key ({codes.count(200)} answered, {codes.count(429)} × 429): "
+          f"another silo's approvals {statistics.median(ratios):.2f}× their quiet latency (median of {rounds} rounds; "
+          f"worst {max(ratios):.2f}×)")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,11 @@ class Retry:
     max_delay: float = 5.0
 
 
+def _retry_after(response: httpx.Response) -> float:
+    value = response.headers.get("Retry-After", "")
+    return float(value) if value.isdigit() else 1.0
+
+
 def _body(response: httpx.Response) -> Any:
     if response.headers.get("content-type", "").startswith("application/json"):
         return response.json()
@@ -282,9 +287,11 @@ class LedgerClient:
             except httpx.TransportError as error:
                 failure: str = f"{type(error).__name__}: {error}"
             else:
-                if response.status_code < 500:
+                if response.status_code < 500 and response.status_code != 429:
                     return _Answer(response, method, path)
                 failure, last = f"HTTP {response.status_code}", response
+                if response.status_code == 429:  # this key's request in flight on a route that computes: as told
+                    delay = max(delay, _retry_after(response))
             if time.monotonic() + delay > deadline:
                 raise Unreachable(
                     f"{method} {path} failed {attempts} times in {self._retry.window:g} s; last: {failure}",

@@ -5,7 +5,7 @@ compute, and no request body may be larger than any real request is.
 A price bounds one request to ~2 s of CPU, but a key could still send sixteen such requests at once
 and hold every thread of the pool (and both cores) for seconds, while other silos' approvals wait.
 So the routes that compute (quotes, calibrations, plans, registrations, searches) admit at most
-MAX_IN_FLIGHT requests per key in each serving process, and answer 429 with `Retry-After` beyond:
+MAX_IN_FLIGHT request per key in each serving process, and answer 429 with `Retry-After` beyond:
 nothing is queued, so nothing waits on a thread. Approvals (`POST /v1/silos/{id}/charges`) are not
 behind it: their price is bounded like every request's, and their hot path takes no dependency.
 
@@ -25,7 +25,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpledger.service.api.deps import Principal, PrincipalDep
 
-MAX_IN_FLIGHT = 2  # per key and serving process, on the routes that compute
+# Per key and serving process, on the routes that compute. One: a key that keeps 16 worst-case
+# quotes in flight then leaves another silo's approvals ~1.5× their quiet latency on 2 cores; at two
+# in flight it held both cores and left them ~2.8× (bench/hostile_requests.py).
+MAX_IN_FLIGHT = 1
 RETRY_AFTER_S = 1  # a priced request ends within ~2 s of CPU
 MAX_BODY_BYTES = 1024 * 1024  # 10,000 mechanism nodes (cost.MAX_NODES) are ~0.5 MB of JSON
 
@@ -61,7 +64,7 @@ async def admitted(request: Request, caller: PrincipalDep) -> AsyncIterator[Prin
     if not in_flight.enter(caller.key_id):
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS,
-            f"this key has {in_flight.limit} requests in flight on routes that compute, the most one key may have: "
+            f"this key has {in_flight.limit} request(s) in flight on routes that compute, the most one key may have: "
             f"retry after {RETRY_AFTER_S} s, or wait for an answer before the next request",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )

@@ -244,7 +244,7 @@ def test_the_issues_table_answers_within_2_s_of_server_cpu_or_a_fast_4xx(server:
         assert cpu < limit, (name, cpu)
 
 
-def test_a_key_holds_two_requests_in_flight_on_routes_that_compute_and_gets_429_beyond(server: ServerProcess) -> None:
+def test_a_key_holds_one_request_in_flight_on_routes_that_compute_and_gets_429_beyond(server: ServerProcess) -> None:
     import threading
 
     heavy = {"delta": 1e-5, "mechanism": {"type": "dpsgd", "sampling_rate": 0.999, "noise_multiplier": 0.5, "steps": 5}}
@@ -261,7 +261,7 @@ def test_a_key_holds_two_requests_in_flight_on_routes_that_compute_and_gets_429_
     for thread in threads:
         thread.join()
     codes = sorted(answer.status_code for answer in answers)
-    assert set(codes) <= {200, 429} and codes.count(429) >= 4, codes  # 2 at a time; later ones may find a slot free
+    assert set(codes) <= {200, 429} and codes.count(429) >= 4, codes  # 1 at a time; later ones may find the slot free
     refused = next(answer for answer in answers if answer.status_code == 429)
     assert refused.headers["Retry-After"] == "1" and "in flight" in refused.json()["detail"]
 

@@ -205,3 +205,27 @@ def test_a_redelivery_whose_answer_is_lost_does_not_own_an_earlier_reservation(s
         calls = transport.calls  # before closing completes the kept receipts
     assert calls == 2 and replay.replayed and replay.charge_id == held.charge_id
     assert replay.attempt_id == held.own_attempt_id and not replay.owned
+
+
+def test_a_429_is_retried_after_its_retry_after(server: str, silo) -> None:  # type: ignore[no-untyped-def]
+    """A key holds one request in flight on the routes that compute; the client's second, sent while
+    the first runs, is told 429 with Retry-After and is sent again, not raised."""
+    import threading
+
+    heavy = {"type": "dpsgd", "sampling_rate": 0.999, "noise_multiplier": 0.5}
+    transports = [CountingTransport(), CountingTransport()]
+    answers: list[float] = []
+    together = threading.Barrier(2)
+
+    def quote(i: int) -> None:
+        with LedgerClient(server, silo.api_key, transport=transports[i], receipts=False) as client:
+            together.wait()
+            answers.append(client.quote({**heavy, "steps": 70 + i}, delta=1e-5).epsilon)
+
+    threads = [threading.Thread(target=quote, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(answers) == 2 and all(eps > 0 for eps in answers)
+    assert sum(t.calls for t in transports) >= 3  # one of the two met the other in flight at least once
