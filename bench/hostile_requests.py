@@ -122,7 +122,7 @@ def parallel(http: httpx.Client, admin: dict[str, str], silo: Any, *, seconds: f
         quiet = statistics.median(approvals(time.monotonic() + seconds / 2))
         stop = time.monotonic() + seconds
 
-        def hostile_key(i: int) -> None:
+        def hostile_key(i: int, stop: float = stop) -> None:
             n = 0
             with httpx.Client(base_url=str(http.base_url), timeout=120) as own:
                 while time.monotonic() < stop:
