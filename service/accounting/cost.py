@@ -60,6 +60,10 @@ _SAMPLED = (m.SampledWithoutReplacement, m.PoissonSampled, m.DpSgd)
 # The price of one request: above it the required work is refused before it starts (a 422).
 MAX_SECONDS = 1.5
 MAX_RDP_SECONDS = MAX_SECONDS  # the name issue 26 gave it
+# Optional work (a quote's price of its mechanism as a plan, a PLD at discretization 1e-4 that may
+# take ~1.3× its price) runs only while the request's price stays under this, so that a quote with
+# all of it stays well under 2 s on a busy machine.
+OPTIONAL_SECONDS = 1.0
 # The run-time stop: a computation whose thread's CPU outruns OVERRUN × its price + SLACK is stopped
 # at its next step, and none runs past GUARD_SECONDS (what the σ searches were already held to).
 GUARD_SECONDS = 2.0  # the σ searches' bound of issue 26; the step that crosses it still runs
@@ -166,7 +170,7 @@ class Estimate:
         _, build, convolve = self.pld_grid
         return self.pld_nodes * PLD_NODE_SECONDS + (build + CONVOLVE_POINT_SECONDS * convolve) / discretization
 
-    def pld_reason(self, discretization: float, *, seconds_left: float) -> str | None:
+    def pld_reason(self, discretization: float, *, seconds_left: float, budget: float = MAX_SECONDS) -> str | None:
         """Why the PLD at this discretization may not run within `seconds_left`, or None."""
         if self.pld_skip is not None:
             return self.pld_skip
@@ -184,7 +188,7 @@ class Estimate:
         if seconds > seconds_left:
             return (f"dp-accounting would build {self.pld_nodes} privacy loss distribution(s) at discretization "
                     f"{discretization:g}, about {seconds:.2g} s of CPU, where {max(seconds_left, 0.0):.2g} s of this "
-                    f"request's {MAX_SECONDS:g} s are left")
+                    f"request's {budget:g} s are left")
         return None
 
 
@@ -199,12 +203,14 @@ def estimate(mechanism: m.AnyMechanism, *, path: str = "mechanism") -> Estimate:
 def check(
     mechanism: m.AnyMechanism, *, path: str = "mechanism", pld_discretization: float = MEASURED_DISCRETIZATION,
     warm: bool = True,
+    budget: float = MAX_SECONDS,
 ) -> str | None:
     """Refuses (MechanismError) a mechanism whose RDP work, with what this request has already
     admitted, exceeds one request's price; admits it to the request's guard; returns why its PLD
     report (at `pld_discretization`) must be skipped within what is left, or None.
 
-    `warm`: compute the distinct leaves' curves now, one at a time under the guard (the same cached
+    `budget`: what the request's price may reach with this PLD (OPTIONAL_SECONDS for work a quote
+    only adds beside its answer). `warm`: compute the distinct leaves' curves now, one at a time under the guard (the same cached
     calls the whole curve then reads back), so that a leaf that outruns its price stops the request
     before the next one starts."""
     walk = estimate(mechanism, path=path)
@@ -212,7 +218,7 @@ def check(
     new = {key: s for key, s in walk.leaves.items() if key not in admitted}
     refuse_rdp(walk, path=path, already=_admitted_seconds(), new=new)
     admit(math.fsum(new.values()) + walk.nodes * NODE_SECONDS, leaves=new)
-    reason = walk.pld_reason(pld_discretization, seconds_left=seconds_left())
+    reason = walk.pld_reason(pld_discretization, seconds_left=budget - _admitted_seconds(), budget=budget)
     if warm:
         _warm(mechanism, walk)
     return None if reason is None else f"PLD report skipped: {reason}"
@@ -501,11 +507,6 @@ def _admitted_seconds() -> float:
 def _admitted_leaves() -> set[str]:
     found = _active()
     return found[0].leaves if found else set()
-
-
-def seconds_left() -> float:
-    """What is left of the request's price for optional work (MAX_SECONDS without a guard)."""
-    return MAX_SECONDS - _admitted_seconds()
 
 
 def tick() -> None:

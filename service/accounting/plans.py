@@ -122,11 +122,11 @@ def consume(plan: list[Segment], *, used: int, charge: list[Segment]) -> int:
     return taken
 
 
-def pld_epsilon(mechanism: AnyMechanism, *, delta: float) -> float:
+def pld_epsilon(mechanism: AnyMechanism, *, delta: float, budget: float = cost.MAX_SECONDS) -> float:
     """The plan's ε at δ by dp-accounting's PLD accountant; MechanismError if it cannot price it, or
     not within what is left of one request's price (cost.check, at this finer discretization), or
     if its accountant outruns that price (a guard of its own, ticked PLD by PLD)."""
-    too_costly = cost.check(mechanism, pld_discretization=PLAN_DISCRETIZATION, warm=False)
+    too_costly = cost.check(mechanism, pld_discretization=PLAN_DISCRETIZATION, warm=False, budget=budget)
     if too_costly is not None:
         raise MechanismError("mechanism", f"cannot be priced as a plan within one request's bounded work: {too_costly}")
     event = to_dp_event(mechanism)

@@ -87,7 +87,8 @@ def _plan_price(answer: QuoteResponse, mechanism: AnyMechanism, *, delta: float,
         answer.plan_note = closed
         return
     try:
-        answer.epsilon_plan = finite_or_none(plans.pld_epsilon(mechanism, delta=delta))
+        # Beside the answer, optional: within what is left of cost.OPTIONAL_SECONDS, else a note says why.
+        answer.epsilon_plan = finite_or_none(plans.pld_epsilon(mechanism, delta=delta, budget=cost.OPTIONAL_SECONDS))
     except MechanismError as error:
         answer.plan_note = error.message
 
