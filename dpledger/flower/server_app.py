@@ -27,6 +27,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
+from flwr.supercore.exit import add_exit_handler
 from flwr.supercore.run import Run
 
 from dpledger.flower import family, grouped, records
@@ -289,6 +290,17 @@ def _nothing_answered(settings: RunSettings, nodes: list[int], silos: dict[int, 
     raise NothingTrained(line)
 
 
+def _ended_early(settings: RunSettings, run: RunLog, outcome: str, why: str) -> None:
+    """A run that ended before its last round: run.json up to the last round aggregated, and one line.
+    Each silo settles the round it was in on its own (committed where it may have read data)."""
+    line = (f"job {run.job_id} {outcome} after {len(run.rounds)} of {settings.rounds} rounds ({why}): "
+            f"{'the out JSON holds those rounds; ' if settings.out is not None else ''}each silo's ledger holds "
+            "what its rounds spent; start a new run to train more")
+    log.error(line)
+    if settings.out is not None:
+        settings.out.write_text(json.dumps({"outcome": outcome, "reason": line, **asdict(run)}, indent=1, default=str))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = RunSettings.from_run_config(context.run_config)
@@ -312,8 +324,23 @@ def main(grid: Grid, context: Context) -> None:
     # Asked once already at the start; those that answered are never asked again.
     asked_nodes = {node: 1 for node in nodes} | {node: SILO_ID_ASKS for node in silos}
     strategy = LedgerStrategy(settings, server, run, asked_nodes)
-    strategy.start(grid=FastGrid(grid), initial_arrays=family.to_record(server.broadcast(0)), num_rounds=settings.rounds,
-                   timeout=settings.round_timeout)
+    ended = False
+
+    def stopped() -> None:
+        # Flower's exit handlers run on SIGINT/SIGTERM/SIGQUIT (a graceful exit, code 0-99) and at the
+        # process's own end: only a run that has not ended by itself was stopped.
+        if not ended:
+            _ended_early(settings, run, "interrupted", "the ServerApp was stopped")
+
+    add_exit_handler(stopped)
+    try:
+        strategy.start(grid=FastGrid(grid), initial_arrays=family.to_record(server.broadcast(0)),
+                       num_rounds=settings.rounds, timeout=settings.round_timeout)
+    except Exception as error:
+        ended = True
+        _ended_early(settings, run, "failed", f"{type(error).__name__}: {error}")
+        raise
+    ended = True
 
     log.info("accuracy per silo: %s", {k: round(v, 3) for k, v in run.accuracy.items()})
     # The outcome, said once: "complete" (every silo trained every round), "partial", or "nothing

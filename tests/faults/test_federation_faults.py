@@ -1,6 +1,6 @@
 """Faults of a real federation (tests/flower/federation.py: `dpledger serve`, a SuperLink, SuperNodes,
 `flwr run`): a ClientApp process killed after its reservation, the ledger down for 20 s mid-round,
-a SuperNode killed and restarted mid-run.
+a SuperNode killed and restarted mid-run, the ServerApp stopped mid-run.
 
 One federation serves the module: silo "steady" talks to the ledger directly; silo "victim" goes
 through a proxy (tests/faults/proxy.py) whose hooks fire at exact points of its round protocol (its
@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("flwr", reason="flwr is not installed (the `flower` extra)")
 
 import json
+import os
 import signal
 import threading
 import time
@@ -26,9 +27,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.faults.conftest import command_line, listed_charges, sender_of, signal_all, stop_tree, wait_for
+from tests.faults.conftest import command_line, listed_charges, named, sender_of, signal_all, stop_tree, wait_for
 from tests.faults.proxy import Exchange, Proxy, Request
-from tests.flower.federation import DELTA, Federation, Silo, expected_epsilon, federation, write_silo_files
+from tests.flower.federation import DELTA, Federation, Silo, descendants, expected_epsilon, federation, write_silo_files
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, BUDGET = 120, 40, 1.0, 2, 16, 50.0
 # A round that never gets an answer (a killed ClientApp or SuperNode) lasts this long; a healthy round
@@ -285,3 +286,33 @@ def test_a_supernode_killed_and_restarted_is_asked_again(faulty: Faulty) -> None
     assert len(charges_of(faulty, victim, status="committed")) == before + 1
     assert_ledger_matches(faulty, victim)
     assert_ledger_matches(faulty, faulty.steady)
+
+
+# --- 5. the ServerApp stopped mid-run: the rounds it aggregated written, and one line -----------------
+def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so_in_one_line(faulty: Faulty) -> None:
+    fed, rounds = faulty.fed, 30
+    out, log = fed.folder / "stopped.json", fed.folder / "flwr-run-stopped.log"
+    runner = fed.start_run(log, **faulty.run_config(out, rounds=rounds, round_timeout=ROUND_TIMEOUT))
+    try:
+        wait_for(lambda: "round 2:" in log.read_text(errors="replace"), timeout=RUN_TIMEOUT, what="round 2 aggregated")
+        serverapp = wait_for(lambda: next((pid for process in fed.processes for pid in descendants(process.pid)
+                                           if named(pid, "flwr-serverapp")), None), timeout=30, what="the ServerApp")
+        os.kill(serverapp, signal.SIGTERM)
+        runner.wait(timeout=120)
+    finally:
+        stop_tree(runner)
+    result: dict[str, Any] = json.loads(out.read_text())
+    aggregated = len(result["rounds"])
+    assert result["outcome"] == "interrupted" and 2 <= aggregated < rounds, (result["outcome"], aggregated)
+    line = (f"job {result['job_id']} interrupted after {aggregated} of {rounds} rounds (the ServerApp was stopped): "
+            "the out JSON holds those rounds; each silo's ledger holds what its rounds spent; start a new run to train more")
+    assert result["reason"] == line
+    said = log.read_text(errors="replace") + (fed.folder / "superlink.log").read_text(errors="replace")
+    assert line in said and "Traceback" not in said[said.index(line):], said[-3000:]
+    # Each silo settled the round it was in by itself: the ServerApp's end leaves no charge of the job open.
+    for silo in (faulty.steady, faulty.victim):
+        name = job_name(faulty, silo, result)
+        wait_for(lambda s=silo, n=name: all(c["status"] == "committed" for c in charges_of(faulty, s, job_id=n)),
+                 timeout=ROUND_TIMEOUT, what=f"silo {silo.silo_id}'s charges of the job settled")
+        assert len(charges_of(faulty, silo, job_id=name)) >= aggregated
+        assert_ledger_matches(faulty, silo)
