@@ -151,7 +151,8 @@ class FilterView(BaseModel):
     orders: list[float] = Field(description="the Rényi orders of the silo's filter, fixed before its first charge")
     weights: list[float] = Field(description="each order's share of δ (union bound)")
     source: str = Field(description="horizon (from the budget and a horizon at registration), first_charge (a silo "
-                        "registered without a horizon: from its budget and its first charge), or legacy")
+                        "registered without a horizon: from its budget and its first charge), refit (a registered "
+                        "horizon that was not the workload, refit by the first charge), or legacy")
 
 
 class PlanView(BaseModel):

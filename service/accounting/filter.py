@@ -411,6 +411,7 @@ class FirstCharge:
 
     curve: np.ndarray
     unit: np.ndarray | None = None
+    trains: bool = False  # whether it holds a training step (rdp.trains): only such a charge refits a filter
 
 
 def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: np.ndarray | None = None) -> FilterSpec:
@@ -440,6 +441,64 @@ def _first_charge_spec(epsilon: float, delta: float, first: bytes, unit: bytes |
     except ValueError:
         spec = legacy_spec()
     return FilterSpec(spec.orders, spec.weights, "first_charge")
+
+
+# A registered filter is kept at the first charge unless, on the charge's own workload, it buys fewer
+# than REFIT_UNITS of the units a filter fitted to that charge buys, or reads its first unit more than
+# REFIT_FIRST × higher (refit_spec).
+REFIT_UNITS = 0.95
+REFIT_FIRST = 1.1
+
+
+def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: FirstCharge) -> FilterSpec:
+    """The filter a silo registered with a horizon holds from its first charge on: the registered one,
+    unless the charge is a training workload (a run, or a search of one: first.trains) of which the
+    registered filter buys fewer than REFIT_UNITS of the units, or reads the first unit REFIT_FIRST ×
+    higher, than the filter its first charge would fix (first_charge_spec), and no more units; then
+    that one, marked "refit". A refit never buys fewer runs of the first charge's workload than the
+    registered filter did (so a σ calibrated under the registered filter still fits its rounds:
+    silos.plan_noise). A horizon that is the workload gives both the same filter: kept. A declared horizon other than the
+    workload the silo runs otherwise costs it everything: a central job at q = 0.0013, σ 1.17 under
+    the default-like horizon (batch 256 of 60,000, σ 1) was refused its first step, where the charge's
+    own filter buys 96% of dp-accounting's units. A lone query first (not a training step) keeps the
+    registered filter: it says nothing of the job. Sound as first_charge_spec is: a function of the
+    budget, δ, the registered filter and the first request, all fixed before any output."""
+    if not first.trains:
+        return registered
+    fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit)
+    unit, offset = (first.curve, None) if first.unit is None else (first.unit, first.curve)
+    kept = units_bought(registered, unit, offset=offset, epsilon=epsilon, delta=delta)
+    bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
+    one = first.curve if offset is None else offset + unit
+    if bought < kept or (kept >= REFIT_UNITS * bought
+                         and read(registered, one, delta=delta).epsilon <= REFIT_FIRST * read(fitted, one, delta=delta).epsilon):
+        return registered
+    return FilterSpec(fitted.orders, fitted.weights, "refit")
+
+
+def units_bought(spec: FilterSpec, unit: np.ndarray, *, offset: np.ndarray | None, epsilon: float, delta: float) -> int:
+    """How many runs of `unit` (after `offset`) the filter approves within ε, one at a time: the
+    largest n with its reading of offset + n·unit ≤ ε (0 where the offset alone, or one run, exceeds it)."""
+    base = np.zeros(len(unit)) if offset is None else offset
+
+    def fits(n: int) -> bool:
+        with np.errstate(invalid="ignore", over="ignore"):
+            curve = base + np.nan_to_num(n * unit, nan=0.0)
+        return rdp.within_budget(read(spec, curve, delta=delta).epsilon, budget=epsilon)
+
+    if not fits(1):
+        return 0
+    hi = 2
+    while fits(hi) and hi < MAX_UNITS:
+        hi *= 2
+    lo = hi // 2  # fits(lo) holds, fits(hi) does not (or hi reached MAX_UNITS)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def pending_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSpec:

@@ -122,6 +122,12 @@ def training_unit(mechanism: AnyMechanism) -> np.ndarray | None:
     return None
 
 
+def trains(mechanism: AnyMechanism) -> bool:
+    """Whether the mechanism holds a training step (a DP-SGD or Poisson-sampled leaf), as a job's
+    training unit or a search of one does and a lone query (a Gaussian, an IFCA selection) does not."""
+    return isinstance(mechanism, (DpSgd, PoissonSampled)) or any(trains(child) for child in children(mechanism))
+
+
 def certified_curve(mechanism: AnyMechanism) -> np.ndarray:
     """The curve the ledger charges: rdp_curve with certified fractional orders."""
     return rdp_curve(mechanism, certified=True)

@@ -45,10 +45,15 @@ def silo_fields(silo: Silo) -> dict[str, Any]:
 
 def create_fields(silo: Silo) -> dict[str, Any]:
     """The create entry covers the budget and, for silos registered with one, the filter (stored
-    text, hashed verbatim: an edited or unparsable filter breaks the chain, never the audit)."""
+    text, hashed verbatim: an edited or unparsable filter breaks the chain, never the audit); once
+    the silo's first charge refit that filter, the registered text kept beside it."""
     fields = silo_fields(silo)
     if silo.filter_seq == 1:
         fields["filter"] = silo.filter_spec
+        if silo.registered_filter is not None:  # never so (a refit moves filter_seq off 1): an edit, caught here
+            fields["registered_filter"] = silo.registered_filter
+    elif silo.registered_filter is not None:  # refit by its first charge (gate.refittable): it covered this
+        fields["filter"] = silo.registered_filter
     return fields
 
 
@@ -62,7 +67,10 @@ def plan_fields(silo: Silo) -> dict[str, Any]:
 
 def seal_fields(silo: Silo) -> dict[str, Any]:
     """A seal covers the whole record as it stands: an admin accepted it after a tamper (ledger/seals.py)."""
-    return {**silo_fields(silo), "filter": silo.filter_spec, "plan": silo.plan}
+    fields = {**silo_fields(silo), "filter": silo.filter_spec, "plan": silo.plan}
+    if silo.registered_filter is not None:  # only where set, so that earlier seals keep their hashes
+        fields["registered_filter"] = silo.registered_filter
+    return fields
 
 
 def retire_fields(silo: Silo) -> dict[str, Any]:

@@ -163,7 +163,8 @@ def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bo
 
 
 def check_budget(
-    silo: Silo, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None, unit: np.ndarray | None = None
+    silo: Silo, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None,
+    first: rdp_filter.FirstCharge | None = None,
 ) -> BudgetCheck:
     """The gate: the silo's Rényi filter, fixed before its first charge (ledger/gate.py; O(orders)),
     approves only when its proven ε(spent + curve) ≤ the silo's ε (a pending silo: under the filter
@@ -171,12 +172,12 @@ def check_budget(
     checked by gate.follow_plan instead (the plan's PLD ε fit the budget when it was declared).
     Under a plan declared today the gate reads the lower of the plan's ε and the filter's while
     every charge, this one included, follows the plan (accounting/plans.py, ALONGSIDE).
-    `on_plan`: whether the charge keeps the silo's plan's branch alive (gate.plan_step); `unit`: the
-    training run a search charge tunes (rdp.training_unit), which a pending silo's filter is fitted to."""
+    `on_plan`: whether the charge keeps the silo's plan's branch alive (gate.plan_step); `first`: the
+    charge as the filter it would fix or refit reads it (gate.first_charge), where it is the silo's first."""
     spent = RunningSum.from_json(silo.rdp_spent)
     candidate = spent.add(curve)
-    # A silo with no declared horizon is pending until its first charge, which fixes its filter.
-    first = rdp_filter.FirstCharge(curve, unit) if gate.pending(silo) else None
+    # A silo with no declared horizon is pending until its first charge, which fixes its filter; one
+    # with a horizon may have it refit by that charge (gate.open_to_first).
     eps_candidate = gate.reading(silo, candidate, first=first, alive=on_plan).epsilon
     fits = gate.closed_by_plan(silo) or rdp.within_budget(eps_candidate, budget=silo.epsilon)
     eps_now = gate.reading(silo, spent).epsilon if with_spent or not fits else None
@@ -189,8 +190,9 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
         plan_closed = silos.plan_closed(session, silo)
     priced = price(mechanism, silo=silo, charged=charged)
     step = gate.plan_step(silo, priced.mechanism)
-    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True, on_plan=step.on_plan,
-                                                    unit=rdp.training_unit(priced.mechanism)), plan_closed)
+    first = gate.first_charge(silo, priced.curve, priced.mechanism)
+    return Preview(priced, silo, check_budget(silo, priced.curve, with_spent=True, on_plan=step.on_plan, first=first),
+                   plan_closed)
 
 
 def view(
@@ -331,8 +333,8 @@ def reserve_locked(
         priced = price(repricing[0], silo=silo, charged=True)
     silos.refuse_if_retired(silo)  # after a replay (a read of a charge made before), before any approval
     step = gate.follow_plan(silo, priced.mechanism)  # on a plan of the rule before: only its next units, else a 409
-    unit = rdp.training_unit(priced.mechanism) if gate.pending(silo) else None
-    decision = check_budget(silo, priced.curve, on_plan=step.on_plan, unit=unit)
+    first = gate.first_charge(silo, priced.curve, priced.mechanism)
+    decision = check_budget(silo, priced.curve, on_plan=step.on_plan, first=first)
     if not decision.fits:
         assert decision.epsilon_spent is not None
         raise OverBudget(
@@ -342,9 +344,9 @@ def reserve_locked(
     now = datetime.now(UTC)
     # With its filter fixed before and no plan, the silo's ε after this charge is the check's reading
     # (the same filter read on the same sum); else the answer reads it again after the changes below.
-    spent_after = decision.epsilon_if_approved if not gate.pending(silo) and silo.plan is None else None
-    if gate.pending(silo):  # its first charge: the filter it was checked under is fixed now, before it
-        silos.fix_filter(session, silo, rdp_filter.FirstCharge(priced.curve, unit), now=now)
+    spent_after = decision.epsilon_if_approved if first is None and silo.plan is None else None
+    if first is not None:  # its first charge: the filter it was checked under is fixed (or refit) now, before it
+        silos.fix_filter(session, silo, first, now=now)
     gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
     values: dict[str, Any] = {
         "silo_id": silo_id, "idempotency_key": idempotency_key, "request_hash": digest,

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 
 from dpledger.service.accounting import filter as rdp_filter
-from dpledger.service.accounting import plans
+from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger.errors import Conflict
 from dpledger.service.ledger.models import Silo
@@ -42,6 +42,29 @@ def pending(silo: Silo) -> bool:
     return silo.filter_seq == PENDING_SEQ
 
 
+def refittable(silo: Silo) -> bool:
+    """Whether the silo registered with a horizon, whose filter its first charge may still refit
+    (filter.refit_spec), holds no charge yet. Read from what the chain decides (filter_seq, chain_seq,
+    the plan, sealed_seq and retired_seq are replayed or hashed, ledger/seals.py): its chain is the
+    create entry and at most a plan entry, so an edited row cannot reopen a filter charges were read under."""
+    return (silo.filter_seq == 1 and silo.registered_filter is None and silo.sealed_seq is None
+            and silo.retired_seq is None and not closed_by_plan(silo)
+            and silo.chain_seq == 1 + (silo.plan is not None))
+
+
+def open_to_first(silo: Silo) -> bool:
+    """Whether the silo's next charge, its first, decides the filter it is read under."""
+    return pending(silo) or refittable(silo)
+
+
+def first_charge(silo: Silo, curve: np.ndarray, mechanism: AnyMechanism) -> rdp_filter.FirstCharge | None:
+    """The charge as the filter it would fix or refit reads it, where the silo's filter is still open
+    to its first charge (open_to_first); else None."""
+    if not open_to_first(silo):
+        return None
+    return rdp_filter.FirstCharge(curve, rdp.training_unit(mechanism), trains=rdp.trains(mechanism))
+
+
 def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
     """The filter the gate reads: on the share of δ a declared plan leaves it; on a pending silo,
     the one its first charge (of curve `first`) would fix."""
@@ -53,9 +76,12 @@ def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filt
 def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
     """The filter as the silo holds it, on the whole δ (what its record stores): on a pending silo,
     the one its first charge (of curve `first`) would fix."""
-    if pending(silo) and first is not None:
+    stored = rdp_filter.FilterSpec.from_json(silo.filter_spec)
+    if first is not None and pending(silo):
         return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first.curve, unit=first.unit)
-    return rdp_filter.FilterSpec.from_json(silo.filter_spec)
+    if first is not None and refittable(silo):
+        return rdp_filter.refit_spec(stored, epsilon=silo.epsilon, delta=silo.delta, first=first)
+    return stored
 
 
 def plan(silo: Silo) -> plans.Plan | None:

@@ -83,6 +83,9 @@ class Silo(Base):
     # it, a `filter` entry for silos that held charges before the filter existed.
     filter_spec: Mapped[str] = mapped_column(Text)
     filter_seq: Mapped[int] = mapped_column(Integer)
+    # The filter a silo registered with (its horizon's), kept once its first charge refit it (gate.py),
+    # so that its create entry, which covers it, still recomputes. None: never refit.
+    registered_filter: Mapped[str | None] = mapped_column(Text)
     # A declared plan (ledger/plans.py JSON) and how many of its units charges have used.
     plan: Mapped[str | None] = mapped_column(Text)
     plan_used: Mapped[int] = mapped_column(Integer, default=0)

@@ -222,6 +222,9 @@ def first_difference(state: State, silo: Silo) -> tuple[str, int, EntryEvent] | 
                     state.filter_seq, EntryEvent.filter)
         return ("says its filter is still to be fixed by its first charge, but its chain holds charges",
                 state.seq, state.event)
+    if silo.filter_seq == 1 and state.filter_seq is not None:  # a refit filter put back to the registered one
+        return ("says its filter is the one its create entry covers, but this entry fixed another",
+                state.filter_seq, EntryEvent.filter)
     if silo.filter_seq not in (0, 1) and silo.filter_seq != state.filter_seq:
         return (f"says its filter is at entry {silo.filter_seq}, but its chain's filter entry is "
                 f"{'none' if state.filter_seq is None else f'entry {state.filter_seq}'}",

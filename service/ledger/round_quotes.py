@@ -55,11 +55,10 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
     # A pending silo's filter is the one its first round would fix (gate.pending), computed once here
     # (its allocation costs ~0.01–0.5 s, and gate.reading would redo it at every reading).
     fixed = None
-    if first_index is not None and gate.pending(silo):
+    if first_index is not None and gate.open_to_first(silo):
         cost.admit(cost.FIRST_FILTER_SECONDS)
         first_key = rounds[first_index - 1]
-        first = rdp_filter.FirstCharge(curves[first_key], rdp.training_unit(declared_by_key[first_key]))
-        fixed = gate.spec(silo, first=first)
+        fixed = gate.spec(silo, first=gate.first_charge(silo, curves[first_key], declared_by_key[first_key]))
 
     def gate_epsilon(n: int, running: RunningSum) -> float:
         """gate.reading of the sum after `n` rounds, under the filter `fixed` where the silo is pending

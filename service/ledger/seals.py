@@ -51,6 +51,7 @@ HASHED: dict[str, tuple[EntryEvent, ...]] = {
     "relation": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
     "created_at": (EntryEvent.create, EntryEvent.seal, EntryEvent.retire),
     "filter_spec": (EntryEvent.create, EntryEvent.filter, EntryEvent.seal),
+    "registered_filter": (EntryEvent.create, EntryEvent.seal),
     "plan": (EntryEvent.plan, EntryEvent.seal),
     "retired_reason": (EntryEvent.retire,),
 }

@@ -33,7 +33,7 @@ from dpledger.service.ledger.models import (
     Silo,
 )
 from dpledger.wire.enums import Relation
-from dpledger.wire.mechanisms import AnyMechanism
+from dpledger.wire.mechanisms import AnyMechanism, DpSgd
 
 
 @dataclass(frozen=True)
@@ -197,11 +197,16 @@ def retire(db: Database, silo_id: int, *, reason: str) -> int:
 
 def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, now: datetime) -> None:
     """Fixes a pending silo's filter from its first charge's curve (filter.first_charge_spec says why
-    that is sound), in a filter entry that covers it, written before the charge's reserve entry in
+    that is sound), or refits a registered one (filter.refit_spec; else nothing is written), in a
+    filter entry that covers it, written before the charge's reserve entry in
     the same transaction: a refused first charge fixes nothing. The caller holds the silo's lock."""
     # The filter as it is fixed, on the whole δ: the gate scales it to the share a plan leaves it at
     # every read (gate.spec), so storing the scaled one would halve it twice.
     spec = gate.fixed_spec(silo, first=first)
+    if gate.refittable(silo):
+        if spec.source != "refit":
+            return  # its registered filter kept: the create entry covers it still, nothing to write
+        silo.registered_filter = silo.filter_spec  # the create entry covers it (chain.create_fields)
     silo.filter_spec = spec.to_json()
     silo.filter_seq = silo.chain_seq + 1
     append_entry(session, silo, event=EntryEvent.filter, charge=None, epsilon_spent=0.0, now=now)
@@ -377,6 +382,8 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
     # Beside a plan: σ by the filter alone (a σ of the search's own is off the plan, or the plan's).
+    # A refittable silo: σ under its registered filter (its first charge's refit never affords fewer of
+    # these rounds, filter.refit_spec), the ε after them then read as the gate will (below).
     fixed = None if gate.pending(silo) else gate.spec(silo)
     unit = (first_steps or steps) / steps  # a pending silo's spent sum is empty: the curve is the run's
 
@@ -391,4 +398,9 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
         )
     except MechanismError as error:
         raise InvalidRequest(error.field, error.message) from error
-    return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=found.epsilon_after)
+    epsilon_after = found.epsilon_after
+    if gate.refittable(silo):
+        run = rdp.certified_curve(DpSgd(noise_multiplier=found.noise_multiplier, steps=steps, sampling_rate=sampling_rate))
+        first = rdp_filter.FirstCharge(run * unit, trains=True)
+        epsilon_after = rdp_filter.read(gate.spec(silo, first=first), run, delta=silo.delta).epsilon
+    return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=epsilon_after)

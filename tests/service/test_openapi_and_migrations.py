@@ -78,5 +78,25 @@ def test_revision_0012_keeps_silos_across_a_round_trip_and_refuses_to_downgrade_
     served[-1].state.engine.dispose()
     with pytest.raises(RuntimeError, match=rf"silos {silo_id} are retired: code below revision 0012 would approve"):
         command.downgrade(config, "0011")
-    assert {"retired_seq", "retired_reason"} <= columns() and version() == "0012"
+    # Refused at 0012: SQLite has stepped down from the head to it, PostgreSQL's transactional DDL undid that step.
+    assert {"retired_seq", "retired_reason"} <= columns() and version() in ("0012", "0013")
+    engine.dispose()
+
+
+def test_revision_0013_refuses_to_downgrade_a_silo_whose_registered_filter_was_refit(database_url: str) -> None:
+    """Below 0013 a refit silo's create entry would recompute without the filter it covered."""
+    config, engine = alembic_config(database_url), create_engine(database_url)
+    app = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
+    declared = {"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}
+    step = {"type": "dpsgd", "batch_size": 78, "noise_multiplier": 1.174, "steps": 1}
+    with TestClient(app) as client:
+        made = client.post("/v1/silos", headers=ADMIN, json={"name": "refit", "epsilon": 0.4567, "delta": 1e-5,
+                                                             "dataset_size": 60_000, "horizon": declared}).json()
+        charged = client.post(f"/v1/silos/{made['id']}/charges", headers={"Authorization": f"Bearer {made['api_key']}"},
+                              json={"mechanism": step, "idempotency_key": "u1"})
+        assert charged.status_code == 201 and client.get(f"/v1/silos/{made['id']}", headers=ADMIN).json()["filter"][
+            "source"] == "refit", charged.text
+    app.state.engine.dispose()
+    with pytest.raises(RuntimeError, match=rf"silos {made['id']} had their registered filter refit by their first charge"):
+        command.downgrade(config, "0012")
     engine.dispose()

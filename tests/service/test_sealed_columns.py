@@ -54,7 +54,7 @@ def _silo(**changed: Any) -> Silo:
 EDITED: dict[str, Any] = {
     "id": 8, "name": "ward-2", "epsilon": 6.0, "delta": 1e-3, "dataset_size": 999, "relation": Relation.replace_one,
     "created_at": datetime(2026, 1, 2, 3, 4, 5, 7, tzinfo=UTC), "filter_spec": '{"orders": [3.0]}',
-    "plan": '{"segments": [1]}', "retired_reason": "a kinder reason",
+    "plan": '{"segments": [1]}', "retired_reason": "a kinder reason", "registered_filter": '{"orders": [4.0]}',
 }
 
 
@@ -75,6 +75,8 @@ EDITS: dict[str, str] = {
     "relation": "UPDATE silos SET relation = 'replace_one' WHERE id = :id",
     "created_at": "UPDATE silos SET created_at = :earlier WHERE id = :id",
     "filter_spec": "UPDATE silos SET filter_spec = :one_order WHERE id = :id",
+    # A registered filter put beside one never refit: the first charge could no longer refit it.
+    "registered_filter": "UPDATE silos SET registered_filter = filter_spec WHERE id = :id",
     "plan": "UPDATE silos SET plan = plan || ' ' WHERE id = :id",  # the same plan as JSON, not as the hashed text
     "rdp_spent": "UPDATE silos SET rdp_spent = :empty WHERE id = :id",  # a lowered running sum
     "rdp_committed": "UPDATE silos SET rdp_committed = :empty WHERE id = :id",
@@ -94,7 +96,7 @@ EDITS: dict[str, str] = {
 NOT_EDITABLE_ALONE = {"id"}
 ROW = ("name", "epsilon", "delta", "dataset_size", "relation", "created_at", "filter_spec", "plan", "rdp_spent",
        "rdp_committed", "chain_seq", "chain_head", "filter_seq", "plan_used", "plan_ended_seq", "sealed_seq",
-       "retired_seq", "retired_reason")
+       "retired_seq", "retired_reason", "registered_filter")
 
 
 def _charge(client: TestClient, silo_id: int, headers: dict[str, str], key: str, mechanism: dict[str, Any] = STEP) -> Any:

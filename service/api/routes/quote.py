@@ -73,7 +73,7 @@ def _quote(body: QuoteRequest, caller: Principal, db: Database) -> QuoteResponse
     answer.epsilon_if_approved_dp_accounting = finite_or_none(float(references[1]))
     # The silo's own filter on the running sum a charge would leave (on a plan, the gate reads the plan instead).
     answer.epsilon_rdp_proven = finite_or_none(
-        rdp_filter.read(gate.spec(silo, first=rdp_filter.FirstCharge(priced.curve, rdp.training_unit(priced.mechanism))),
+        rdp_filter.read(gate.spec(silo, first=gate.first_charge(silo, priced.curve, priced.mechanism)),
                         preview.check.candidate.curve(), delta=silo.delta).epsilon
     )
     answer.gated_on = gate.gated_on(silo)

@@ -1,0 +1,103 @@
+"""A silo registered with a horizon other than the workload it then runs: its first charge refits the
+filter (filter.refit_spec), through the real app.
+
+The case is one of bench/tightness.py's family: a central job at q = 78/60,000, σ 1.174, budgeted for
+313 steps by dp-accounting, on a silo that declared DP-SGD at batch 256, σ 1. Its ε grows from 0.425
+after one step to 0.457 after 313, so the registered filter's share cost alone refuses the first
+step; the refit filter (the one the first charge would fix on a silo without a horizon) buys at least
+0.9 of the 313. A first charge that is the declared workload keeps the registered filter and writes
+no entry; a lone query first keeps it too; a refit record edited back is refused as tampered."""
+
+from __future__ import annotations
+
+import pytest
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from sqlalchemy import create_engine, text
+
+from dpledger.service.accounting import filter as rdp_filter
+from dpledger.service.accounting import rdp
+from dpledger.wire.mechanisms import DpSgd
+from tests.conftest import ADMIN
+from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
+
+SIZE, BATCH, SIGMA, UNITS, DELTA = 60_000, 78, 1.174, 313, 1e-5
+STEP = {"type": "dpsgd", "batch_size": BATCH, "noise_multiplier": SIGMA, "steps": 1}
+DECLARED = {"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}
+Q = BATCH / SIZE
+
+
+def budget_for(units: int) -> float:
+    curve = units * rdp_lib._compute_rdp_poisson_subsampled_gaussian(Q, SIGMA, rdp.ORDERS)
+    return float(rdp_lib.compute_epsilon(rdp.ORDERS, curve, DELTA)[0])
+
+
+def charge(client, silo, key: str, mechanism):  # type: ignore[no-untyped-def]
+    return client.post(f"/v1/silos/{silo.id}/charges", json={"mechanism": mechanism, "idempotency_key": key},
+                       headers=silo.headers)
+
+
+def events(client, silo) -> list[str]:  # type: ignore[no-untyped-def]
+    return [e["event"] for e in client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()]
+
+
+def test_a_first_charge_unlike_the_declared_horizon_refits_the_filter_and_buys_its_run(client, make_silo) -> None:
+    budget = budget_for(UNITS)
+    silo = make_silo(epsilon=budget, delta=DELTA, dataset_size=SIZE, horizon=DECLARED)
+    registered = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"]
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=SIGMA, steps=1, sampling_rate=Q))
+    # Under the filter the horizon fixed, the first step alone reads over the budget.
+    as_registered = rdp_filter.FilterSpec(tuple(registered["orders"]), tuple(registered["weights"]), "horizon")
+    assert rdp_filter.read(as_registered, unit, delta=DELTA).epsilon > budget
+
+    quoted = client.post("/v1/quote", json={"mechanism": STEP, "silo_id": silo.id}, headers=silo.headers).json()
+    first = charge(client, silo, "u1", STEP)
+    assert first.status_code == 201, first.text
+    detail = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()
+    rule = rdp_filter.allocate(unit, epsilon=budget, delta=DELTA).spec
+    assert detail["filter"] == {"orders": list(rule.orders), "weights": list(rule.weights), "source": "refit"}
+    oracle = proven_epsilon(filter_of(detail), dpsgd_curve([(Q, SIGMA, 1)]), delta=DELTA)
+    assert first.json()["epsilon_spent"] == pytest.approx(oracle, rel=1e-9)
+    assert quoted["epsilon_if_approved"] == pytest.approx(oracle, rel=1e-9)  # the quote read the refit filter
+
+    bought = 1
+    while charge(client, silo, f"u{bought + 1}", STEP).status_code == 201:
+        bought += 1
+    assert 0.9 * UNITS <= bought <= UNITS, bought
+    history = client.get(f"/v1/silos/{silo.id}/history", headers=ADMIN).json()
+    assert [e["event"] for e in history[:3]] == ["create", "filter", "reserve"]
+    assert history[1]["subject"]["filter"] == detail["filter"]
+    assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+
+
+def test_a_first_charge_that_is_the_declared_workload_keeps_the_registered_filter(client, make_silo) -> None:
+    silo = make_silo(epsilon=budget_for(UNITS), delta=DELTA, dataset_size=SIZE, horizon=STEP)
+    registered = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"]
+    assert charge(client, silo, "u1", STEP).status_code == 201
+    assert client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"] == registered
+    assert events(client, silo) == ["create", "reserve"]
+
+
+def test_a_lone_query_first_keeps_the_registered_filter(client, make_silo) -> None:
+    silo = make_silo(epsilon=2.0, delta=DELTA, dataset_size=SIZE, horizon=DECLARED)
+    registered = client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"]
+    assert charge(client, silo, "q1", {"type": "gaussian", "noise_multiplier": 20.0}).status_code == 201
+    assert client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"] == registered
+    # The filter is no longer open: a DP-SGD charge after it is read under the registered one.
+    assert charge(client, silo, "u1", STEP).status_code in (201, 409)
+    assert client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"] == registered
+    assert "filter" not in events(client, silo)
+
+
+@pytest.mark.parametrize("edit", ["filter_seq = 1", "registered_filter = NULL"])
+def test_a_refit_record_edited_back_is_refused_as_tampered(client, make_silo, database_url: str, edit: str) -> None:
+    silo = make_silo(epsilon=budget_for(UNITS), delta=DELTA, dataset_size=SIZE, horizon=DECLARED)
+    assert charge(client, silo, "u1", STEP).status_code == 201
+    engine = create_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(f"UPDATE silos SET {edit} WHERE id = :i"), {"i": silo.id})
+        again = charge(client, silo, "u2", STEP)
+        assert again.status_code == 409 and again.json()["tampered"] is not None, again.text
+        assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is False
+    finally:
+        engine.dispose()
