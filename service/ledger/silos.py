@@ -381,9 +381,11 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     sampling_rate = batch_size / silo.dataset_size
     if gate.closed_by_plan(silo):
         raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
-    # Beside a plan: σ by the filter alone (a σ of the search's own is off the plan, or the plan's).
-    # A refittable silo: σ under its registered filter (its first charge's refit never affords fewer of
-    # these rounds, filter.refit_spec), the ε after them then read as the gate will (below).
+    # Beside a plan: σ by the filter alone (a σ of the search's own is off the plan, or the plan's). A
+    # pending silo: at each σ, under the filter its first charge would fix. One registered with a horizon
+    # that its first charge may refit: under the registered filter, since a refit never affords fewer of
+    # these rounds (filter.refit_spec; searching through the refit's allocation at every σ costs ~2 s),
+    # and the ε after them read as the gate will at that σ (below).
     fixed = None if gate.pending(silo) else gate.spec(silo)
     unit = (first_steps or steps) / steps  # a pending silo's spent sum is empty: the curve is the run's
 
@@ -401,6 +403,6 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     epsilon_after = found.epsilon_after
     if gate.refittable(silo):
         run = rdp.certified_curve(DpSgd(noise_multiplier=found.noise_multiplier, steps=steps, sampling_rate=sampling_rate))
-        first = rdp_filter.FirstCharge(run * unit, trains=True)
-        epsilon_after = rdp_filter.read(gate.spec(silo, first=first), run, delta=silo.delta).epsilon
+        after = gate.spec(silo, first=rdp_filter.FirstCharge(run * unit, trains=True))
+        epsilon_after = rdp_filter.read(after, run, delta=silo.delta).epsilon
     return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=epsilon_after)

@@ -101,3 +101,17 @@ def test_a_refit_record_edited_back_is_refused_as_tampered(client, make_silo, da
         assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is False
     finally:
         engine.dispose()
+
+
+def test_calibration_before_the_first_charge_states_what_the_gate_then_reads(client, make_silo) -> None:
+    """σ is calibrated under the registered filter (a refit never affords fewer of its rounds), and the ε
+    it states after them is the gate's reading at that σ, refit or not."""
+    silo = make_silo(epsilon=budget_for(UNITS), delta=DELTA, dataset_size=SIZE, horizon=DECLARED)
+    answer = client.post(f"/v1/silos/{silo.id}/calibrate", headers=silo.headers,
+                         json={"batch_size": BATCH, "steps_per_round": 1, "rounds": 20}).json()
+    spent = 0.0
+    for n in range(20):
+        approved = charge(client, silo, f"c{n}", {**STEP, "noise_multiplier": answer["noise_multiplier"]})
+        assert approved.status_code == 201, (n, approved.text)
+        spent = approved.json()["epsilon_spent"]
+    assert spent == pytest.approx(answer["epsilon_after"], rel=1e-9) and spent <= silo.epsilon
