@@ -210,9 +210,9 @@ def check(
     report (at `pld_discretization`) must be skipped within what is left, or None.
 
     `budget`: what the request's price may reach with this PLD (OPTIONAL_SECONDS for work a quote
-    only adds beside its answer). `warm`: compute the distinct leaves' curves now, one at a time under the guard (the same cached
-    calls the whole curve then reads back), so that a leaf that outruns its price stops the request
-    before the next one starts."""
+    only adds beside its answer). `warm`: compute the distinct leaves' curves now, one at a time
+    under the guard (the same cached calls the whole curve then reads back), so that a leaf that
+    outruns its price stops the request before the next one starts."""
     walk = estimate(mechanism, path=path)
     admitted = _admitted_leaves()
     new = {key: s for key, s in walk.leaves.items() if key not in admitted}

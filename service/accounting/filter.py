@@ -456,15 +456,16 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
     """The filter a silo registered with a horizon holds from its first charge on: the registered one,
     unless the charge is a training workload (a run, or a search of one: first.trains) of which the
     registered filter buys fewer than REFIT_UNITS (half) of the units that the filter its first charge
-    would fix (first_charge_spec) buys; then that one, marked "refit". A refit so never buys fewer runs of the
-    first charge's workload than the registered filter did: a σ calibrated under the registered filter
-    still fits its rounds (silos.plan_noise). A horizon that is the workload gives both the same filter.
-    A declared horizon other than the
-    workload the silo runs otherwise costs it everything: a central job at q = 0.0013, σ 1.17 under
-    the default-like horizon (batch 256 of 60,000, σ 1) was refused its first step, where the charge's
-    own filter buys 96% of dp-accounting's units. A lone query first (not a training step) keeps the
-    registered filter: it says nothing of the job. Sound as first_charge_spec is: a function of the
-    budget, δ, the registered filter and the first request, all fixed before any output."""
+    would fix (first_charge_spec) buys; then that one, marked "refit".
+
+    A refit so never buys fewer runs of the first charge's workload than the registered filter did: a
+    σ calibrated under the registered filter still fits its rounds (silos.plan_noise). A horizon that
+    is the workload gives both the same filter. One that is not can cost the silo everything: a central
+    job at q = 0.0013, σ 1.17 under a declared batch of 256 of 60,000 at σ 1 was refused its first
+    step, where the charge's own filter buys 0.91 of dp-accounting's units. A lone query first (not a
+    training step) keeps the registered filter: it says nothing of the job. Sound as first_charge_spec
+    is: a function of the budget, δ, the registered filter and the first request, all fixed before
+    any output."""
     if not first.trains:
         return registered
     fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit)

@@ -152,12 +152,18 @@ class SiloTerms:
         return cls(silo.dataset_size, silo.relation)  # as stored: an edited row is compared, never parsed here
 
 
+def resolved_mechanism(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bool, path: str) -> AnyMechanism:
+    """q filled in (the service's on a charge: see `events.resolve`) and the neighbouring relation checked."""
+    resolved = resolve(mechanism, dataset_size=None if silo is None else silo.dataset_size, charged=charged, path=path)
+    check_relation(resolved, silo_relation=None if silo is None else silo.relation, path=path)
+    return resolved
+
+
 def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bool, path: str = "mechanism") -> Priced:
     """Resolves q (the service's on a charge: see `events.resolve`), checks the neighbouring
     relation, bounds the work (`cost.check`) and only then computes the curve. Outside any lock: a
     new (q, σ) pair costs dp-accounting tens of milliseconds. Raises MechanismError (a 422)."""
-    resolved = resolve(mechanism, dataset_size=None if silo is None else silo.dataset_size, charged=charged, path=path)
-    check_relation(resolved, silo_relation=None if silo is None else silo.relation, path=path)
+    resolved = resolved_mechanism(mechanism, silo=silo, charged=charged, path=path)
     skip = cost.check(resolved, path=path)
     return Priced(resolved, rdp.certified_curve(resolved), skip)
 

@@ -66,19 +66,19 @@ def first_charge(silo: Silo, curve: np.ndarray, mechanism: AnyMechanism) -> rdp_
 
 
 def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
-    """The filter the gate reads: on the share of δ a declared plan leaves it; on a pending silo,
-    the one its first charge (of curve `first`) would fix."""
+    """The filter the gate reads: on the share of δ a declared plan leaves it; on a silo whose first
+    charge (`first`, from first_charge) fixes or may refit its filter, the one that charge would leave."""
     fixed = fixed_spec(silo, first=first)
     declared = plan(silo)
     return fixed if declared is None or not declared.alongside else rdp_filter.scaled(fixed, declared.filter_share)
 
 
 def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
-    """The filter as the silo holds it, on the whole δ (what its record stores): on a pending silo,
-    the one its first charge (of curve `first`) would fix."""
-    stored = rdp_filter.FilterSpec.from_json(silo.filter_spec)
+    """The filter as the silo holds it, on the whole δ (what its record stores): on a silo whose first
+    charge (`first`) fixes or may refit its filter, the one that charge would leave."""
     if first is not None and pending(silo):
         return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first.curve, unit=first.unit)
+    stored = rdp_filter.FilterSpec.from_json(silo.filter_spec)
     if first is not None and refittable(silo):
         return rdp_filter.refit_spec(stored, epsilon=silo.epsilon, delta=silo.delta, first=first)
     return stored
@@ -144,8 +144,8 @@ def reading(
     silo: Silo, running: RunningSum, *, first: rdp_filter.FirstCharge | None = None, alive: bool | None = None
 ) -> rdp_filter.Reading:
     """The proven ε of a running sum of this silo (spent, committed, or a candidate); `first`: the
-    curve of the silo's first charge where the sum holds it and the silo is still pending; `alive`:
-    whether every charge in the sum follows the plan (default: as the silo stands, on_plan)."""
+    silo's first charge where the sum holds it and its filter is still open to it (first_charge);
+    `alive`: whether every charge in the sum follows the plan (default: as the silo stands, on_plan)."""
     by_filter = rdp_filter.read(spec(silo, first=first), running.curve(), delta=silo.delta)
     declared = plan(silo)
     if declared is None:

@@ -52,7 +52,7 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
 
     # The first charged round: where the job's first rounds charge nothing, the first one that does.
     first_index = next((n for n, key in enumerate(rounds, start=1) if key is not None), None)
-    # A pending silo's filter is the one its first round would fix (gate.pending), computed once here
+    # A pending (or refittable) silo's filter is the one its first round would leave (gate.open_to_first), computed once here
     # (its allocation costs ~0.01–0.5 s, and gate.reading would redo it at every reading).
     fixed = None
     if first_index is not None and gate.open_to_first(silo):

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
-from dpledger.service.accounting.events import MechanismError, check_relation, resolve
+from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.trial_counts import TrialDistribution, distribution, draw_trials
 from dpledger.service.ledger import charges, keys, silos, transparency
 from dpledger.service.ledger.db import Database
@@ -113,8 +113,7 @@ def quote(
 ) -> SearchQuote:
     """A fixed grid of runs composed beside each random-K search of the same mean (a raw rate is
     fine here: a quote charges nobody)."""
-    resolved = resolve(trial, dataset_size=None, charged=False, path="trial")
-    check_relation(resolved, silo_relation=None, path="trial")
+    resolved = charges.resolved_mechanism(trial, silo=None, charged=False, path="trial")
     grid = grid_size if grid_size is not None else math.ceil(mean_trials)
     laws = [distribution(kind, mean=mean_trials) for kind in ("poisson", "geometric", "logarithmic")]
     laws += [distribution("truncated_negative_binomial", mean=mean_trials, shape=eta) for eta in tnb_shapes]
