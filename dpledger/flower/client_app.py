@@ -4,8 +4,9 @@ for this very round.
 
 Every algorithm of the registry runs here the same way: build the silo half from the train
 message's public settings, check that what it will query is what the gate had approved, train over
-this one silo, keep its personal state in the silo's own Context.state, and send the upload (the
-already-private models or updates the server half aggregates: post-processing)."""
+this one silo, keep its personal state in the silo's own state folder (`checkpoint.SiloStates`: a
+resumed run, a new Flower run, continues from it), and send the upload (the already-private models
+or updates the server half aggregates: post-processing)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from dpledger.flower import family, records
+from dpledger.flower.checkpoint import SiloStates
 from dpledger.flower.gate import ledger_gate
 from dpledger.flower.local import accuracy, load_silo_file, template
 from dpledger.flower.settings import SiloSettings
@@ -41,8 +43,9 @@ def train(message: Message, context: Context) -> Message:
     if planned.mechanism_json() != approval.get("mechanism"):
         raise RuntimeError("the round would query other than what the ledger approved")
     received = family.from_record(message.content.array_records[records.ARRAYS])
-    stored = context.state.array_records.get(records.SILO_STATE)
-    state = family.from_record(stored) if stored is not None else planned.halves.silo.start(planned.model.initial(), 1)
+    states = SiloStates(silo.state_dir, config.get("run-key"))
+    stored = states.before(planned.round_index)
+    state = stored if stored is not None else planned.halves.silo.start(planned.model.initial(), 1)
 
     # A tiny model: one thread trains it as fast as many, and leaves the site's other cores alone.
     torch.set_num_threads(1)
@@ -51,7 +54,7 @@ def train(message: Message, context: Context) -> Message:
     trained = planned.halves.silo.train(planned.round_index, planned.engine, torch.tensor([0]), received, state)
     planned.plan().check(torch.tensor([True]), planned.engine.meter.since_start())  # ran exactly what was approved
     train_seconds = time.perf_counter() - started
-    context.state.array_records[records.SILO_STATE] = family.to_record(state)
+    states.save(planned.round_index, state)
     # The norm goes to the ledger through the gate with the silo's key, never into the reply.
     context.state.config_records[records.OUTCOME] = ConfigRecord({"update-norm": float(trained.norms[0])})
     return records.trained_reply(message, family.to_record(trained.upload), {"train-seconds": train_seconds})
@@ -65,8 +68,8 @@ def evaluate(message: Message, context: Context) -> Message:
     config = _config(message)
     built = family.halves(config, noise_multiplier=silo.noise_multiplier)
     model = template(seed=built.silo.config.seed)
-    stored = context.state.array_records.get(records.SILO_STATE)
-    state = family.from_record(stored) if stored is not None else built.silo.start(model.initial(), 1)
+    stored = SiloStates(silo.state_dir, config.get("run-key")).latest()
+    state = stored if stored is not None else built.silo.start(model.initial(), 1)
     deployed = built.silo.deployed(family.from_record(message.content.array_records[records.ARRAYS]), state)[0]
     return Message(RecordDict({records.METRICS: MetricRecord({"accuracy": accuracy(model, deployed, data)})}),
                    reply_to=message)

@@ -42,19 +42,22 @@ def ledger_job(job_id: int) -> str:
     return f"flower-job-{job_id}"
 
 
-def _order(message: Message) -> tuple[int, int, dict[str, object]]:
-    """(job id, round, the public config) of a train message; ValueError names what is wrong."""
+def _order(message: Message) -> tuple[int, int, int, dict[str, object]]:
+    """(job id, round, attempt, the public config) of a train message; ValueError names what is wrong.
+    `attempt` counts the run's resumptions: a resumed run's rounds are charged anew (`round_key`'s
+    charge number), so a round stopped mid-training stays spent and is trained under a charge of its own."""
     if records.CONFIG not in message.content.config_records:
         raise ValueError("train message without a config record")
     record = message.content.config_records[records.CONFIG]
     config: dict[str, object] = {key: record[key] for key in record}
     values = []
-    for key in ("job-id", "round"):
+    for key in ("job-id", "round", "attempt"):
         value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "round" else 1):
-            raise ValueError(f"train config {key!r} must be a non-negative integer. Found {value!r}.")
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "job-id" else 0):
+            raise ValueError(f"train config {key!r} must be a {'positive' if key == 'job-id' else 'non-negative'} "
+                             f"integer. Found {value!r}.")
         values.append(value)
-    return values[0], values[1], config
+    return values[0], values[1], values[2], config
 
 
 def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -62,7 +65,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
         return call_next(message, context)
     try:
         silo = SiloSettings.of_node(context.node_config)
-        job_id, round_index, config = _order(message)
+        job_id, round_index, attempt, config = _order(message)
         data = load_silo_file(silo.data_path)
         # What the run's algorithm will query of this silo's data this round, from its silo half
         # (the same one the ClientApp then runs): a DP-SGD round, IFCA's selection composed with it,
@@ -85,7 +88,7 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
                           data.size, registered)
                 return records.status_reply(message, records.FAILED)
             permit = open_round(ledger, silo_id=silo.silo_id, job_id=ledger_job(job_id), round=round_index,
-                                mechanism=mechanism)
+                                mechanism=mechanism, charge=attempt)
         except Denied as denied:
             log.warning("[silo %d] declines: %s", silo.silo_id, refusal_line(denied, round=round_index))
             return records.status_reply(message, records.DECLINED)

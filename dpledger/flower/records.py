@@ -23,11 +23,10 @@ CONFIG: Final = "config"
 STATUS: Final = "status"
 METRICS: Final = "metrics"
 
-# Keys in a silo's own Context.state (never sent): the mod's approval for the round in progress,
-# what the round reports back to the mod, and the silo half's own state (its personal model…).
+# Keys in a silo's own Context.state (never sent): the mod's approval for the round in progress and
+# what the round reports back to the mod. The silo half's own state lies in its state folder.
 APPROVAL: Final = "dpledger-approval"
 OUTCOME: Final = "dpledger-outcome"
-SILO_STATE: Final = "dpledger-silo-state"
 
 
 def status_reply(message: Message, status: str) -> Message:

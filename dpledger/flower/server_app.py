@@ -12,10 +12,14 @@ the ledger themselves. A silo that declines gets no more train messages. One tha
 answer within the round's timeout, or whose SuperNode is gone is asked again in the next round: a
 SuperNode that comes back (under a new node id) is found by asking new nodes for their silo id at
 the start of each round. Its ledger keeps whatever the lost round reserved spent.
+
+After each round it aggregated it writes a checkpoint beside the `out` JSON (checkpoint.py); a run
+started with `resume = true` continues that job from the first round not aggregated.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
@@ -30,7 +34,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.exit import add_exit_handler
 from flwr.supercore.run import Run
 
-from dpledger.flower import family, grouped, records
+from dpledger.flower import checkpoint, family, grouped, records
 from dpledger.flower.local import template
 from dpledger.flower.settings import RunSettings
 from dpledger.trainer.federated.config import STREAM_INIT, derive_seed
@@ -172,13 +176,18 @@ class LedgerStrategy(Strategy):
     in id order: position k of the server half is the k-th). It asks every silo that has not
     declined (and that the server half asks this round), on whichever node answers for it now."""
 
-    def __init__(self, settings: RunSettings, server: ServerHalf, run: RunLog, asked_nodes: dict[int, int]) -> None:
+    def __init__(self, settings: RunSettings, server: ServerHalf, run: RunLog, asked_nodes: dict[int, int], *,
+                 job_silos: list[int], active: set[int], done: int, run_key: str, attempt: int) -> None:
         self.settings = settings
         self.server = server
         self.run = run
-        self.job_silos = sorted(run.silos.values())
-        self.active = set(self.job_silos)  # every silo that has not declined
+        self.job_silos = job_silos
+        self.active = active  # every silo that has not declined
         self.asked_nodes = asked_nodes
+        # A resumed run: Flower's rounds 1, 2… are the job's rounds done + 1, done + 2…
+        self.done = done
+        self.run_key = run_key  # names each silo's state file of this run (and of its resumptions)
+        self.attempt = attempt
         self._asked: list[int] = []
         self._node_of: dict[int, int] = {}
         self._started = 0.0
@@ -191,12 +200,13 @@ class LedgerStrategy(Strategy):
         s = self.settings
         return ConfigRecord({"job-id": self.run.job_id, "round": round_index, "algorithm": s.algorithm, "seed": s.seed,
                              "local-steps": s.local_steps, "batch-size": s.batch_size, "lr": s.lr,
-                             "clip-norm": s.clip_norm, **s.options})
+                             "clip-norm": s.clip_norm, "run-key": self.run_key, "attempt": self.attempt,
+                             **s.options})
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        round_index = server_round - 1
+        round_index = server_round - 1 + self.done
         if not self.active:
-            log.info("round %d: no silo left to train", server_round)
+            log.info("round %d: no silo left to train", round_index + 1)
             self._asked = []
             return []
         node_of = self._node_of = _current_nodes(grid, self.run.silos, self.job_silos, self.settings.round_timeout,
@@ -211,7 +221,7 @@ class LedgerStrategy(Strategy):
                 for silo in self._asked if silo in node_of]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        round_index = server_round - 1
+        round_index = server_round - 1 + self.done
         if not self._asked:
             return None, None
         by_silo = {self.run.silos.get(reply.metadata.src_node_id): reply for reply in replies}
@@ -246,14 +256,25 @@ class LedgerStrategy(Strategy):
             log.info("job %d: privacy groups %s", self.run.job_id, self.run.groups)
         self.run.rounds.append(entry)
         counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
-        log.info("round %d: %s in %.2f s", server_round, counts, entry.seconds)
+        log.info("round %d: %s in %.2f s", round_index + 1, counts, entry.seconds)
+        self.save(round_index + 1)
         return None, MetricRecord({status: count for status, count in counts.items()})
 
+    def save(self, completed: int) -> None:
+        """The checkpoint after `completed` rounds (beside `out`; none without it)."""
+        if self.settings.out is not None:
+            checkpoint.ServerCheckpoint(
+                job_id=self.run.job_id, run_key=self.run_key, attempt=self.attempt, fingerprint=self.settings.fingerprint(),
+                completed=completed, run=self.run, job_silos=self.job_silos, active=sorted(self.active),
+                server=self.server,
+            ).save(checkpoint.path_for(self.settings.out))
+
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        if server_round != self.settings.rounds:
+        last = self.settings.rounds
+        if server_round + self.done != last:
             return []  # one evaluation, after the last round
-        content = family.to_record(self.server.broadcast(server_round))
-        evaluate_config = self._round_config(server_round)
+        content = family.to_record(self.server.broadcast(last))
+        evaluate_config = self._round_config(last)
         nodes = _current_nodes(grid, self.run.silos, self.job_silos, self.settings.round_timeout, self.asked_nodes)
         return [Message(RecordDict({records.ARRAYS: content, records.CONFIG: evaluate_config}), node,
                         MessageType.EVALUATE, group_id="evaluate") for node in sorted(nodes.values())]
@@ -293,37 +314,74 @@ def _nothing_answered(settings: RunSettings, nodes: list[int], silos: dict[int, 
 def _ended_early(settings: RunSettings, run: RunLog, outcome: str, why: str) -> None:
     """A run that ended before its last round: run.json up to the last round aggregated, and one line.
     Each silo settles the round it was in on its own (committed where it may have read data)."""
+    then = ("continue it with the same run config and resume=true" if settings.out is not None
+            else "start a new run to train more (set out to be able to resume one)")
     line = (f"job {run.job_id} {outcome} after {len(run.rounds)} of {settings.rounds} rounds ({why}): "
             f"{'the out JSON holds those rounds; ' if settings.out is not None else ''}each silo's ledger holds "
-            "what its rounds spent; start a new run to train more")
+            f"what its rounds spent; {then}")
     log.error(line)
     if settings.out is not None:
         settings.out.write_text(json.dumps({"outcome": outcome, "reason": line, **asdict(run)}, indent=1, default=str))
 
 
+def _charged_by_the_silos(kind: str, members: torch.Tensor, mechanism: object) -> None:
+    """A server query of the silos' data is charged by each silo's gate, from its own silo half."""
+
+
+def _fresh_model(seed: int, silo: int) -> torch.Tensor:
+    return template(seed=derive_seed(seed, STREAM_INIT, silo)).initial()
+
+
+def _resumed(settings: RunSettings) -> checkpoint.ServerCheckpoint:
+    """The stopped run's checkpoint (resume = true); ResumeRefused says in one line why not."""
+    if settings.out is None:
+        raise checkpoint.ResumeRefused("resume: set out to the stopped run's out JSON (its checkpoint lies beside it)")
+    stopped = checkpoint.load(checkpoint.path_for(settings.out), settings.fingerprint())
+    if stopped.completed >= settings.rounds:
+        raise checkpoint.ResumeRefused(f"resume: job {stopped.job_id} already aggregated {stopped.completed} of "
+                                       f"rounds={settings.rounds}; raise rounds to train more")
+    return stopped
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = RunSettings.from_run_config(context.run_config)
+    try:
+        earlier = _resumed(settings) if settings.resume else None
+    except checkpoint.ResumeRefused as refused:
+        log.error("%s", refused)
+        raise
     nodes = _wait_for_nodes(grid, settings.min_nodes)
     silos = _ask_silo_ids(grid, nodes, settings.first_contact_timeout)
+    if earlier is not None:  # the job's silos only, by silo id (their nodes are new)
+        silos = {node: silo for node, silo in silos.items() if silo in earlier.job_silos}
     if len(silos) < settings.min_nodes:
         _nothing_answered(settings, nodes, silos)
-    with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
-        job_id = ledger.create_job(name=f"flower-run-{context.run_id}", silo_ids=sorted(silos.values()))
-    run = RunLog(job_id=job_id, algorithm=settings.algorithm, silos=silos)
-
-    model = template(seed=settings.seed)
-    server = settings.halves.server(ServerStart(
-        initial=model.initial(), num_silos=len(silos),
-        fresh_model=lambda j: template(seed=derive_seed(settings.seed, STREAM_INIT, j)).initial(),
-        # A server query of the silos' data is charged by each silo's gate, from its own silo half.
-        record=lambda kind, members, mechanism: None,
-        # The server's own noise (PMTL's) from OS randomness no silo can predict.
-        noise=torch.Generator().manual_seed(secrets.randbits(63)),
-    ))
+    if earlier is None:
+        with LedgerClient(settings.ledger_url, settings.coordinator_key()) as ledger:
+            job_id = ledger.create_job(name=f"flower-run-{context.run_id}", silo_ids=sorted(silos.values()))
+        run = RunLog(job_id=job_id, algorithm=settings.algorithm, silos=silos)
+        job_silos = sorted(silos.values())
+        model = template(seed=settings.seed)
+        server = settings.halves.server(ServerStart(
+            initial=model.initial(), num_silos=len(silos), fresh_model=functools.partial(_fresh_model, settings.seed),
+            record=_charged_by_the_silos,
+            # The server's own noise (PMTL's) from OS randomness no silo can predict.
+            noise=torch.Generator().manual_seed(secrets.randbits(63)),
+        ))
+        active, done, run_key, attempt = set(job_silos), 0, secrets.token_hex(8), 0
+    else:
+        run, server, done, job_silos = earlier.run, earlier.server, earlier.completed, earlier.job_silos
+        run.silos = silos
+        active, run_key, attempt = set(earlier.active), earlier.run_key, earlier.attempt + 1
+        log.info("job %d resumed at round %d of %d (start %d of the run)", run.job_id, done + 1, settings.rounds,
+                 attempt + 1)
+    job_id = run.job_id
     # Asked once already at the start; those that answered are never asked again.
     asked_nodes = {node: 1 for node in nodes} | {node: SILO_ID_ASKS for node in silos}
-    strategy = LedgerStrategy(settings, server, run, asked_nodes)
+    strategy = LedgerStrategy(settings, server, run, asked_nodes, job_silos=job_silos, active=active, done=done,
+                              run_key=run_key, attempt=attempt)
+    strategy.save(done)
     ended = False
 
     def stopped() -> None:
@@ -334,8 +392,8 @@ def main(grid: Grid, context: Context) -> None:
 
     add_exit_handler(stopped)
     try:
-        strategy.start(grid=FastGrid(grid), initial_arrays=family.to_record(server.broadcast(0)),
-                       num_rounds=settings.rounds, timeout=settings.round_timeout)
+        strategy.start(grid=FastGrid(grid), initial_arrays=family.to_record(server.broadcast(done)),
+                       num_rounds=settings.rounds - done, timeout=settings.round_timeout)
     except Exception as error:
         ended = True
         _ended_early(settings, run, "failed", f"{type(error).__name__}: {error}")

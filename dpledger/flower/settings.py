@@ -51,6 +51,13 @@ def _int(config: Mapping[str, ConfigValue], key: str, where: str, *, minimum: in
     return value
 
 
+def _bool(config: Mapping[str, ConfigValue], key: str, where: str) -> bool:
+    value = _get(config, key, where)
+    if not isinstance(value, bool):
+        raise SettingsError(f"{where}: {key!r} must be true or false. Found {value!r}.")
+    return value
+
+
 def _float(config: Mapping[str, ConfigValue], key: str, where: str, *, positive: bool) -> float:
     value = _get(config, key, where)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -69,16 +76,22 @@ class SiloSettings:
     key_file: Path
     data_path: Path
     noise_multiplier: float
+    # Where the silo keeps its own state after each round (a resumed run continues from it); by
+    # default a folder beside its data file, `<data stem>-state`.
+    state_dir: Path
 
     @classmethod
     def from_node_config(cls, config: Mapping[str, ConfigValue]) -> SiloSettings:
         where = "node config"
+        data_path = Path(_text(config, "data-path", where))
         return cls(
             ledger_url=_text(config, "ledger-url", where),
             silo_id=_int(config, "silo-id", where, minimum=1),
             key_file=Path(_text(config, "key-file", where)),
-            data_path=Path(_text(config, "data-path", where)),
+            data_path=data_path,
             noise_multiplier=_float(config, "noise-multiplier", where, positive=True),
+            state_dir=(Path(_text(config, "state-dir", where)) if "state-dir" in config
+                       else data_path.with_name(data_path.stem + "-state")),
         )
 
     @classmethod
@@ -134,6 +147,8 @@ class RunSettings:
     ledger_url: str
     coordinator_key_file: Path
     out: Path | None
+    # Continue the stopped run whose checkpoint lies beside `out` (checkpoint.py) instead of starting a job.
+    resume: bool
 
     @classmethod
     def from_run_config(cls, config: Mapping[str, ConfigValue]) -> RunSettings:
@@ -164,7 +179,13 @@ class RunSettings:
             ledger_url=_text(config, "ledger-url", where),
             coordinator_key_file=Path(_text(config, "coordinator-key-file", where)),
             out=Path(out) if out else None,
+            resume=_bool(config, "resume", where) if "resume" in config else False,
         )
+
+    def fingerprint(self) -> dict[str, object]:
+        """What makes a run the run it is: a resumed run must match it (rounds, timeouts, URLs, keys may change)."""
+        return {"algorithm": self.algorithm, "options": self.options, "local-steps": self.local_steps,
+                "batch-size": self.batch_size, "lr": self.lr, "clip-norm": self.clip_norm, "seed": self.seed}
 
     def coordinator_key(self) -> str:
         return read_key_file(self.coordinator_key_file, "run config: 'coordinator-key-file'")

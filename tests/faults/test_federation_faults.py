@@ -1,6 +1,6 @@
 """Faults of a real federation (tests/flower/federation.py: `dpledger serve`, a SuperLink, SuperNodes,
 `flwr run`): a ClientApp process killed after its reservation, the ledger down for 20 s mid-round,
-a SuperNode killed and restarted mid-run, the ServerApp stopped mid-run.
+a SuperNode killed and restarted mid-run, the ServerApp stopped mid-run and resumed.
 
 One federation serves the module: silo "steady" talks to the ledger directly; silo "victim" goes
 through a proxy (tests/faults/proxy.py) whose hooks fire at exact points of its round protocol (its
@@ -305,7 +305,8 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
     aggregated = len(result["rounds"])
     assert result["outcome"] == "interrupted" and 2 <= aggregated < rounds, (result["outcome"], aggregated)
     line = (f"job {result['job_id']} interrupted after {aggregated} of {rounds} rounds (the ServerApp was stopped): "
-            "the out JSON holds those rounds; each silo's ledger holds what its rounds spent; start a new run to train more")
+            "the out JSON holds those rounds; each silo's ledger holds what its rounds spent; "
+            "continue it with the same run config and resume=true")
     assert result["reason"] == line
     said = log.read_text(errors="replace") + (fed.folder / "superlink.log").read_text(errors="replace")
     assert line in said and "Traceback" not in said[said.index(line):], said[-3000:]
@@ -315,4 +316,30 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
         wait_for(lambda s=silo, n=name: all(c["status"] == "committed" for c in charges_of(faulty, s, job_id=n)),
                  timeout=ROUND_TIMEOUT, what=f"silo {silo.silo_id}'s charges of the job settled")
         assert len(charges_of(faulty, silo, job_id=name)) >= aggregated
+        assert_ledger_matches(faulty, silo)
+    in_flight = {silo.silo_id: Counter(c["round"] for c in charges_of(faulty, silo, job_id=job_name(faulty, silo, result)))
+                 for silo in (faulty.steady, faulty.victim)}
+
+    # Started again with resume=true (and one round more than it aggregated, to end soon): the same job, from the first
+    # round not aggregated; the round a silo was training when the ServerApp stopped stays spent and
+    # is trained again under a charge of its own; no other round is charged twice.
+    total = aggregated + 1
+    config = faulty.run_config(out, rounds=total, round_timeout=ROUND_TIMEOUT) | {"resume": True}
+    log = fed.folder / "flwr-run-resumed.log"
+    runner = fed.start_run(log, **config)
+    try:
+        runner.wait(timeout=RUN_TIMEOUT)
+    finally:
+        stop_tree(runner)
+    resumed: dict[str, Any] = json.loads(out.read_text())
+    said = log.read_text(errors="replace") + (fed.folder / "superlink.log").read_text(errors="replace")
+    assert resumed["outcome"] == "complete" and resumed["job_id"] == result["job_id"], said[-3000:]
+    assert [entry["round"] for entry in resumed["rounds"]] == list(range(total))
+    assert f"job {result['job_id']} resumed at round {aggregated + 1} of {total}" in said
+    for silo in (faulty.steady, faulty.victim):
+        charges = charges_of(faulty, silo, job_id=job_name(faulty, silo, result))
+        per_round = Counter(c["round"] for c in charges)
+        stopped_round = in_flight[silo.silo_id].get(aggregated, 0)
+        assert per_round == Counter({r: 1 for r in range(total)}) + Counter({aggregated: stopped_round}), per_round
+        assert {c["status"] for c in charges} == {"committed"}
         assert_ledger_matches(faulty, silo)

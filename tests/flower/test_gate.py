@@ -10,13 +10,16 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (the `flower` e
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import torch  # noqa: E402
 from dp_accounting import dp_event as de  # noqa: E402
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402
 
 from dpledger.flower import family, records  # noqa: E402
+from dpledger.flower.checkpoint import SiloStates  # noqa: E402
 from dpledger.flower.client_app import train  # noqa: E402
 from dpledger.flower.gate import ledger_gate  # noqa: E402
 from dpledger.flower.local import template  # noqa: E402
+from dpledger.flower.settings import SiloSettings  # noqa: E402
 from dpledger.harness import running_server  # noqa: E402
 from dpledger.wire.client import LedgerClient  # noqa: E402
 from dpledger.wire.schemas import SiloDetail  # noqa: E402
@@ -75,10 +78,15 @@ def silo_context(ledger: str, folder: Path, *, budget: float) -> tuple[int, Cont
     return job_id, Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
 
 
-def train_message(job_id: int, round_index: int, *, algorithm: str = "fedavg", server_noise: float = 1.0) -> Message:
+RUN_KEY = "0123456789abcdef"
+
+
+def train_message(job_id: int, round_index: int, *, algorithm: str = "fedavg", server_noise: float = 1.0,
+                  attempt: int = 0) -> Message:
     config = ConfigRecord({"job-id": job_id, "round": round_index, "algorithm": algorithm, "seed": 0, "local-steps": STEPS,
-                           "batch-size": BATCH, "lr": 0.5, "clip-norm": 1.0, "lam": 0.5, "server-noise": server_noise})
-    broadcast = {"mean" if algorithm == "pmtl" else "global": template(seed=0).initial()}
+                           "batch-size": BATCH, "lr": 0.5, "clip-norm": 1.0, "lam": 0.5, "server-noise": server_noise,
+                           "run-key": RUN_KEY, "attempt": attempt})
+    broadcast = {"mean" if algorithm in ("pmtl", "mrmtl") else "global": template(seed=0).initial()}
     content = RecordDict({records.ARRAYS: family.to_record(broadcast), records.CONFIG: config})
     return Message(content, 7, MessageType.TRAIN, group_id=str(round_index))
 
@@ -147,9 +155,36 @@ def test_a_pmtl_round_charges_the_servers_gaussian_at_record_level(ledger: str, 
     for round_index in range(2):
         reply = ledger_gate(train_message(job_id, round_index, algorithm="pmtl", server_noise=3.0), context, trainer)
         assert records.reply_status(reply) == records.TRAINED
-    assert "personal" in context.state.array_records[records.SILO_STATE]  # the personal model stays at the silo
+    # The personal model stays at the silo, in its own state folder (beside its data by default).
+    state = SiloStates(SiloSettings.of_node(context.node_config).state_dir, RUN_KEY).latest()
+    assert state is not None and "personal" in state
     charged = gate_oracle.event_curve(de.SelfComposedDpEvent(de.GaussianDpEvent(1.5), 2))
     with LedgerClient(ledger, ADMIN) as admin:
         detail = admin.silo(int(context.node_config["silo-id"]))
     expected = gate_oracle.proven_epsilon(gate_oracle.filter_pairs(detail), charged, delta=DELTA)
     assert detail.epsilon_committed == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_resumed_run_trains_the_interrupted_round_under_a_charge_of_its_own(ledger: str, tmp_path: Path) -> None:
+    """A round whose charge was committed in a stopped run (it may have read data) is trained again by
+    the resumed run (attempt 1) under a new charge, from the silo's state before that round; the
+    same message of the stopped run stays a replay."""
+    job_id, context = silo_context(ledger, tmp_path, budget=10.0)
+    trainer = Counting()
+    for round_index in range(2):
+        reply = ledger_gate(train_message(job_id, round_index, algorithm="mrmtl"), context, trainer)
+        assert records.reply_status(reply) == records.TRAINED
+    states = SiloStates(SiloSettings.of_node(context.node_config).state_dir, RUN_KEY)
+    after_first = states.before(1)
+    assert after_first is not None
+    assert records.reply_status(ledger_gate(train_message(job_id, 1, algorithm="mrmtl"), context, trainer)) == records.REPLAYED
+    resumed = ledger_gate(train_message(job_id, 1, algorithm="mrmtl", attempt=1), context, trainer)
+    assert records.reply_status(resumed) == records.TRAINED and trainer.calls == 3
+    before = states.before(1)
+    assert before is not None and all(torch.equal(before[k], after_first[k]) for k in after_first)  # round 0's state kept
+    silo_id = int(context.node_config["silo-id"])
+    with LedgerClient(ledger, ADMIN) as admin:
+        detail = admin.silo(silo_id)
+        charges = admin.charges(silo_id)
+    assert sorted(c.round for c in charges) == [0, 1, 1] and {c.status.value for c in charges} == {"committed"}
+    assert detail.epsilon_committed == pytest.approx(gate_oracle.dpsgd_epsilon(detail, run(3), delta=DELTA), rel=1e-9)
