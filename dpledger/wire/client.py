@@ -537,6 +537,6 @@ class LedgerClient:
 
     def read(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
         """A GET's JSON body, unparsed, with this client's errors: the transparency checker's one seam
-        (path → JSON, see `dpledger.service.transparency_cli.Get`), which validates each answer into
+        (path → JSON, see `dpledger.audit.outcome.Get`), which validates each answer into
         the wire's models itself, so that its tests can drive it from an in-process app."""
         return self._send("GET", path, params=params).expect(200).json()
