@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSITION = {"cli.py", "worker_cli.py", "demo.py", "demo_story.py", "tune.py", "harness.py"}  # demo_story: the demo's verdicts
 # Top-level modules that face one plane only: a silo's public names, re-exported from the trainer
-# (and from the wire contract: the typed client and its errors, which the service's commands share).
+# (and from the wire contract: the typed client and its errors, which the people's and auditors' commands share).
 FACADES = {"silo.py": "dpledger.service"}
 # The commands run from outside the ledger, over HTTP: each package imports only those after it here
 # (audit's `witnessed` reads the witnesses; every command says its failures through people's `terminal`).

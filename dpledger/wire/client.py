@@ -1,6 +1,7 @@
 """The one typed client of the ledger: the worker's, the Flower apps', and the people and audit
 commands' (`dpledger silos|history|charges|verify|audit|pubkey`). httpx and pydantic only, no torch,
-so that the service's commands import it as the worker does.
+so that the commands run from outside the ledger (dpledger.people, dpledger.audit) import it as the
+worker does.
 
 Requests are the wire's pydantic models (a mechanism given as a plain mapping is validated into one
 before it is sent); answers are parsed into the wire's response models. Errors form one tree
