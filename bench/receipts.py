@@ -47,8 +47,8 @@ from fastapi.testclient import TestClient
 from pydantic import TypeAdapter
 from sqlalchemy import select
 
+from dpledger.audit import transparency as log_check
 from dpledger.harness import running_server
-from dpledger.service import transparency_cli
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import silos, transparency
 from dpledger.service.ledger.db import Database, migrate
@@ -179,12 +179,12 @@ def verification(figures: dict[str, float], *, entries: int, receipts: int) -> N
             os.environ["DPLEDGER_URL"] = server
             os.environ["DPLEDGER_KEY"] = silo["api_key"]
             start = time.perf_counter()
-            out = transparency_cli.verify_receipts(transparency_cli.http_get, held)
+            out = log_check.verify_receipts(log_check.http_get, held)
             figures["verify_receipts_s"] = time.perf_counter() - start
             assert out.ok, out.problems
             os.environ["DPLEDGER_KEY"] = auditor
             start = time.perf_counter()
-            out = transparency_cli.audit(transparency_cli.http_get, None)
+            out = log_check.audit(log_check.http_get, None)
             figures["audit_s"] = time.perf_counter() - start
             assert out.ok, out.problems[:5]
             assert out.head is not None

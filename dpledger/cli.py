@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dpledger.service import people_cli
+from dpledger.audit import commands as audit_commands
+from dpledger.people import commands as people_commands
 from dpledger.service.logging_setup import FORMATS, logging_config
+from dpledger.witness import commands as witness_commands
 
 if TYPE_CHECKING:
     from dpledger.service.settings import Settings
@@ -32,7 +34,7 @@ EPILOG = (
     "key); the server's own commands (serve, migrate, init, keys) read DATABASE_URL (default sqlite:///./dpledger.db). "
     "`dpledger COMMAND --help` says more."
 )
-# What `--help` says of commands whose arguments another module defines (service/transparency_cli.py).
+# What `--help` says of commands whose arguments another module defines (dpledger/audit/commands.py).
 DESCRIPTIONS = {
     "audit": "Checks the ledger as an auditor: the transparency log's signed head, that the log only grew since the "
     "head saved in HEAD_FILE (a consistency proof; on first use the ledger's signing key is pinned there), every "
@@ -147,7 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     wait.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
     wait.set_defaults(run=_wait)
 
-    people_cli.add_commands(commands)
+    # The commands run from outside the ledger, over HTTP: the people's, the auditors', the witness's.
+    people_commands.add_commands(commands)
+    audit_commands.add_commands(commands)
+    witness_commands.add_commands(commands)
     for name, description in DESCRIPTIONS.items():
         commands.choices[name].description = description
 

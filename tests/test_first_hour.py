@@ -20,13 +20,12 @@ from sqlalchemy import event
 
 from dpledger.cli import database_url_hint, main
 from dpledger.harness import ServerProcess, free_port
-from dpledger.service import people_cli
+from dpledger.people import commands as people_commands
 from dpledger.service.api import ledger_file
 from dpledger.service.api.app import create_app
 from dpledger.service.api.errors import disk_full
 from dpledger.service.api.ledger_file import LedgerInUse, hold_ledger
 from dpledger.service.dashboard import pages, svg
-from dpledger.service.dashboard.numbers import remaining_shown
 from dpledger.service.dashboard.pages import SiloRow
 from dpledger.service.ledger.db import migrate
 from dpledger.service.serving import why_it_died
@@ -35,6 +34,7 @@ from dpledger.trainer import report
 from dpledger.trainer.loop import JobRun, Refusal, RoundRecord
 from dpledger.trainer.report import DemoSettings, epsilon_panels, plot_epsilon, refusal_point
 from dpledger.wire.enums import Relation
+from dpledger.wire.numbers import remaining_shown
 from dpledger.wire.schemas import SiloSummary, delta_refusal
 from tests.conftest import ADMIN, ADMIN_KEY
 
@@ -256,9 +256,9 @@ def test_an_exhausted_silo_shows_exhausted_not_a_float_residue() -> None:
     assert remaining_shown(remaining=0.5, budget=4.0) == "0.5"
     live = SiloSummary(id=1, name="b", epsilon=4.0, delta=1e-5, dataset_size=674, relation=Relation.add_remove,
                        epsilon_spent=4 - 1.75309e-08)
-    assert people_cli.state(live) == "exhausted"
-    assert people_cli.state(live.model_copy(update={"epsilon_spent": 1.0})) == "in service"
-    assert people_cli.state(live.model_copy(update={"retired_seq": 7})) == "retired at entry 7"
+    assert people_commands.state(live) == "exhausted"
+    assert people_commands.state(live.model_copy(update={"epsilon_spent": 1.0})) == "in service"
+    assert people_commands.state(live.model_copy(update={"retired_seq": 7})) == "retired at entry 7"
 
 
 # --- the smaller frictions --------------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def test_a_postgres_url_without_our_driver_gets_the_url_to_write(scheme: str, mo
 
 def test_history_csv_counts_rounds_from_one_and_keeps_the_rest() -> None:
     page = "seq,job_id,round,hash\r\n1,,,aa\r\n2,job,0,bb\r\n3,\"a,b\",19,cc\r\n"
-    assert people_cli.rounds_from_one(page) == "seq,job_id,round,hash\r\n1,,,aa\r\n2,job,1,bb\r\n3,\"a,b\",20,cc\r\n"
+    assert people_commands.rounds_from_one(page) == "seq,job_id,round,hash\r\n1,,,aa\r\n2,job,1,bb\r\n3,\"a,b\",20,cc\r\n"
 
 
 def test_the_readme_prose_names_the_ledger_by_its_url_not_port_8000() -> None:

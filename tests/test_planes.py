@@ -15,8 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSITION = {"cli.py", "worker_cli.py", "demo.py", "demo_story.py", "tune.py", "harness.py"}  # demo_story: the demo's verdicts
 # Top-level modules that face one plane only: a silo's public names, re-exported from the trainer
-# (and from the wire contract: the typed client and its errors, which the service's commands share).
+# (and from the wire contract: the typed client and its errors, which the people's and auditors' commands share).
 FACADES = {"silo.py": "dpledger.service"}
+# The commands run from outside the ledger, over HTTP: each package imports only those after it here
+# (audit's `witnessed` reads the witnesses; every command says its failures through people's `terminal`).
+CLIENT = ("audit", "witness", "people")
+# What of the service the client side may import: the auditor recomposes ε with the gate's own
+# accounting (pure math, no database or HTTP), never with a copy of it.
+CLIENT_MAY_IMPORT = ("dpledger.service.accounting",)
 
 # Imports the given modules, then every submodule of the given packages, and prints sys.modules. A
 # module that needs an optional extra (opacus: the `opacus` extra) is passed over when it is absent.
@@ -63,17 +69,20 @@ def test_no_module_of_the_worker_loads_the_service() -> None:
 
 
 def test_the_typed_client_and_the_people_and_audit_commands_load_no_torch() -> None:
-    """One client for the worker and the service's commands, so it lives in the wire contract: no
-    torch, nothing of either plane. The commands load it and still nothing of the worker."""
+    """One client for the worker and the commands run from outside the ledger, so it lives in the wire
+    contract: no torch, nothing of either plane. The commands load it and still nothing of either plane
+    (an audit's replay loads the service's accounting only when it runs)."""
     client = loaded_after(modules=("dpledger.wire.client", "dpledger.wire.errors"))
     assert {"dpledger.wire.client", "httpx"} <= set(client)
     assert [m for m in client if _is(m, "torch") or _is(m, "dpledger.trainer") or _is(m, "dpledger.service")] == []
-    commands = loaded_after(modules=("dpledger.service.people_cli", "dpledger.service.transparency_cli"))
-    assert {"dpledger.service.transparency_cli", "dpledger.wire.client"} <= set(commands)
-    assert [m for m in commands if _is(m, "torch") or _is(m, "dpledger.trainer")] == []
-    # Their HTTP goes through the client alone: neither imports httpx itself.
-    for command in ("people_cli.py", "transparency_cli.py"):
-        assert "httpx" not in _imported(ROOT / "service" / command), command
+    commands = loaded_after(modules=tuple(f"dpledger.{room}.commands" for room in CLIENT))
+    assert {"dpledger.audit.transparency", "dpledger.wire.client"} <= set(commands)
+    assert [m for m in commands if _is(m, "torch") or _is(m, "dpledger.trainer") or _is(m, "dpledger.service")] == []
+    # Their HTTP to the ledger goes through the client alone: none imports httpx itself (the witness's
+    # fetches of checkpoints from the ledger and from other witnesses are its own).
+    for path in sorted((ROOT / "dpledger" / "people").glob("*.py")) + sorted((ROOT / "dpledger" / "audit").glob("*.py")):
+        if path.name != "witnessed.py":
+            assert "httpx" not in _imported(path), path
 
 
 def _imported(path: Path) -> set[str]:
@@ -92,12 +101,14 @@ def test_only_the_composition_layer_imports_both_planes() -> None:
     migrations) import nothing of the worker or torch, the worker nothing of the service, the wire
     contract neither plane, and of the root package only the composition modules import a plane."""
     # research/ is not installed: no product module may import it.
+    clients = tuple(f"dpledger.{room}" for room in CLIENT)
     rules = {
-        "service": ("dpledger.trainer", "torch", "research"),
+        "service": ("dpledger.trainer", "torch", "research", *clients),
         "migrations": ("dpledger.trainer", "torch", "research"),
         "trainer": ("dpledger.service", "research"),
         "dpledger": ("research",),
-        "dpledger/wire": ("dpledger.service", "dpledger.trainer", "dpledger.migrations", "torch"),
+        "dpledger/wire": ("dpledger.service", "dpledger.trainer", "dpledger.migrations", "torch", *clients),
+        **{f"dpledger/{room}": ("dpledger.trainer", "dpledger.migrations", "torch", "research") for room in CLIENT},
     }
     crossings: list[str] = []
     for folder, forbidden in rules.items():
@@ -118,3 +129,49 @@ def test_only_the_composition_layer_imports_both_planes() -> None:
         if p.parent != ROOT / "dpledger" and all(any(_is(n, q) for n in _imported(p)) for q in planes)
     ]
     assert both == []
+
+
+def test_the_client_commands_import_no_server_internals_and_run_one_way() -> None:
+    """The people's, auditors' and witness's commands (dpledger/people, audit, witness) import nothing
+    of the service but its accounting, nothing of the composition layer, and each other one way only
+    (CLIENT's order), so that no two of their modules import each other, directly or around a loop."""
+    modules = {}
+    for room in CLIENT:
+        for path in sorted((ROOT / "dpledger" / room).glob("*.py")):
+            name = f"dpledger.{room}" if path.name == "__init__.py" else f"dpledger.{room}.{path.stem}"
+            modules[name] = _imported(path) | _submodules_imported(path)
+    assert {"dpledger.audit.recompose", "dpledger.witness.cosigner", "dpledger.people.terminal"} <= set(modules)
+    composition = tuple(f"dpledger.{Path(name).stem}" for name in COMPOSITION)
+    crossings = sorted(
+        f"{module} imports {name}" for module, names in modules.items() for name in names
+        if (_is(name, "dpledger.service") and not any(_is(name, allowed) for allowed in CLIENT_MAY_IMPORT))
+        or any(_is(name, c) for c in composition)
+        or any(_is(name, f"dpledger.{later}") for i, room in enumerate(CLIENT) if _is(module, f"dpledger.{room}")
+               for later in CLIENT[:i])
+    )
+    assert crossings == []
+    # The ledger's audit and the auditor's recomposition replay a chain with one replay.
+    assert "dpledger.wire.chain_replay" in modules["dpledger.audit.recompose"]
+    assert "dpledger.wire.chain_replay" in _imported(ROOT / "service" / "ledger" / "audit.py")
+    # No loop among their modules (a module importing one of its own package's modules, and back).
+    edges = {m: {n for n in names if n in modules and n != m} for m, names in modules.items()}
+    loops = [m for m in modules if _reaches(edges, m, m)]
+    assert loops == []
+
+
+def _reaches(edges: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, stack = set(), list(edges[start])
+    while stack:
+        node = stack.pop()
+        if node == goal:
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack.extend(edges.get(node, ()))
+    return False
+
+
+def _submodules_imported(path: Path) -> set[str]:
+    """`from package import name` as `package.name` too, where the name may be a module of it."""
+    return {f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None for alias in node.names}

@@ -1,6 +1,7 @@
 """The one typed client of the ledger: the worker's, the Flower apps', and the people and audit
 commands' (`dpledger silos|history|charges|verify|audit|pubkey`). httpx and pydantic only, no torch,
-so that the service's commands import it as the worker does.
+so that the commands run from outside the ledger (dpledger.people, dpledger.audit) import it as the
+worker does.
 
 Requests are the wire's pydantic models (a mechanism given as a plain mapping is validated into one
 before it is sent); answers are parsed into the wire's response models. Errors form one tree
@@ -537,6 +538,6 @@ class LedgerClient:
 
     def read(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
         """A GET's JSON body, unparsed, with this client's errors: the transparency checker's one seam
-        (path → JSON, see `dpledger.service.transparency_cli.Get`), which validates each answer into
+        (path → JSON, see `dpledger.audit.outcome.Get`), which validates each answer into
         the wire's models itself, so that its tests can drive it from an in-process app."""
         return self._send("GET", path, params=params).expect(200).json()

@@ -11,7 +11,7 @@ from datetime import datetime
 from html import escape
 
 from dpledger.service.dashboard import svg
-from dpledger.service.dashboard.numbers import exact, remaining_shown, shown
+from dpledger.wire.numbers import exact, remaining_shown, shown
 
 STYLESHEET = """
 body { font-family: system-ui, sans-serif; margin: 0; color: #222; background: #fafafa; }

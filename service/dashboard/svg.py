@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from dpledger.service.dashboard.numbers import budget_state, exact, shown
+from dpledger.wire.numbers import budget_state, exact, shown
 
 SPENT_COLOUR = "#c0392b"
 # The bar's colour by how much of the budget is spent (numbers.budget_state): a bar at 59% looked

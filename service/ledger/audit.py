@@ -21,22 +21,10 @@ from dpledger.service.ledger.models import (
     LedgerEntry,
     Silo,
 )
+from dpledger.wire.chain_replay import ChainReplay, Link
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 
 _MECHANISM: TypeAdapter[AnyMechanism] = TypeAdapter(Mechanism)
-
-_STATUS_AFTER = {
-    EntryEvent.reserve: ChargeStatus.reserved,
-    EntryEvent.commit: ChargeStatus.committed,
-    EntryEvent.release: ChargeStatus.released,
-}
-# The status a charge must have in the log before each event: a charge is reserved once, then
-# settled at most once. A commit with no reserve before it means the reserve entry was removed.
-_STATUS_BEFORE = {
-    EntryEvent.reserve: None,
-    EntryEvent.commit: ChargeStatus.reserved,
-    EntryEvent.release: ChargeStatus.reserved,
-}
 
 
 @dataclass
@@ -70,26 +58,25 @@ def verify(session: Session, silo_ids: list[int] | None = None) -> Report:
 
 
 def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
+    """The chain's own rules (`ChainReplay`, the replay an auditor's check of the signed log runs too),
+    then what only the stored rows can show: each entry's hash over the record or charge it covers, and
+    the silo's columns that the chain decides."""
     charges = {c.id: c for c in session.scalars(select(Charge).where(Charge.silo_id == silo.id))}
     entries = session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo.id).order_by(LedgerEntry.seq))
-    prev_hash, expected_seq = chain.GENESIS, 1
-    status_from_log: dict[int, ChargeStatus] = {}
+    replay = ChainReplay()
     filter_entries: list[int] = []
-    reserves: list[tuple[int, Charge]] = []
-    retired_at: int | None = None  # the seq of the silo's retire entry, once the scan passed it
     for entry in entries:
         report.entries += 1
         charge = charges.get(entry.charge_id) if entry.charge_id is not None else None
-        if entry.seq != expected_seq:
-            report.flag(silo.id, entry.seq, f"entry seq {entry.seq} where {expected_seq} was expected")
-        if entry.prev_hash != prev_hash:
+        # A charge entry naming no charge of this silo moves none: it is named below, and its hash checked.
+        step = replay.step(Link(entry.seq, entry.prev_hash, entry.hash, entry.event, None if charge is None else charge.id))
+        if step.expected_seq is not None:
+            report.flag(silo.id, entry.seq, f"entry seq {entry.seq} where {step.expected_seq} was expected")
+        if step.unlinked:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} does not link to the entry before it", entry.charge_id)
-        try:
-            event: EntryEvent | None = EntryEvent(entry.event)
-        except ValueError:  # an edited row must be reported, not crash the audit
-            event = None
+        event = step.event
+        if event is None:  # an edited row must be reported, not crash the audit
             report.flag(silo.id, entry.seq, f"entry {entry.seq} has an unknown event {entry.event!r}", entry.charge_id)
-        if event is None:
             subject = {}
         elif event in seals.RECORD_EVENTS:
             subject = chain.subject(event, silo, None)
@@ -101,44 +88,40 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
             if event is EntryEvent.plan and silo.plan is None:
                 report.flag(silo.id, entry.seq, f"entry {entry.seq} records a plan the silo does not hold")
             if event is EntryEvent.retire:
-                _check_retire(silo, entry.seq, retired_at, report)
-                retired_at = entry.seq if retired_at is None else retired_at
+                _check_retire(silo, entry.seq, step.retired_before, report)
         elif charge is None:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} names charge {entry.charge_id}, which is not this silo's")
             subject = {}
         else:
             subject = chain.charge_fields(charge)
-            if event is EntryEvent.reserve:
-                reserves.append((entry.seq, charge))
-                if retired_at is not None:  # e.g. retired_seq nulled in the database, and charging resumed
-                    report.flag(silo.id, entry.seq, f"entry {entry.seq} reserves charge {charge.id} after the silo's "
-                                f"retire entry {retired_at}: a retired silo approves nothing", charge.id)
-            before = status_from_log.get(charge.id)
-            if before != _STATUS_BEFORE[event]:
+            if event is EntryEvent.reserve and step.retired_before is not None:
+                # e.g. retired_seq nulled in the database, and charging resumed
+                report.flag(silo.id, entry.seq, f"entry {entry.seq} reserves charge {charge.id} after the silo's "
+                            f"retire entry {step.retired_before}: a retired silo approves nothing", charge.id)
+            if step.misordered:
+                before = step.status_before
                 report.flag(
                     silo.id, entry.seq,
                     f"entry {entry.seq} ({event.value}) of charge {charge.id} follows "
                     f"{'no entry' if before is None else 'its ' + before.value + ' entry'}", charge.id,
                 )
-            status_from_log[charge.id] = _STATUS_AFTER[event]
         # An entry that covered the record before an admin's seal covers what the row held then, which
         # the seal accepted was lost: the seal's entry (and the transparency log's leaf) stand for it.
         # A retire entry is never superseded: a retired silo cannot be sealed (seals.seal).
         superseded = event in seals.RECORD_EVENTS and event is not EntryEvent.retire and entry.seq < (silo.sealed_seq or 0)
         if not superseded and chain.entry_hash(entry, subject=subject) != entry.hash:
             report.flag(silo.id, entry.seq, f"entry {entry.seq} ({entry.event}) does not match its hash", entry.charge_id)
-        prev_hash, expected_seq = entry.hash, entry.seq + 1
-    if silo.chain_head != prev_hash or silo.chain_seq != expected_seq - 1:
-        report.flag(silo.id, expected_seq, "the silo's chain head is not the last entry (an entry was removed)")
-    if silo.retired_seq is not None and retired_at is None:
+    if silo.chain_head != replay.head or silo.chain_seq != replay.seq:
+        report.flag(silo.id, replay.seq + 1, "the silo's chain head is not the last entry (an entry was removed)")
+    if silo.retired_seq is not None and replay.retired_seq is None:
         report.flag(silo.id, silo.retired_seq, f"the silo's record says it was retired at entry {silo.retired_seq}, "
                     "but no retire entry of its chain is there")
     if silo.filter_seq != 1 and filter_entries != ([] if silo.filter_seq == 0 else [silo.filter_seq]):
         # Seq 1 is the create entry, whose hash covers the filter; 0, a filter its first charge is still
         # to fix (none may cover it); otherwise exactly one filter entry must.
         report.flag(silo.id, None, f"the silo's filter (entry {silo.filter_seq}) is covered by no filter entry of its chain")
-    _verify_charges(silo, charges, status_from_log, report)
-    _verify_plan(silo, reserves, report)
+    _verify_charges(silo, charges, replay.statuses, report)
+    _verify_plan(silo, [(seq, charges[charge_id]) for seq, charge_id in replay.reserves], report)
 
 
 def _check_retire(silo: Silo, seq: int, earlier: int | None, report: Report) -> None:

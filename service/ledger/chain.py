@@ -12,9 +12,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dpledger.service.ledger.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Silo
+from dpledger.wire import chain_replay
 from dpledger.wire.enums import Relation
 
-GENESIS = "0" * 64
+GENESIS = chain_replay.GENESIS  # the first entry's prev_hash, as every reader of a chain expects it
 
 
 def timestamp(value: datetime) -> str:

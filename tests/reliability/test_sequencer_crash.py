@@ -15,9 +15,9 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
+from dpledger.audit.transparency import audit, verify_receipts
 from dpledger.harness import ServerProcess
 from dpledger.service.ledger.signer import ephemeral_seed
-from dpledger.service.transparency_cli import audit, verify_receipts
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.receipts import Receipt
 from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON, bearer

@@ -14,15 +14,16 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from dpledger.audit import held, transparency, witnessed
+from dpledger.audit.transparency import audit, verify_receipts
 from dpledger.cli import main
 from dpledger.harness import free_port
-from dpledger.service import held, transparency_cli, witnessed
+from dpledger.people.terminal import CliError
 from dpledger.service.api.app import create_app
 from dpledger.service.settings import Settings
-from dpledger.service.transparency_cli import audit, verify_receipts
-from dpledger.service.witness import LedgerLog
 from dpledger.wire import note, receipt_store
 from dpledger.wire.client import LedgerClient, Retry
+from dpledger.witness.cosigner import LedgerLog
 from tests.conftest import ADMIN, ADMIN_KEY, bearer
 from tests.service.test_transparency import Ledger, Operator, build, problems, write_key
 from tests.wire.proof_checker import check_proof
@@ -36,7 +37,7 @@ def ledger(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
                               log_sequence_interval_ms=10))
     # A 500 is an answer here, as over the network (the service's own crash on such a record is not this test's).
     http = TestClient(app, raise_server_exceptions=False)
-    monkeypatch.setattr(transparency_cli, "_client", lambda _url, key: LedgerClient(URL, key, http=http, receipts=False,
+    monkeypatch.setattr(transparency, "_client", lambda _url, key: LedgerClient(URL, key, http=http, receipts=False,
                                                                                retry=Retry(window=0)))
     monkeypatch.setenv("DPLEDGER_URL", URL)
     yield build(http)
@@ -161,7 +162,7 @@ def test_a_ledger_that_cannot_serve_one_silo_is_could_not_ask_for_that_silo_only
 
     def failing(path: str, params: dict[str, Any] | None) -> Any:
         if path == f"/v1/silos/{a}":
-            raise transparency_cli.people_cli.CliError(f"HTTP 500 from {path}: internal error")
+            raise CliError(f"HTTP 500 from {path}: internal error")
         return base(path, params)
 
     out = verify_receipts(failing, ledger.a.receipts + ledger.b.receipts)

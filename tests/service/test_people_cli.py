@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 
 from dpledger.cli import main
 from dpledger.harness import running_server
-from dpledger.service.people_cli import number
+from dpledger.people.commands import number
 from tests import gate_oracle
 from tests.conftest import ADMIN, ADMIN_KEY
 

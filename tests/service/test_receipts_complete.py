@@ -23,12 +23,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from dpledger.service import held
+from dpledger.audit import held
+from dpledger.audit.outcome import Get, Outcome
+from dpledger.audit.transparency import RefusedError
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import transparency
 from dpledger.service.ledger.signer import TreeHeadSigner, parse_private_key
 from dpledger.service.settings import Settings
-from dpledger.service.transparency_cli import Get, Outcome, RefusedError
 from dpledger.wire import merkle, receipt_store
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Rejected

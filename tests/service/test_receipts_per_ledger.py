@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from dpledger.audit import transparency
 from dpledger.cli import main
-from dpledger.service import transparency_cli
 from dpledger.service.api.app import create_app
 from dpledger.service.settings import Settings
 from dpledger.wire import receipt_store
@@ -61,7 +61,7 @@ def ledgers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[l
         made.append(Ledger(f"http://ledger{n}.test", http, silos, auditor))
     # `dpledger`'s client, pointed at the in-process apps by URL.
     by_url = {ledger.url: ledger.http for ledger in made}
-    monkeypatch.setattr(transparency_cli, "_client",
+    monkeypatch.setattr(transparency, "_client",
                         lambda url, key: LedgerClient(url, key, http=by_url[url], receipts=False,
                                                              retry=Retry(window=0)))
     yield made, folder
@@ -145,7 +145,7 @@ def test_a_ledger_that_changed_its_key_is_named_to_the_keys_that_hold_its_receip
     again = create_app(Settings(database_url=str(first.http.app.state.engine.url), admin_key=ADMIN_KEY,  # type: ignore[attr-defined]
                                 signing_key_file=write_key(tmp_path / "another.pem")))
     restarted = Ledger(first.url, TestClient(again), first.silos, first.auditor)
-    monkeypatch.setattr(transparency_cli, "_client",
+    monkeypatch.setattr(transparency, "_client",
                         lambda url, key: LedgerClient(url, key, http={first.url: restarted.http,
                                                                       second.url: second.http}[url], receipts=False))
     try:

@@ -19,9 +19,10 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
+from dpledger.audit.outcome import Get
+from dpledger.audit.transparency import RefusedError, audit, verify_receipts
 from dpledger.cli import main
 from dpledger.harness import running_server
-from dpledger.service.transparency_cli import Get, RefusedError, audit, verify_receipts
 from dpledger.wire.receipts import Receipt
 from tests.conftest import ADMIN, ADMIN_KEY, bearer
 from tests.service.rows import entries, sql

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
-from dpledger.service.transparency_cli import audit
+from dpledger.audit.transparency import audit
 from tests.conftest import ADMIN, bearer
 from tests.service.rows import entries, sql
 

@@ -30,6 +30,8 @@ from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import MetaData, create_engine, delete, select, text
 from sqlalchemy.orm import Session
 
+from dpledger.audit.outcome import Get
+from dpledger.audit.transparency import RefusedError, audit, verify_receipts
 from dpledger.cli import main
 from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
@@ -40,7 +42,6 @@ from dpledger.service.ledger.db import alembic_config
 from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo
 from dpledger.service.ledger.signer import SigningKeyError
 from dpledger.service.settings import Settings
-from dpledger.service.transparency_cli import Get, RefusedError, audit, verify_receipts
 from dpledger.wire import merkle, receipt_store
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import EntryEvent

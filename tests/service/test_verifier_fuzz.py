@@ -1,7 +1,7 @@
 """Issue 41 item 4: the verifiers never crash, whatever a hostile ledger serves. An honest ledger's log
 is captured once (in-process); then mutated records (a field deleted, retyped, made huge or absurd;
 the JSON texts inside a subject too), with their leaves and the signed head recomputed so that each is
-"signed", are fed to the pure checking functions: a silo's replay (`_compose_silo`), the auditor's
+"signed", are fed to the pure checking functions: a silo's replay (`compose_silo`), the auditor's
 `audit` and a silo's `verify_receipts` over a stub that serves them. Each must return its findings,
 never raise; and a mutation of what an entry states is a finding. Seeded, a few seconds."""
 
@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from dpledger.audit.outcome import Outcome
+from dpledger.audit.recompose import compose_silo
+from dpledger.audit.transparency import RefusedError, audit, verify_receipts
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger.signer import TreeHeadSigner, parse_private_key
 from dpledger.service.settings import Settings
-from dpledger.service.transparency_cli import Outcome, RefusedError, _compose_silo, audit, verify_receipts
 from dpledger.wire import merkle
 from dpledger.wire.receipts import Receipt, record_leaf_hash
 from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON, bearer
@@ -142,7 +144,7 @@ def test_mutated_records_and_histories_are_findings_never_a_crash(captured: dict
     honest = [json.loads(leaf["record"]) for leaf in captured["leaves"]]
     silo = captured["silo"]
     out = Outcome()
-    _compose_silo(silo, honest, out)
+    compose_silo(silo, honest, out)
     assert out.ok, out.problems
     stated = 0
     for _ in range(300):  # the silo's replay alone: the one that reads the accounting
@@ -151,7 +153,7 @@ def test_mutated_records_and_histories_are_findings_never_a_crash(captured: dict
             i = rng.randrange(len(records))
             records[i] = mutate(records[i], rng)
         out = Outcome()
-        _compose_silo(silo, records, out)  # must not raise
+        compose_silo(silo, records, out)  # must not raise
         if records != honest and any(r["entry"].get("epsilon_spent") != h["entry"]["epsilon_spent"]
                                      for r, h in zip(records, honest, strict=True)):
             stated += 1

@@ -23,13 +23,14 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
-from dpledger.service import people_cli, transparency_cli
-from dpledger.service.transparency_cli import Outcome
-from dpledger.service.witness import FetchError, LedgerLog
+from dpledger.audit import held, transparency
+from dpledger.audit.outcome import Outcome
+from dpledger.people import terminal
 from dpledger.wire import merkle, note
 from dpledger.wire.log_proofs import MAX_PROOFS, LogProofs
 from dpledger.wire.note import NoteError, SignedCheckpoint, VerifierKey
-from dpledger.wire.receipts import HeadError, LogLeaf, PublicKey, Receipt, SignedTreeHead, default_receipts_dir, verify_head
+from dpledger.wire.receipts import HeadError, LogLeaf, PublicKey, Receipt, SignedTreeHead, verify_head
+from dpledger.witness.cosigner import FetchError, LedgerLog
 
 WITNESS_TIMEOUT_S = 10.0
 
@@ -71,12 +72,12 @@ def _leaf_indices(ledger: LedgerLog, receipts: list[Receipt]) -> dict[int, str]:
         start = 0
         while wanted:
             page = [LogLeaf(**row) for row in ledger.json("/v1/log/leaves", {"silo_id": silo_id, "start": start,
-                                                                              "limit": transparency_cli.SILO_PAGE})]
+                                                                              "limit": transparency.SILO_PAGE})]
             for leaf in page:
                 if leaf.leaf_hash in wanted:
                     found[leaf.log_index] = leaf.leaf_hash
                     wanted.discard(leaf.leaf_hash)
-            if len(page) < transparency_cli.SILO_PAGE:
+            if len(page) < transparency.SILO_PAGE:
                 break
             start = page[-1].log_index + 1
     return found
@@ -213,31 +214,29 @@ def check_witnesses(ledger: LedgerLog, receipts: list[Receipt], witnesses: list[
 
 
 def report(out: Outcome) -> int:
-    return transparency_cli.report(
+    return transparency.report(
         out, of=" with the witnesses",
         proof=lambda _: "a checkpoint the ledger's key signed and a witness cosigned, against what the ledger's key "
         "signs today",
     )
 
 
-@people_cli._reports_errors
+@terminal.reports_errors
 def verify_witnesses_command(args: argparse.Namespace) -> int:
-    from dpledger.service import held
-
     if args.require_witnesses > len(args.witness):
-        raise people_cli.CliError(f"--require-witnesses {args.require_witnesses} with {len(args.witness)} --witness given")
-    folder = default_receipts_dir() if args.receipts is transparency_cli._DEFAULT_RECEIPTS else args.receipts
+        raise terminal.CliError(f"--require-witnesses {args.require_witnesses} with {len(args.witness)} --witness given")
+    folder = held.receipts_folder(args.receipts)
     # The receipts the check above read: this ledger's, this key's (it said why it left others aside).
-    receipts = held.select(transparency_cli._guarded(transparency_cli.http_get), folder, public_key=args.public_key,
-                           silo=args.silo, holder=people_cli.ledger_key()).receipts
+    receipts = held.select(transparency.guarded(transparency.http_get), folder, public_key=args.public_key,
+                           silo=args.silo, holder=terminal.ledger_key()).receipts
     if not receipts:
         return 0
-    ledger = LedgerLog(people_cli.ledger_url(), people_cli.ledger_key())
+    ledger = LedgerLog(terminal.ledger_url(), terminal.ledger_key())
     try:
         return report(check_witnesses(ledger, receipts, args.witness, require=args.require_witnesses,
                                       public_key=args.public_key))
     except (FetchError, httpx.HTTPError, ValidationError, HeadError, KeyError) as error:
-        raise people_cli.CliError(f"could not check the witnesses against the ledger: {error}") from None
+        raise terminal.CliError(f"could not check the witnesses against the ledger: {error}") from None
     finally:
         ledger.close()
 
@@ -245,7 +244,7 @@ def verify_witnesses_command(args: argparse.Namespace) -> int:
 def combined(receipts_code: int, witnesses_code: int) -> int:
     """A finding (1) wins over could-not-ask (2), which wins over ok (0)."""
     codes = {receipts_code, witnesses_code}
-    return people_cli.EXIT_BROKEN if people_cli.EXIT_BROKEN in codes else max(codes)
+    return terminal.EXIT_BROKEN if terminal.EXIT_BROKEN in codes else max(codes)
 
 
 def add_arguments(verify: argparse.ArgumentParser) -> None:

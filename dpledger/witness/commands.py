@@ -1,5 +1,5 @@
 """`dpledger witness`, `dpledger witness keys create`, `dpledger witness log-key`: the witness's
-commands (service/witness.py holds what it does)."""
+commands (`cosigner` holds what it does)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from pathlib import Path
 
 import httpx
 
-from dpledger.service import people_cli
-from dpledger.service.witness import FetchError, LedgerLog, Witness, run, serve
+from dpledger.people import terminal
 from dpledger.wire import note
 from dpledger.wire.note import NoteError, VerifierKey
 from dpledger.wire.receipts import PublicKey
+from dpledger.witness.cosigner import FetchError, LedgerLog, Witness, run, serve
 
 
 def _log_key(text: str) -> VerifierKey:
     try:
         key = VerifierKey.parse(text)
     except NoteError as error:
-        raise people_cli.CliError(f"--log-key: {error}") from None
+        raise terminal.CliError(f"--log-key: {error}") from None
     if key.signature_type != note.ED25519:
-        raise people_cli.CliError("--log-key: the log signs with an Ed25519 note key (type 0x01), not a cosigner key")
+        raise terminal.CliError("--log-key: the log signs with an Ed25519 note key (type 0x01), not a cosigner key")
     return key
 
 
@@ -32,29 +32,29 @@ def _signer(path: Path) -> note.Signer:
     try:
         return note.Signer.parse(path.read_text())
     except OSError as error:
-        raise people_cli.CliError(f"--key: cannot read {path}: {error.strerror}") from None
+        raise terminal.CliError(f"--key: cannot read {path}: {error.strerror}") from None
     except NoteError as error:
-        raise people_cli.CliError(f"--key: {path} is not a witness key (`dpledger witness keys create`): {error}") from None
+        raise terminal.CliError(f"--key: {path} is not a witness key (`dpledger witness keys create`): {error}") from None
 
 
-@people_cli._reports_errors
+@terminal.reports_errors
 def witness_command(args: argparse.Namespace) -> int:
     if args.log_key is None or args.key is None:
-        raise people_cli.CliError("the witness needs --log-key (the log's verifier key, pinned) and --key (its own key file)")
+        raise terminal.CliError("the witness needs --log-key (the log's verifier key, pinned) and --key (its own key file)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    ledger = LedgerLog(args.ledger or people_cli.ledger_url(), people_cli.ledger_key())
+    ledger = LedgerLog(args.ledger or terminal.ledger_url(), terminal.ledger_key())
     try:
         witness = Witness(ledger=ledger, log_key=_log_key(args.log_key), signer=_signer(args.key),
                           state_path=args.state, out=args.out)
     except NoteError as error:
-        raise people_cli.CliError(f"{args.state} does not hold this witness's cosignature of this log: {error}") from None
+        raise terminal.CliError(f"{args.state} does not hold this witness's cosignature of this log: {error}") from None
     if args.once:
         try:
             cosigned, said = witness.poll()
         except (FetchError, httpx.HTTPError) as error:
-            raise people_cli.CliError(f"could not read the ledger: {error}") from None
+            raise terminal.CliError(f"could not read the ledger: {error}") from None
         print(said if cosigned else f"REFUSED: {said}")
-        return 0 if cosigned else people_cli.EXIT_BROKEN
+        return 0 if cosigned else terminal.EXIT_BROKEN
     server = serve(witness, args.port)
     print(f"witness {witness.signer.name} serving http://127.0.0.1:{server.server_address[1]}/checkpoint, "
           f"polling {ledger.url} every {args.interval:g} s", flush=True)
@@ -67,12 +67,12 @@ def witness_command(args: argparse.Namespace) -> int:
     return 0
 
 
-@people_cli._reports_errors
+@terminal.reports_errors
 def keys_create(args: argparse.Namespace) -> int:
     if not note.valid_name(args.name):
-        raise people_cli.CliError(f"--name: a key name has no space and no '+'; found {args.name!r}")
+        raise terminal.CliError(f"--name: a key name has no space and no '+'; found {args.name!r}")
     if args.out.exists():
-        raise people_cli.CliError(f"{args.out} exists: a witness keeps its key (a new key is a new witness)")
+        raise terminal.CliError(f"{args.out} exists: a witness keeps its key (a new key is a new witness)")
     signer = note.Signer.generate(args.name, note.COSIGNATURE_V1)
     descriptor = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # a secret: its owner alone reads it
     with os.fdopen(descriptor, "w") as file:
@@ -81,16 +81,16 @@ def keys_create(args: argparse.Namespace) -> int:
     return 0
 
 
-@people_cli._reports_errors
+@terminal.reports_errors
 def log_key(args: argparse.Namespace) -> int:
     """The ledger's checkpoint verifier key, from its public key and its checkpoint's origin: compare it
     with what the operator published before pinning it."""
-    ledger = LedgerLog(people_cli.ledger_url(), people_cli.ledger_key())
+    ledger = LedgerLog(terminal.ledger_url(), terminal.ledger_key())
     try:
         public = PublicKey(**ledger.json("/v1/log/public-key"))
         origin = ledger.checkpoint().split("\n", 1)[0]
     except (FetchError, httpx.HTTPError) as error:
-        raise people_cli.CliError(f"could not read the ledger: {error}") from None
+        raise terminal.CliError(f"could not read the ledger: {error}") from None
     key = VerifierKey(origin, note.ED25519, bytes.fromhex(public.public_key))
     note.open_checkpoint(ledger.checkpoint(), key)  # the served checkpoint is signed by the key printed
     print(key.encode())

@@ -1,12 +1,13 @@
-"""`dpledger verify --receipts DIR`, `dpledger audit --since HEAD_FILE`, `dpledger pubkey`: the
-transparency log checked by a party that does not trust whoever runs the ledger.
+"""The transparency log checked by a party that does not trust whoever runs the ledger (what
+`dpledger verify --receipts DIR` and `dpledger audit --since HEAD_FILE` run; `commands` holds them).
 
 - A silo holds the receipts its answers came with. It checks that each is signed by the key it
   pinned, that each entry is still in the log with the content that was signed (the leaf recomputed
   from the record the API serves now), and that the current head extends the newest head it holds.
 - An auditor holds the last head it verified. It checks that the current head extends it, that the
   leaves the log serves make the signed root, and that every silo's entries state the ε that
-  dp-accounting composes from their charges' mechanisms (never from the stored running sums).
+  dp-accounting composes from their charges' mechanisms (never from the stored running sums:
+  `recompose`).
 
 Two validly signed heads of one size with different roots are a proof of misbehaviour: it is
 printed as JSON that anyone holding the public key can check. Exit
@@ -15,23 +16,21 @@ codes as `dpledger verify`: 0 all checks hold, 1 misbehaviour found, 2 could not
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
-from dpledger.service import people_cli
+from dpledger.audit.outcome import Get, Outcome
+from dpledger.audit.recompose import Composition, Replays, compose_silo, same_epsilon
+from dpledger.people import terminal
 from dpledger.wire import merkle
 from dpledger.wire.client import LedgerClient, Retry
 from dpledger.wire.errors import LedgerError, Rejected
@@ -44,44 +43,20 @@ from dpledger.wire.receipts import (
     Receipt,
     SignedTreeHead,
     check_receipt,
-    default_receipts_dir,
     key_id,
     record_leaf_hash,
     verify_head,
 )
 
-_DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, when the environment is final
-Get = Callable[[str, dict[str, Any] | None], Any]  # path, query → the JSON body; raises on an error status
 # Leaves per request (/v1/log/leaves gives up to 10,000): small pages keep the ledger serving the next
 # one while the auditor checks this one, from the first page to the last.
 PAGE = 2_000
 SILO_PAGE = 10_000  # a silo's own leaves per request (the most /v1/log/leaves gives)
 T = TypeVar("T")
-EPSILON_RTOL = 1e-6  # the ledger's running sum and a fresh sum of the same curves differ by rounding only
 
 
-class RefusedError(people_cli.CliError):
+class RefusedError(terminal.CliError):
     """The ledger refused a read (a 4xx status): a finding where a proof was asked for."""
-
-
-@dataclass
-class Outcome:
-    problems: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    evidence: list[dict[str, Any]] = field(default_factory=list)  # proofs of misbehaviour, as printed
-    head: SignedTreeHead | None = None  # the current head, once verified
-    unasked: list[str] = field(default_factory=list)  # what could not be asked (exit 2 unless there is a finding)
-    completions: list[Receipt] = field(default_factory=list)  # promises found in the log, with their inclusion
-    budgets: dict[int, float] = field(default_factory=dict)  # each silo's ε budget as its signed entries fix it
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems and not self.unasked
-
-    def fork(self, a: SignedTreeHead, b: SignedTreeHead, public_key: bytes, why: str) -> None:
-        self.problems.append(why)
-        self.evidence.append({"misbehaviour": why, "public_key": public_key.hex(),
-                              "heads": [a.model_dump(), b.model_dump()]})
 
 
 def _hex(values: list[str]) -> list[bytes]:
@@ -412,7 +387,7 @@ def _check_silo(get: Get, silo_id: int, leaves: dict[int, LogLeaf], inclusion: d
                          "the record served there is not what the ledger signed")
     before = len(out.problems)
     # Nothing signed before the first edited record (its create entry was edited): nothing to recompose.
-    composed = _compose_silo(silo_id, [record for _, _, record in signed], out) if signed or cut is None else None
+    composed = compose_silo(silo_id, [record for _, _, record in signed], out) if signed or cut is None else None
     if len(out.problems) > before:
         # The ledger signed these entries (each in the head below, by its path): anyone with the key and
         # dp-accounting can recompose them and see that what they state is not what they compose to.
@@ -443,7 +418,7 @@ def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: O
     except RefusedError as error:  # a tampered record is refused by name (409): a finding, not a failure to ask
         out.problems.append(f"silo {silo_id}: the ledger refuses to serve the silo: {error}")
         return
-    except people_cli.CliError as error:  # could not ask about this silo: the others are still checked
+    except terminal.CliError as error:  # could not ask about this silo: the others are still checked
         out.unasked.append(f"silo {silo_id}: {error}")
         return
     if not isinstance(detail, dict):
@@ -475,7 +450,7 @@ def _compare_served(get: Get, silo_id: int, composed: Composition | None, out: O
     except (TypeError, ValueError):
         out.problems.append(f"{name}: the ledger serves ε spent as {detail.get('epsilon_spent')!r}, not a number")
         return
-    if not _same_epsilon(stated, composed.epsilon):
+    if not same_epsilon(stated, composed.epsilon):
         out.problems.append(f"{name}: the ledger says ε={stated:.6g} is spent now, but the mechanisms of its "
                             f"signed entries compose to ε={composed.epsilon:.6g}")
 
@@ -517,7 +492,7 @@ def audit(get: Get, held: dict[str, Any] | None) -> Outcome:
 def _check_leaves(get: Get, head: SignedTreeHead, out: Outcome) -> None:
     """Every leaf the head signs, each record its leaf's, and every silo's ε recomposed (`_replay`)."""
     leaves: list[LogLeaf] = []
-    replays = _Replays(out)
+    replays = Replays(out)
     for page in _pages(get, head.tree_size):
         for leaf in page:  # checked as each page arrives, while the ledger serves the next
             if leaf.log_index >= head.tree_size:
@@ -567,304 +542,26 @@ def _pages(get: Get, size: int) -> Iterator[list[LogLeaf]]:
 _LEAF_PAGE: TypeAdapter[list[LogLeaf]] = TypeAdapter(list[LogLeaf])
 
 
-class _Replays:
-    """One `_replay` per silo, fed each record as its page of the log arrives."""
-
-    def __init__(self, out: Outcome) -> None:
-        self.out = out
-        self.running: dict[int, Generator[None, dict[str, Any] | None, Composition | None]] = {}
-        self.ended: set[int] = set()
-
-    def feed(self, record: dict[str, Any] | None, silo_id: int) -> None:
-        if silo_id in self.ended:
-            return
-        replay = self.running.get(silo_id)
-        if replay is None:
-            replay = self.running[silo_id] = _replay(silo_id, self.out)
-            next(replay)
-        try:
-            replay.send(record)
-        except StopIteration as stop:
-            self.ended.add(silo_id)
-            if stop.value is not None:
-                self.out.budgets[silo_id] = stop.value.budget
-
-    def halt(self, silo_id: Any, where: str) -> None:
-        """Ends `silo_id`'s replay where its record is not what the ledger signed (the entries after it
-        would be read against an unknown one)."""
-        if not isinstance(silo_id, int) or silo_id in self.ended:
-            return
-        self.ended.add(silo_id)
-        replay = self.running.pop(silo_id, None)
-        if replay is not None:
-            replay.close()
-        self.out.notes.append(f"silo {silo_id}: its ε is recomposed from its signed entries before {where} only: "
-                              "the record served there is not what the ledger signed")
-
-    def finish(self) -> None:
-        for silo_id in list(self.running):
-            self.feed(None, silo_id)
-
-
-@dataclass(frozen=True)
-class Composition:
-    """A silo's promise as its signed entries fixed it, and the ε its charges' mechanisms compose to."""
-
-    budget: float
-    delta: float
-    spec: Any  # accounting.filter.FilterSpec, or None for a silo from before filters
-    record_event: str  # the entry that fixed them: "create", or "seal" where an admin sealed the record since
-    epsilon: float  # after the silo's last entry
-    retired_seq: int | None = None  # the seq of the silo's signed retire entry: it approves nothing after it
-
-
-def _same_epsilon(stated: float, composed: float) -> bool:
-    return (math.isinf(composed) and math.isinf(stated)) or math.isclose(composed, stated, rel_tol=EPSILON_RTOL)
-
-
-def _compose_silo(silo_id: int, silo_records: list[dict[str, Any]], out: Outcome) -> Composition | None:
-    """Replays one silo's entries, in the order of their seq (`_replay`)."""
-    replay = _replay(silo_id, out)
-    next(replay)
-    try:
-        # A seq that is not a number (a hostile record) sorts last, where the replay names it.
-        for record in sorted(silo_records, key=lambda r: (0, r["entry"]["seq"]) if type(r["entry"].get("seq")) is int
-                             else (1, 0)):
-            replay.send(record)
-        replay.send(None)
-    except StopIteration as stop:
-        composed: Composition | None = stop.value
-        return composed
-    raise AssertionError("a replay ends when it is sent None")
-
-
-def _replay(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None, Composition | None]:
-    """`_replay_entries`, whose any failure on a record is a finding that ends this silo's replay: a
-    hostile ledger may sign any record (a filter whose weights are [1, 0, …], a mechanism that no
-    longer parses, a curve of another length), and one such silo never stops the check of the others."""
-    inner = _replay_entries(silo_id, out)
-    next(inner)
-    seq: Any = None
-    while True:
-        record = yield
-        try:
-            if record is not None:
-                seq = record["entry"]["seq"]
-            inner.send(record)
-        except StopIteration as stop:
-            composed: Composition | None = stop.value
-            return composed
-        # Any error, deliberately: the accounting code raises what it raises on data no honest ledger writes.
-        except Exception as error:
-            where = f"entry {seq}" if record is not None else f"its entries up to entry {seq}"
-            out.problems.append(f"silo {silo_id} {where}: what the ledger signed does not recompose "
-                                f"({type(error).__name__}: {str(error)[:200]})")
-            return None
-
-
-def _replay_entries(silo_id: int, out: Outcome) -> Generator[None, dict[str, Any] | None, Composition | None]:
-    """Replays one silo's entries, sent one at a time (None ends it), so that an audit replays each
-    page of the log while the ledger serves the next: the chain links, and the ε each entry states against the RDP
-    composition of the mechanisms of the charges reserved and not released, read as the gate reads
-    it: through the silo's filter (its create or filter entry), or its plan's ε once it declared one.
-    Every approval must also fit the budget its create entry fixed. The accounting is the service's
-    own, imported in-process: the same functions, never a copy of them."""
-    from dpledger.service.accounting import filter as rdp_filter
-    from dpledger.service.accounting import plans, rdp
-    from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
-    from dpledger.wire.mechanisms import Mechanism
-
-    adapter: TypeAdapter[Any] = _mechanism_adapter(Mechanism)
-    budget: float | None = None
-    delta: float | None = None
-    fixed_by = "create"
-    spec: rdp_filter.FilterSpec | None = None  # none: a silo from before filters, gated on dp-accounting's ε
-    plan: plans.Plan | None = None
-    plan_alive, plan_used = True, 0  # beside a plan (plans.ALONGSIDE): whether every charge followed it
-    units: dict[str, list[plans.Segment] | None] = {}  # each charged mechanism's units, parsed once
-    live: dict[int, np.ndarray] = {}
-    total = RunningSum.empty(len(rdp.ORDERS))  # added and subtracted as the ledger does: O(orders) an entry
-    readings = _Readings(out)
-    prev_hash, seq = "0" * 64, 0
-    retired: int | None = None  # the seq of the silo's retire entry, once replayed
-    curves: dict[str, np.ndarray] = {}  # a job repeats one mechanism: parse and check it once
-    while (record := (yield)) is not None:
-        entry, subject = record["entry"], record["subject"]
-        name = f"silo {silo_id} entry {entry['seq']}"
-        if entry["seq"] != seq + 1 or entry["prev_hash"] != prev_hash:
-            out.problems.append(f"{name} does not follow entry {seq} of its chain")
-        prev_hash, seq = entry["hash"], entry["seq"]
-        event = entry["event"]
-        if event in ("create", "seal"):
-            if event == "seal" and budget is not None and (subject.get("epsilon"), subject.get("delta")) != (budget, delta):
-                went = [f"its budget went from ε={budget:g} to ε={subject.get('epsilon')}" if subject.get("epsilon") != budget
-                        else "", f"its δ went from {delta:g} to {subject.get('delta')}" if subject.get("delta") != delta else ""]
-                out.problems.append(f"{name}: an admin's seal changed the silo's promise to its people: "
-                                    f"{' and '.join(w for w in went if w)} (fixed by its {fixed_by} entry before)")
-            budget, delta, fixed_by = subject.get("epsilon"), subject["delta"], event
-            if "filter" in subject:
-                spec = rdp_filter.FilterSpec.from_json(subject["filter"])
-            if event == "seal" and subject.get("plan") is not None:
-                plan = plans.Plan.from_json(subject["plan"])
-            if event == "create":
-                if entry["epsilon_spent"] != 0:  # nothing is charged yet: a create entry states ε = 0
-                    out.problems.append(f"{name} (create) states ε={entry['epsilon_spent']!r} before any charge")
-                continue
-        if event == "filter":
-            spec = rdp_filter.FilterSpec.from_json(subject["filter"])
-        elif event == "plan":
-            plan = plans.Plan.from_json(subject["plan"])
-        if delta is None:
-            out.problems.append(f"{name}: the silo's create entry is missing")
-            return None
-        charge_id = entry["charge_id"]
-        if event == "retire":
-            if retired is not None:
-                out.problems.append(f"{name} retires the silo again, after its retire entry {retired}")
-            retired = retired or entry["seq"]
-        if event == "reserve" and retired is not None:
-            # The operator may null the record's retirement and approve again: the signed entries say otherwise.
-            out.problems.append(f"{name} (reserve of charge {charge_id}) comes after the silo's retire entry {retired}: "
-                                "a retired silo approves nothing")
-        if event == "reserve":
-            stored_json = subject["rdp"]
-            curve = curves.get(subject["mechanism"] + stored_json)
-            if curve is None:
-                try:
-                    mechanism = adapter.validate_json(subject["mechanism"])
-                except (ValidationError, ValueError) as error:
-                    out.problems.append(f"{name}: charge {charge_id}'s mechanism does not parse: {error}")
-                    continue
-                stored = curve_from_json(stored_json)
-                # Today's charges store the certified curve; charges from before it, dp-accounting's.
-                matches = [c for c in (rdp.certified_curve(mechanism), rdp.rdp_curve(mechanism))
-                           if c.shape == stored.shape and np.allclose(stored, c, rtol=1e-9, equal_nan=False)]
-                if not matches:
-                    out.problems.append(f"{name}: charge {charge_id}'s stored RDP curve is not its mechanism's")
-                    curve = rdp.certified_curve(mechanism)
-                else:
-                    curve = curves[subject["mechanism"] + stored_json] = matches[0]
-            live[charge_id] = curve
-            total = total.add(curve)
-            if plan is not None and plan.alongside and plan_alive:
-                if subject["mechanism"] not in units:
-                    try:
-                        units[subject["mechanism"]] = plans.segments(adapter.validate_json(subject["mechanism"]))
-                    except (ValidationError, ValueError):
-                        units[subject["mechanism"]] = None
-                segments = units[subject["mechanism"]]
-                taken = None if segments is None else plans.follows(plan, used=plan_used, charge=segments)
-                plan_alive, plan_used = taken is not None, plan_used + (taken or 0)
-        elif event == "release" and charge_id in live:
-            total = total.subtract(live.pop(charge_id))
-        # Beside a plan, the filter holds the share of δ the plan leaves it (ledger/gate.py).
-        share = None if spec is None or plan is None or not plan.alongside else plan.filter_share
-        # A commit leaves the sum as it was: its ε is the entry's before it, read once (half the reads).
-        fresh = event in ("reserve", "release", "filter", "plan", "seal")
-        readings.add(
-            None if not fresh and readings.any else total.curve(), spec=spec, share=share, delta=delta,
-            plan=plan, plan_alive=plan_alive,
-            stated=math.inf if entry["epsilon_spent"] is None else entry["epsilon_spent"], name=name, event=event,
-            charge_id=charge_id,
-            # a plan of the rule before was priced once, when declared
-            budget=budget if event == "reserve" and (plan is None or plan.alongside) else None, fixed_by=fixed_by,
-        )
-    composed = readings.finish()
-    if delta is None or budget is None:
-        out.problems.append(f"silo {silo_id}: its create entry is missing")
-        return None
-    if spec is not None and plan is not None and plan.alongside:
-        spec = rdp_filter.scaled(spec, plan.filter_share)  # as the ledger serves it beside its plan
-    return Composition(budget, delta, spec, fixed_by, composed, retired)
-
-
-class _Readings:
-    """The gate's reading after each of a silo's entries, checked against the ε the entry states, a
-    block of entries at a time: one numpy pass reads a block's running sums (rdp_filter.read_many,
-    rdp.epsilons) where one read at a time cost ~30 µs an entry, most of an audit's own CPU. A block
-    ends where the filter, its share of δ or δ changes, and at `BLOCK` entries (memory stays bounded)."""
-
-    BLOCK = 4096
-
-    def __init__(self, out: Outcome) -> None:
-        self.out = out
-        self.curves: list[np.ndarray] = []
-        self.rows: list[tuple[int, Any, bool, float, str, str, Any, float | None, str]] = []
-        self.key: tuple[Any, float | None, float] | None = None
-        self.last = 0.0  # the reading of the last entry checked
-        self.any = False  # whether any entry was read yet
-        self.previous = np.zeros(0)  # the last curve of the last block
-
-    def add(self, curve: np.ndarray | None, *, spec: Any, share: float | None, delta: float, plan: Any, plan_alive: bool,
-            stated: float, name: str, event: str, charge_id: Any, budget: float | None, fixed_by: str) -> None:
-        """`curve`: the running sum after the entry, or None where it is the previous entry's."""
-        key = (spec, share, delta)
-        if self.key is not None and key != self.key:
-            self.flush()
-        self.key = key
-        if curve is not None or not self.curves:
-            self.curves.append(curve if curve is not None else self.previous)
-        self.rows.append((len(self.curves) - 1, plan, plan_alive, stated, name, event, charge_id, budget, fixed_by))
-        self.any = True
-        if len(self.rows) >= self.BLOCK:
-            self.flush()
-
-    def flush(self) -> None:
-        from dpledger.service.accounting import filter as rdp_filter
-        from dpledger.service.accounting import plans, rdp
-
-        if not self.rows:
-            return
-        assert self.key is not None
-        spec, share, delta = self.key
-        matrix = np.stack(self.curves)
-        if spec is not None:
-            by_filter = rdp_filter.read_many(spec if share is None else rdp_filter.scaled(spec, share), matrix, delta=delta)
-        else:
-            by_filter = rdp.epsilons(matrix, delta=delta)
-        ran = np.any(matrix != 0, axis=1)
-        for index, plan, plan_alive, stated, name, event, charge_id, budget, fixed_by in self.rows:
-            composed = plans.gate_epsilon(plan, on_plan=plan_alive, ran=bool(ran[index]), by_filter=float(by_filter[index]))
-            if not _same_epsilon(stated, composed):
-                self.out.problems.append(f"{name} ({event} of charge {charge_id}) states ε={stated:.6g}, "
-                                         f"but its charges' mechanisms compose to ε={composed:.6g}")
-            if budget is not None and not rdp.within_budget(composed, budget=budget):
-                self.out.problems.append(f"{name} (reserve of charge {charge_id}) was approved at ε={composed:.6g}, "
-                                         f"past the budget ε={budget:.6g} that the silo's {fixed_by} entry fixed")
-            self.last = composed
-        self.previous = self.curves[-1]
-        self.curves, self.rows = [], []
-
-    def finish(self) -> float:
-        self.flush()
-        return self.last
-
-
-@functools.lru_cache(maxsize=1)
-def _mechanism_adapter(kind: Any) -> TypeAdapter[Any]:
-    return TypeAdapter(kind)  # building the union's validator costs more than validating many mechanisms
-
-
-# --- the commands ---------------------------------------------------------------------------------
+# --- asking the ledger -----------------------------------------------------------------------------
 
 def http_get(path: str, params: dict[str, Any] | None) -> Any:
     """The checker's `Get` over the ledger's typed client, one kept-alive connection for the whole
     check: a check makes tens of requests, and a fresh connection each spends ~30 ms building its
     TLS context alone."""
-    return _ask(lambda client: client.read(path, params))
+    return ask(lambda client: client.read(path, params))
 
 
-def _ask(call: Callable[[LedgerClient], T]) -> T:
+def ask(call: Callable[[LedgerClient], T]) -> T:
     """`call` on the cached client, its errors as `dpledger`'s: a 4xx other than 401 is a refusal
     (RefusedError, a finding where a proof was asked for), the rest could-not-ask (CliError)."""
     try:
-        return call(_client(people_cli.ledger_url(), people_cli.ledger_key()))
+        return call(_client(terminal.ledger_url(), terminal.ledger_key()))
     except Rejected as error:
         if error.status_code == 401:
-            raise people_cli.CliError(people_cli.said(error)) from None
-        raise RefusedError(people_cli.said(error)) from None
+            raise terminal.CliError(terminal.said(error)) from None
+        raise RefusedError(terminal.said(error)) from None
     except LedgerError as error:
-        raise people_cli.CliError(people_cli.said(error)) from None
+        raise terminal.CliError(terminal.said(error)) from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -897,72 +594,17 @@ def report(out: Outcome, *, proof: Callable[[dict[str, Any]], str] = _proof_head
             print(f"  - {problem}")
     for unasked in out.unasked:  # said even beside a finding: that part was not checked
         print(f"dpledger: could not ask: {unasked}", file=sys.stderr)
-    return people_cli.EXIT_BROKEN if out.problems else people_cli.EXIT_FAILED
+    return terminal.EXIT_BROKEN if out.problems else terminal.EXIT_FAILED
 
 
-@people_cli._reports_errors
-def verify_receipts_command(args: argparse.Namespace) -> int:
-    from dpledger.service import held
+def guarded(get: Get) -> Get:
+    """`get`, with a body that is not the shape the API documents said as could-not-ask (one line)."""
 
-    folder = held.require(default_receipts_dir() if args.receipts is _DEFAULT_RECEIPTS else args.receipts)
-    return report(held.check(_guarded(http_get), folder, public_key=args.public_key, silo=args.silo,
-                             holder=people_cli.ledger_key()))
-
-
-@people_cli._reports_errors
-def audit_command(args: argparse.Namespace) -> int:
-    try:
-        held = json.loads(args.since.read_text()) if args.since.exists() else None
-        if held is not None:
-            SignedTreeHead.model_validate(held["head"])
-            bytes.fromhex(held["public_key"])
-    except (ValueError, KeyError, TypeError) as error:  # json's and pydantic's errors are ValueErrors
-        raise people_cli.CliError(f"{args.since} is not a head file that `dpledger audit` wrote: {error}") from None
-    out = audit(_guarded(http_get), held)
-    code = report(out)
-    if out.ok and out.head is not None:
-        key = held["public_key"] if held is not None else _ask(LedgerClient.log_public_key).public_key
-        args.since.write_text(json.dumps({"public_key": key, "head": out.head.model_dump(),
-                                          "budgets": {str(k): v for k, v in sorted(out.budgets.items())}}, indent=2) + "\n")
-        print(f"saved the head of size {out.head.tree_size} to {args.since}")
-        try:
-            head = out.head
-            _ask(lambda client: client.record_verified(head))
-        except people_cli.CliError as error:  # the record on the dashboard is a courtesy, the file is the proof
-            print(f"note: the ledger did not record this verification: {error}")
-    return code
-
-
-@people_cli._reports_errors
-def pubkey_command(args: argparse.Namespace) -> int:
-    key = _ask(LedgerClient.log_public_key)
-    print(json.dumps(key.model_dump(), indent=2) if args.json else f"{key.algorithm} {key.public_key}  key id {key.key_id}")
-    return 0
-
-
-def _guarded(get: Get) -> Get:
-    def guarded(path: str, params: dict[str, Any] | None) -> Any:
+    def checked(path: str, params: dict[str, Any] | None) -> Any:
         try:
             return get(path, params)
         except (ValidationError, TypeError) as error:  # a body that is not what the API documents
-            raise people_cli.CliError(f"{path} answered something that is not its documented shape: {error}") from None
+            raise terminal.CliError(f"{path} answered something that is not its documented shape: {error}") from None
 
-    return guarded
+    return checked
 
-
-def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser], verify: argparse.ArgumentParser) -> None:
-    verify.add_argument("--receipts", type=Path, metavar="DIR", nargs="?", const=_DEFAULT_RECEIPTS,
-                        help="check the receipts in DIR (*.jsonl, as the trainer's client keeps them) against the log; "
-                        "DIR defaults to where the client keeps them ($DPLEDGER_RECEIPTS, else ~/.local/share/dpledger/receipts)")
-    verify.add_argument("--silo", type=int, metavar="ID", help="with --receipts: only this silo's receipts")
-    verify.add_argument("--public-key", metavar="HEX", help="with --receipts: the ledger's key, pinned out of band")
-    auditing = commands.add_parser(
-        "audit", help="check the log against the last head you saw, and every silo's ε against its charges",
-        description="Reads DPLEDGER_URL and DPLEDGER_KEY (an auditor's or admin's key).",
-    )
-    auditing.add_argument("--since", type=Path, required=True, metavar="HEAD_FILE",
-                          help="the head this party last verified (created on first use; replaced when all checks hold)")
-    auditing.set_defaults(run=audit_command)
-    pubkey = commands.add_parser("pubkey", help="print the Ed25519 key that signs the log's tree heads")
-    pubkey.add_argument("--json", action="store_true")
-    pubkey.set_defaults(run=pubkey_command)

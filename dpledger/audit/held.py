@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpledger.service import people_cli
-from dpledger.service.transparency_cli import Get, Outcome, verify_receipts
+from dpledger.audit.outcome import Get, Outcome
+from dpledger.audit.transparency import verify_receipts
+from dpledger.people.terminal import CliError
 from dpledger.wire import receipt_store
 from dpledger.wire.enums import Role
-from dpledger.wire.receipts import PublicKey, Receipt, SignedTreeHead, key_id
+from dpledger.wire.receipts import PublicKey, Receipt, SignedTreeHead, default_receipts_dir, key_id
 from dpledger.wire.schemas import KeyInfo
+
+DEFAULT_RECEIPTS = Path()  # `--receipts` given without DIR: read at run time, when the environment is final
 
 
 @dataclass
@@ -37,10 +40,15 @@ class Selection:
     outcome: Outcome = field(default_factory=Outcome)  # what choosing found (a changed key) and said
 
 
+def receipts_folder(given: Path) -> Path:
+    """The folder `--receipts` names: DIR, or without one where the client keeps them now."""
+    return default_receipts_dir() if given is DEFAULT_RECEIPTS else given
+
+
 def require(folder: Path) -> Path:
     """`folder`, or the one line that says there is nothing there (before any key or ledger is asked)."""
     if not folder.exists():
-        raise people_cli.CliError(f"no receipts at {folder}: the trainer's client keeps them in $DPLEDGER_RECEIPTS")
+        raise CliError(f"no receipts at {folder}: the trainer's client keeps them in $DPLEDGER_RECEIPTS")
     return folder
 
 
@@ -51,9 +59,9 @@ def select(get: Get, folder: Path, *, public_key: str | None, silo: int | None, 
     try:
         held = receipt_store.load(folder)
     except (receipt_store.StoreError, OSError) as error:
-        raise people_cli.CliError(str(error)) from None
+        raise CliError(str(error)) from None
     if not held.receipts:
-        raise people_cli.CliError(f"no receipts (*.jsonl) in {folder}")
+        raise CliError(f"no receipts (*.jsonl) in {folder}")
     served = PublicKey(**get("/v1/log/public-key", None))
     me = KeyInfo(**get("/v1/keys/me", None))
     pinned = key_id(bytes.fromhex(public_key)) if public_key else served.key_id
@@ -84,7 +92,7 @@ def select(get: Get, folder: Path, *, public_key: str | None, silo: int | None, 
         out.notes.append(f"left aside {aside} receipts of other silos of this ledger (this check reads {reads})")
     if not chosen and not out.problems:
         whose = f" of silo {own if own is not None else silo}" if own is not None or silo is not None else ""
-        raise people_cli.CliError(f"no receipts of this ledger (key {pinned[:16]}…){whose} in {folder}; "
+        raise CliError(f"no receipts of this ledger (key {pinned[:16]}…){whose} in {folder}; "
                                   + "; ".join(out.notes))
     return Selection(chosen, held.heads.get(pinned, []), held.budgets.get(pinned, {}), pinned,
                      public_key or served.public_key, out)

@@ -1,5 +1,6 @@
 """Text chosen by a silo (job ids, names), neutralised before an auditor's terminal or spreadsheet
-shows it. Standard library only: the people's CLI imports it too."""
+shows it. Standard library only. In the wire contract because both sides neutralise the same way: the
+service's CSV export (`safe_cell`) and the people's commands (`visible`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""One way to show a number to a person, and one way to hand it to a machine."""
+"""One way to show a number to a person, and one way to hand it to a machine. In the wire contract
+because both sides show them: the service's dashboard and the people's commands say "exhausted" at
+the same residue."""
 
 from __future__ import annotations
 

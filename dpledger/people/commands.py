@@ -1,100 +1,31 @@
-"""`dpledger silos|history|verify|charges`: the ledger read over HTTP by a person at a terminal.
+"""`dpledger silos|history|charges`: the ledger read and kept over HTTP by a person at a terminal.
 
 Over the ledger's one typed client (`dpledger.wire.client`, httpx and pydantic, no torch): it runs
 wherever the service is reachable, with any reader's key (admin or auditor; a silo key for its own
-silo). Every failure is one line on stderr and exit code 2, so scripts can tell "the chain is
-broken" (1) from "could not ask" (2).
+silo). Every failure is one line on stderr and exit code 2 (`terminal`), so scripts can tell "the
+chain is broken" (1) from "could not ask" (2).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import io
 import json
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from dpledger.service.dashboard.numbers import budget_state, remaining_shown
-from dpledger.service.safe_text import visible
-from dpledger.wire.client import LedgerClient, Retry
+from dpledger.people.terminal import DEFAULT_URL, CliError, ledger, reports_errors
+from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
-from dpledger.wire.errors import LedgerError, Rejected, Unreachable
+from dpledger.wire.numbers import budget_state, remaining_shown
+from dpledger.wire.safe_text import visible
 from dpledger.wire.schemas import SiloSummary
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 PAGE = 10_000  # the API's default page of history entries
-EXIT_BROKEN, EXIT_FAILED = 1, 2
-
-
-class CliError(Exception):
-    """Said to the person on one line; never a traceback."""
-
-
-def ledger_url() -> str:
-    return os.environ.get("DPLEDGER_URL", DEFAULT_URL).rstrip("/")
-
-
-def ledger_key() -> str:
-    key = os.environ.get("DPLEDGER_KEY")
-    if not key:
-        raise CliError("DPLEDGER_KEY is not set: export an admin, auditor or silo API key")
-    return key
-
-
-def ledger(*, timeout: float = 30.0) -> LedgerClient:
-    """The typed client over $DPLEDGER_URL with $DPLEDGER_KEY. One attempt per request (a person at
-    a terminal asks again; a worker's retries would only delay the answer), and no receipts kept:
-    the receipts of a silo's charges are its worker's."""
-    return LedgerClient(ledger_url(), ledger_key(), retry=Retry(window=0), timeout=timeout, receipts=False)
-
-
-def detail(body: Any) -> str:
-    """The reason an error answer gives: FastAPI's `detail`, its validation errors as field: reason."""
-    if not isinstance(body, dict):
-        return (body if isinstance(body, str) else json.dumps(body)).strip()[:200]
-    found = body.get("detail")
-    if isinstance(found, list) and all(isinstance(d, dict) and "loc" in d for d in found):
-        # FastAPI's validation errors: the field and the reason, not the JSON
-        return "; ".join(f"{'.'.join(str(p) for p in d['loc'] if p != 'body')}: {d.get('msg', '')}" for d in found)
-    return found if isinstance(found, str) else json.dumps(found)
-
-
-def said(error: LedgerError) -> str:
-    """The one line a person reads for an error of the client's tree."""
-    if isinstance(error, Unreachable):
-        if error.status_code is None:
-            return f"cannot reach the ledger at {ledger_url()} (DPLEDGER_URL): {error.last}"
-        return f"HTTP {error.status_code} from {error.path}: {detail(error.body)}"
-    if isinstance(error, Rejected):
-        if error.status_code == 401:
-            return f"401 unauthorized: DPLEDGER_KEY was refused ({detail(error.body)})"
-        if error.status_code == 403:
-            verb = "read" if error.method == "GET" else "write"
-            return f"403 forbidden: this key may not {verb} {error.path} ({detail(error.body)})"
-        return f"HTTP {error.status_code} from {error.path}: {detail(error.body)}"
-    return str(error)
-
-
-def _reports_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    @functools.wraps(command)
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return command(args)
-        except LedgerError as error:
-            print(f"dpledger: {visible(said(error))}", file=sys.stderr)
-            return EXIT_FAILED
-        except CliError as error:
-            print(f"dpledger: {visible(str(error))}", file=sys.stderr)
-            return EXIT_FAILED
-
-    return run
 
 
 def as_json(answer: BaseModel | Sequence[BaseModel]) -> str:
@@ -138,7 +69,7 @@ def state(silo: SiloSummary) -> str:
     return "exhausted" if budget_state(spent=silo.epsilon_spent, budget=silo.epsilon) == "exhausted" else "in service"
 
 
-@_reports_errors
+@reports_errors
 def silos_list(args: argparse.Namespace) -> int:
     with ledger() as client:
         silos = client.silos()
@@ -163,7 +94,7 @@ DETAIL_FIELDS = (
 # reference": its non-adaptive RDP ε of the same charges, which adaptive choices may exceed.
 
 
-@_reports_errors
+@reports_errors
 def silos_create(args: argparse.Namespace) -> int:
     if (args.horizon_batch is None) != (args.horizon_noise is None):
         print("dpledger: --horizon-batch and --horizon-noise go together (the DP-SGD the silo expects to run)",
@@ -192,7 +123,7 @@ def silos_create(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reports_errors
+@reports_errors
 def silos_show(args: argparse.Namespace) -> int:
     with ledger() as client:
         silo = client.silo(args.silo_id)
@@ -209,7 +140,7 @@ def silos_show(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reports_errors
+@reports_errors
 def silos_seal(args: argparse.Namespace) -> int:
     with ledger() as client:
         silo = client.seal_silo(args.silo_id)
@@ -218,7 +149,7 @@ def silos_seal(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reports_errors
+@reports_errors
 def silos_retire(args: argparse.Namespace) -> int:
     with ledger() as client:
         silo = client.retire_silo(args.silo_id, reason=args.reason)
@@ -264,7 +195,7 @@ def _timestamp(at: datetime) -> str:
 HISTORY_HEADER = ("seq", "event", "charge", "job", "round", "ε spent after (the gate's)", "dp-accounting ε (reference)", "at")
 
 
-@_reports_errors
+@reports_errors
 def history(args: argparse.Namespace) -> int:
     with ledger() as client:
         if args.csv:
@@ -289,39 +220,12 @@ def history(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reports_errors
-def verify(args: argparse.Namespace) -> int:
-    if getattr(args, "receipts", None) is not None:
-        from dpledger.service import transparency_cli
-
-        code = transparency_cli.verify_receipts_command(args)
-        if args.witness or args.require_witnesses:
-            from dpledger.service import witnessed  # `--witness`: what independent witnesses cosigned
-
-            code = witnessed.combined(code, witnessed.verify_witnesses_command(args))
-        return code
-    if getattr(args, "witness", None) or getattr(args, "require_witnesses", 0):
-        raise CliError("--witness and --require-witnesses check held receipts: add --receipts")
-    with ledger() as client:
-        report = client.verify_chain()
-    if report.ok:
-        print(f"ok: {report.entries} entries, every hash recomputes")
-        return 0
-    print(
-        f"BROKEN: {report.entries} entries; first bad entry seq {report.first_bad_seq} "
-        f"of silo {report.first_bad_silo_id}; edited charges {report.bad_charge_ids}"
-    )
-    for problem in report.problems:
-        print(f"  - {problem}")
-    return EXIT_BROKEN
-
-
 # "attempt": the first characters of the id of the attempt that made the reservation; a reserved
 # charge whose worker is gone (a redelivery found it held by another attempt) waits for an operator.
 CHARGE_HEADER = ("charge", "status", "job", "round", "attempt", "ε of charge", "silo ε spent")
 
 
-@_reports_errors
+@reports_errors
 def charges_list(args: argparse.Namespace) -> int:
     with ledger() as client:
         found = client.charges(args.silo_id, status=ChargeStatus.reserved if args.open else None)
@@ -337,7 +241,7 @@ def charges_list(args: argparse.Namespace) -> int:
     return 0
 
 
-@_reports_errors
+@reports_errors
 def charges_release(args: argparse.Namespace) -> int:
     """Hands back a stranded reservation; the ledger refuses (409) one whose round reported any output."""
     with ledger() as client:
@@ -347,7 +251,7 @@ def charges_release(args: argparse.Namespace) -> int:
 
 
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Wires the subcommands into `dpledger`'s parser (service/cli.py)."""
+    """Wires the subcommands into `dpledger`'s parser (dpledger/cli.py)."""
     env_note = f"Reads DPLEDGER_URL (default {DEFAULT_URL}) and DPLEDGER_KEY (a reader's API key)."
     admin_note = (f"Reads DPLEDGER_URL (default {DEFAULT_URL}) and DPLEDGER_KEY, which must be an admin key "
                   "(`dpledger init` prints the first).")
@@ -418,15 +322,3 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     freed.add_argument("charge_id", type=int, metavar="CHARGE_ID")
     freed.set_defaults(run=charges_release)
-
-    check = commands.add_parser("verify", help="recompute the audit chain, or check held receipts; exit 1 if broken (over HTTP)",
-                                description=env_note)
-    check.set_defaults(run=verify)
-
-    from dpledger.service import transparency_cli  # the log's commands: `verify --receipts`, `audit`, `pubkey`
-
-    transparency_cli.add_commands(commands, check)
-    from dpledger.service import witness_cli, witnessed
-
-    witnessed.add_arguments(check)
-    witness_cli.add_commands(commands)
