@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dpledger.service.settings import Settings
 
 WORKER_COMMANDS = ("demo", "train", "tune")
+FLWR_RUN = "flwr-run"  # dpledger/flower/flwr_run.py: its arguments are flwr run's, passed through
 
 DESCRIPTION = (
     "dpledger: a privacy ledger for cross-silo federated learning. Each silo promises its own (ε, δ); the ledger "
@@ -66,6 +67,9 @@ def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in WORKER_COMMANDS:
         worker = importlib.import_module("dpledger.worker_cli")
         return int(worker.main(argv) or 0)
+    if argv[:1] == [FLWR_RUN] and not {"-h", "--help"} & set(argv[1:]):
+        flwr_run = importlib.import_module("dpledger.flower.flwr_run")  # the `flower` extra's, only when asked for
+        return int(flwr_run.main(argv[1:]))
     args = _parser().parse_args(argv)
     return int(args.run(args) or 0)
 
@@ -158,6 +162,12 @@ def _parser() -> argparse.ArgumentParser:
 
     for name in WORKER_COMMANDS:
         commands.add_parser(name, help=f"the worker's `{name}` (see `dpledger {name} --help`)")
+    commands.add_parser(
+        FLWR_RUN, help="`flwr run … --stream` whose exit code is the run's outcome (0 completed, 1 not)",
+        description="Takes `flwr run`'s arguments (APP [SUPERLINK] [options]) and runs it with --stream; then asks the "
+        "SuperLink for the run's status and exits 0 (finished:completed), 1 (any other end: the ServerApp raised or was "
+        "killed), or flwr run's own code when that failed; 130 when it is stopped itself. Needs the `flower` extra.",
+    )
     return parser
 
 

@@ -18,6 +18,7 @@ pytest.importorskip("flwr", reason="flwr is not installed (the `flower` extra)")
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from dpledger.wire.enums import Role
 from tests.faults.conftest import command_line, listed_charges, named, sender_of, signal_all, stop_tree, wait_for
 from tests.faults.proxy import Exchange, Proxy, Request
-from tests.flower.federation import DELTA, Federation, Silo, descendants, expected_epsilon, federation, write_silo_files
+from tests.flower.federation import BIN, DELTA, Federation, Silo, descendants, expected_epsilon, federation, write_silo_files
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, BUDGET = 120, 40, 1.0, 2, 16, 50.0
 # A round that never gets an answer (a killed ClientApp or SuperNode) lasts this long; a healthy round
@@ -301,6 +303,8 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
         runner.wait(timeout=120)
     finally:
         stop_tree(runner)
+    # `dpledger flwr-run` (federation.py's runner) exits with the run's outcome, not flwr run's 0.
+    assert runner.returncode == 1, log.read_text(errors="replace")[-3000:]
     result: dict[str, Any] = json.loads(out.read_text())
     aggregated = len(result["rounds"])
     assert result["outcome"] == "interrupted" and 2 <= aggregated < rounds, (result["outcome"], aggregated)
@@ -317,6 +321,15 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
                  timeout=ROUND_TIMEOUT, what=f"silo {silo.silo_id}'s charges of the job settled")
         assert len(charges_of(faulty, silo, job_id=name)) >= aggregated
         assert_ledger_matches(faulty, silo)
+    # A resume without the stopped run's checkpoint fails in one line, and flwr-run says so with exit 1.
+    elsewhere = fed.folder / "elsewhere.json"
+    refused = fed.run(timeout=RUN_TIMEOUT, **faulty.run_config(elsewhere, rounds=rounds, round_timeout=ROUND_TIMEOUT),
+                      resume=True)
+    said = refused.stdout + refused.stderr + (fed.folder / "superlink.log").read_text(errors="replace")
+    assert refused.returncode == 1, said[-3000:]
+    assert (f"resume: no checkpoint at {fed.folder / 'elsewhere.checkpoint'} (a run writes it beside its out JSON "
+            "after each round; give the stopped run's out)") in said
+    assert "finished:failed" in refused.stderr and not elsewhere.exists()
     in_flight = {silo.silo_id: Counter(c["round"] for c in charges_of(faulty, silo, job_id=job_name(faulty, silo, result)))
                  for silo in (faulty.steady, faulty.victim)}
 
@@ -331,6 +344,7 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
         runner.wait(timeout=RUN_TIMEOUT)
     finally:
         stop_tree(runner)
+    assert runner.returncode == 0, log.read_text(errors="replace")[-3000:]
     resumed: dict[str, Any] = json.loads(out.read_text())
     said = log.read_text(errors="replace") + (fed.folder / "superlink.log").read_text(errors="replace")
     assert resumed["outcome"] == "complete" and resumed["job_id"] == result["job_id"], said[-3000:]
@@ -343,3 +357,10 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
         assert per_round == Counter({r: 1 for r in range(total)}) + Counter({aggregated: stopped_round}), per_round
         assert {c["status"] for c in charges} == {"committed"}
         assert_ledger_matches(faulty, silo)
+    # An auditor finds nothing: the log, every leaf against its record, every silo's ε recomposed.
+    with fed.ledger() as admin:
+        auditor = admin.create_key(role=Role.auditor).api_key
+    audit = subprocess.run([str(BIN / "dpledger"), "audit", "--since", str(fed.folder / "head.json")], check=False,
+                           env={**fed.env(), "DPLEDGER_URL": fed.ledger_url, "DPLEDGER_KEY": auditor},
+                           capture_output=True, text=True, timeout=300)
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]

@@ -145,9 +145,10 @@ class Federation:
             )
 
     def run_command(self, config: dict[str, object]) -> list[str]:
-        """`flwr run` of the app with run-config overrides, its logs streamed."""
+        """`flwr run` of the app with run-config overrides, its logs streamed, through `dpledger flwr-run`
+        (whose exit code is the run's outcome)."""
         overrides = " ".join(f"{k}={_toml(v)}" for k, v in config.items())
-        command = [str(BIN / "flwr"), "run", str(APP_DIR), "local", "--stream", "--run-config", overrides]
+        command = [str(BIN / "dpledger"), "flwr-run", str(APP_DIR), "local", "--stream", "--run-config", overrides]
         return command + (["--federation-config", self.simulation] if self.simulation is not None else [])
 
     def run(self, *, timeout: float, **config: object) -> subprocess.CompletedProcess[str]:
