@@ -289,52 +289,83 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     The bounds hold up to the rounding of the shares (each rounded down, so that they never sum past
     1). Only the budget, δ, the horizon and the offset enter, never an output, so the filter is
     fixed before the silo's first charge and the gate stays the union bound above."""
-    base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
-    units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
-    # The rounds the budget buys: where the horizon is long enough to lose one, the prefix at
-    # ROUNDS_KEPT of it is held to read at most the budget itself (E(K)), so that the gate affords at
-    # least that share of dp-accounting's units however slowly ε grows there (sublinear growth turns
-    # an END_EXCESS in ε into several times that in rounds).
-    keep = ROUNDS_KEPT * units if units * (1 - ROUNDS_KEPT) >= 1 else None
-    prefixes = path_prefixes(units) if keep is None else np.unique(np.append(path_prefixes(units), keep))
-    excess = goal_excess(prefixes, units)
-    if offset is not None:
-        prefixes, excess = np.concatenate([[0.0], prefixes]), np.concatenate([[GOAL_FIRST], excess])
-    orders = np.array(rdp.ORDERS)
-    curve = np.where(np.isfinite(horizon), np.maximum(horizon, 0.0), np.inf)
-    full = np.full(len(orders), delta)
-    with np.errstate(invalid="ignore"):  # 0 × ∞ at t = 0: that order is ∞ in the offset alone anyway
-        conv = np.stack([order_epsilons(orders, base + np.nan_to_num(t * curve, nan=0.0), full) for t in prefixes], axis=1)
-    best = conv.min(axis=0)
-    kept = np.isfinite(best) & (best > 0)  # a prefix no order reads above 0 needs nothing
-    if not kept.any():
-        raise ValueError("the horizon reads ε = 0 or ∞ at every prefix of its path")
-    conv, best, prefixes, excess = conv[:, kept], best[kept], prefixes[kept], excess[kept]
-    at_end = prefixes >= units / END_SPAN
-    if keep is not None and keep in prefixes and best[-1] > best[prefixes == keep][0]:
-        held_at = prefixes == keep
-        excess = np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess)
-    budget = 1 - REST_WEIGHT
+    path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset)
+    scale = _least(lambda s: path.cover(path.goals(s))[0] <= path.budget, 0.0, MAX_SCALE)
+    caps = path.goals(max(scale, 1.0)) - 1
+    rho = _least(lambda r: path.cover(1 + np.minimum(r, caps))[0] <= path.budget, 0.0, float(caps.max()))
+    bounds = 1 + np.minimum(rho, caps)
+    total, shares = path.cover(bounds)
+    return Allocation(_spec_of(shares, total), path.units, tuple(path.prefixes.tolist()), tuple(bounds.tolist()))
 
-    def cover(targets: np.ndarray) -> tuple[float, dict[int, float]]:
+
+def check_allocatable(horizon: np.ndarray, *, epsilon: float, delta: float) -> None:
+    """Raises allocate's ValueError where no filter of the grid can read the horizon's path, without
+    the two bisections that choose one (a registration with no horizon validates its budget so: its
+    first charge fixes the filter, ~20× the work)."""
+    _Path.of(horizon, epsilon=epsilon, delta=delta, offset=None)
+
+
+@dataclass(frozen=True)
+class _Path:
+    """A horizon's path as allocate reads it: its prefixes, the conversion of each at every order
+    (conv) and at the best one (best), each prefix's goal excess, and whether the end is held."""
+
+    units: float
+    prefixes: np.ndarray
+    excess: np.ndarray
+    conv: np.ndarray
+    best: np.ndarray
+    at_end: np.ndarray
+    held: bool
+    budget: float = 1 - REST_WEIGHT
+
+    @classmethod
+    def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None) -> _Path:
+        """The path, or a ValueError where no order reads it or no filter reads it within the largest ratio."""
+        base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
+        units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
+        # The rounds the budget buys: where the horizon is long enough to lose one, the prefix at
+        # ROUNDS_KEPT of it is held to read at most the budget itself (E(K)), so that the gate affords at
+        # least that share of dp-accounting's units however slowly ε grows there (sublinear growth turns
+        # an END_EXCESS in ε into several times that in rounds).
+        keep = ROUNDS_KEPT * units if units * (1 - ROUNDS_KEPT) >= 1 else None
+        prefixes = path_prefixes(units) if keep is None else np.unique(np.append(path_prefixes(units), keep))
+        excess = goal_excess(prefixes, units)
+        if offset is not None:
+            prefixes, excess = np.concatenate([[0.0], prefixes]), np.concatenate([[GOAL_FIRST], excess])
+        orders = np.array(rdp.ORDERS)
+        curve = np.where(np.isfinite(horizon), np.maximum(horizon, 0.0), np.inf)
+        full = np.full(len(orders), delta)
+        with np.errstate(invalid="ignore"):  # 0 × ∞ at t = 0: that order is ∞ in the offset alone anyway
+            conv = np.stack([order_epsilons(orders, base + np.nan_to_num(t * curve, nan=0.0), full) for t in prefixes], axis=1)
+        best = conv.min(axis=0)
+        kept = np.isfinite(best) & (best > 0)  # a prefix no order reads above 0 needs nothing
+        if not kept.any():
+            raise ValueError("the horizon reads ε = 0 or ∞ at every prefix of its path")
+        conv, best, prefixes, excess = conv[:, kept], best[kept], prefixes[kept], excess[kept]
+        at_end = prefixes >= units / END_SPAN
+        if keep is not None and keep in prefixes and best[-1] > best[prefixes == keep][0]:
+            held_at = prefixes == keep
+            excess = np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess)
+        path = cls(units, prefixes, excess, conv, best, at_end, held=True)
+        held = path.cover(path.goals(MAX_SCALE))[0] <= path.budget  # else the end is scaled like every prefix
+        path = cls(units, prefixes, excess, conv, best, at_end, held=held)
+        if path.cover(path.goals(MAX_SCALE))[0] > path.budget:
+            raise ValueError("no filter of the grid's orders reads this horizon's path within the largest ratio")
+        return path
+
+    def cover(self, targets: np.ndarray) -> tuple[float, dict[int, float]]:
+        """The least total share that reads every prefix j within targets[j] × best[j] (_cheapest_cover)."""
+        orders = np.array(rdp.ORDERS)
         with np.errstate(over="ignore", invalid="ignore"):
-            need = np.exp(-(targets[None, :] * best[None, :] - conv) * (orders[:, None] - 1))
+            need = np.exp(-(targets[None, :] * self.best[None, :] - self.conv) * (orders[:, None] - 1))
         need = np.where(np.isfinite(need) & (need <= 1), need, np.inf)
         return _cheapest_cover(need)
 
-    def goals(scale: float, held: bool) -> np.ndarray:
-        targets: np.ndarray = 1 + np.where(at_end & held, min(scale, 1.0), scale) * excess
+    def goals(self, scale: float) -> np.ndarray:
+        """The targets at scale s: 1 + s·excess, the end's prefixes at most 1 + excess where it is held."""
+        targets: np.ndarray = 1 + np.where(self.at_end & self.held, min(scale, 1.0), scale) * self.excess
         return targets
-
-    held = cover(goals(MAX_SCALE, True))[0] <= budget  # else the end is scaled like every prefix
-    if cover(goals(MAX_SCALE, held))[0] > budget:
-        raise ValueError("no filter of the grid's orders reads this horizon's path within the largest ratio")
-    scale = _least(lambda s: cover(goals(s, held))[0] <= budget, 0.0, MAX_SCALE)
-    caps = goals(max(scale, 1.0), held) - 1
-    rho = _least(lambda r: cover(1 + np.minimum(r, caps))[0] <= budget, 0.0, float(caps.max()))
-    bounds = 1 + np.minimum(rho, caps)
-    total, shares = cover(bounds)
-    return Allocation(_spec_of(shares, total), units, tuple(prefixes.tolist()), tuple(bounds.tolist()))
 
 
 def _least(fits: Callable[[float], bool], lo: float, hi: float) -> float:
@@ -502,10 +533,14 @@ def units_bought(spec: FilterSpec, unit: np.ndarray, *, offset: np.ndarray | Non
 
 
 def pending_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSpec:
-    """What a silo with no declared horizon holds until its first charge: the default horizon's
-    filter, marked pending. The gate never reads it (its running sum is empty until that charge,
-    which is read under first_charge_spec); it is kept so that the row always parses."""
-    spec = default_spec(epsilon=epsilon, delta=delta, dataset_size=dataset_size)
+    """What a silo with no declared horizon holds until its first charge: δ spread evenly over the
+    grid, marked pending. The gate never reads it (its running sum is empty until that charge, which
+    is read under first_charge_spec); it is kept so that the row always parses. The budget is still
+    checked against the default horizon (a ValueError where no filter could read it: a tiny ε, a δ
+    near 1), without allocating that horizon's filter: ~65 ms at every registration of new terms,
+    for a filter nothing read."""
+    check_allocatable(rdp.certified_curve(default_horizon(dataset_size)), epsilon=epsilon, delta=delta)
+    spec = legacy_spec()
     return FilterSpec(spec.orders, spec.weights, "pending")
 
 

@@ -272,6 +272,11 @@ def start_reserve(
     except Exception:
         seals.check(session, silo)  # an edited record is named (409) before anything priced from it
         raise
+    first = gate.first_charge(silo, priced.curve, priced.mechanism)
+    if first is not None:
+        # The filter a first charge fixes costs an allocation (~65 ms for new terms): here, outside the
+        # lock, into its cache; the check under the lock reads it back (or computes it, if the row changed).
+        gate.fixed_spec(silo, first=first)
     return Started(digest, priced, mechanism, SiloTerms.of(silo))
 
 
