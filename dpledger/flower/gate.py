@@ -1,7 +1,7 @@
 """The silo's ClientApp mod: every train message is approved by the silo's own ledger before it
 may touch the data (Flower's `Mod = (Message, Context, call_next) -> Message`).
 
-The one round protocol (`trainer/rounds.py`): open the round → call_next → settle → report the
+The one round protocol (`trainer/silo/rounds.py`): open the round → call_next → settle → report the
 noisy update's norm, all with the silo's own key from its node config. A denial, a charge this
 delivery did not reserve (a redelivered message whose round an earlier delivery reserved, even when
 an answer was lost on the way), or any ledger error answers a constant status without calling the
@@ -27,7 +27,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from dpledger.flower import family, records
 from dpledger.flower.local import load_silo_file
 from dpledger.flower.settings import SettingsError, SiloSettings
-from dpledger.trainer.rounds import Permit, open_round, refusal_line, spent_line
+from dpledger.trainer.silo.rounds import Permit, open_round, refusal_line, spent_line
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Denied, LedgerError, NotOwned
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated import (
     MRMTL,
     PPSGD,
@@ -30,6 +29,7 @@ from dpledger.trainer.federated.config import (
     derive_seed,
     make_generator,
 )
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
 from tests.trainer import wire
 
 CPU = torch.device("cpu")

@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
-from dpledger.trainer.dpsgd.engine import DPSGDEngine
-from dpledger.trainer.gate import RoundGate, StepNotCovered
+from dpledger.trainer.silo.dpsgd.engine import DPSGDEngine
+from dpledger.trainer.silo.gate import RoundGate, StepNotCovered
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Denied, NotOwned

@@ -6,9 +6,9 @@ silo's own generator; division by the silo's expected batch size B_k (Abadi et a
 Liu et al. 2022 §5, "Federation as noise reduction", writes the same step with a noise term per silo).
 
 The models here are small (at most a few thousand parameters), so per-sample gradients are
-materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (trainer/dpsgd/norms.py) is what
+materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (trainer/silo/dpsgd/norms.py) is what
 larger models need. Silos are processed in chunks so that tensor stays under a memory cap. The clip
-factor and the noise draw are the engine's own (`trainer.dpsgd.clip`, `trainer.dpsgd.noise`).
+factor and the noise draw are the engine's own (`trainer.silo.dpsgd.clip`, `trainer.silo.dpsgd.noise`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch.func import grad, vmap
 
-from dpledger.trainer.dpsgd import noise
-from dpledger.trainer.dpsgd.clip import clip_factors
 from dpledger.trainer.federated.config import Task
 from dpledger.trainer.federated.models import FlatModel
+from dpledger.trainer.silo.dpsgd import noise
+from dpledger.trainer.silo.dpsgd.clip import clip_factors
 
 # Cap on the elements of one per-sample gradient tensor (2**25 float32 = 128 MiB).
 MAX_PER_SAMPLE_ELEMENTS = 2**25
@@ -110,7 +110,7 @@ def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor
 def clip_and_sum(grads: torch.Tensor, mask: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
     """Σ_i clip_C(g_i) over the unmasked examples of each silo ([A, b, P] → [A, P]).
 
-    The clip factor is the engine's (`trainer.dpsgd.clip.clip_factors`). The mask is folded into
+    The clip factor is the engine's (`trainer.silo.dpsgd.clip.clip_factors`). The mask is folded into
     the per-example factors so the clipped sum is one batched matrix product (one pass over the
     [A, b, P] tensor). That is safe because padding slots point at a real record (index 0), so their
     gradients are finite whenever the real ones are.

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.func import vmap
 
-from dpledger.trainer.dpsgd.clip import clip_factors
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated.batched import PaddedSilos, gaussian_noise, noisy_clipped_gradient, pad_batches
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.federated.models import FlatModel
 from dpledger.trainer.federated.plan import SELECTIONS, STEPS, Mechanism, QueryMeter
+from dpledger.trainer.silo.dpsgd.clip import clip_factors
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
 
 if TYPE_CHECKING:
     from dpledger.trainer.federated.ifca import ClusterSelection

@@ -5,7 +5,7 @@
         for _ in range(permit.steps):
             engine.step(permit)
 
-On entry the gate opens the round through the one round protocol (`trainer/rounds.py`): it reserves
+On entry the gate opens the round through the one round protocol (`trainer/silo/rounds.py`): it reserves
 the round's mechanism (the one its sampler declares: `steps` Poisson-sampled Gaussian steps at the
 sampler's batch size; the ledger derives q from the silo's registered size). The body runs only on
 this attempt's own reservation: a denial (`Denied`, final: the gate refuses every later round too)
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from dpledger.trainer.rounds import Permit, open_round, round_key
+from dpledger.trainer.silo.rounds import Permit, open_round, round_key
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Denied
