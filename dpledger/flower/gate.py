@@ -27,6 +27,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from dpledger.flower import family, records
 from dpledger.flower.local import load_silo_file
 from dpledger.flower.settings import SettingsError, SiloSettings
+from dpledger.trainer.silo.registered import size_mismatch
 from dpledger.trainer.silo.rounds import Permit, open_round, refusal_line, spent_line
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Denied, LedgerError, NotOwned
@@ -77,12 +78,9 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
     with LedgerClient(silo.ledger_url, key) as ledger:
         started = time.perf_counter()
         try:
-            registered = ledger.silo(silo.silo_id).dataset_size
-            if data.size < registered:
-                # The ledger computes q from the registered size: sampling from fewer records would
-                # make the real q larger than the one charged.
-                log.error("round not run: %s holds %d records, fewer than the %d registered", silo.data_path,
-                          data.size, registered)
+            mismatch = size_mismatch(registered=ledger.silo(silo.silo_id).dataset_size, records=data.size)
+            if mismatch is not None:
+                log.error("round not run: %s: %s", silo.data_path, mismatch)
                 return records.status_reply(message, records.FAILED)
             permit = open_round(ledger, silo_id=silo.silo_id, job_id=ledger_job(job_id), round=round_index,
                                 mechanism=mechanism)
