@@ -26,11 +26,11 @@ from flwr.app import Array, ArrayRecord
 from dpledger.flower.local import SiloData, template
 from dpledger.trainer.federated import registry
 from dpledger.trainer.federated.base import FederatedAlgorithm
-from dpledger.trainer.federated.batched import PaddedSilos
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.federated.engine import SiloEngine, fresh_streams
 from dpledger.trainer.federated.halves import Arrays, Halves
 from dpledger.trainer.federated.models import FlatModel
+from dpledger.trainer.federated.padded import PaddedSilos
 from dpledger.trainer.federated.plan import Mechanism, RoundPlan
 
 CPU = torch.device("cpu")
@@ -136,10 +136,11 @@ def public_options(config: Mapping[str, object]) -> dict[str, object]:
 
 
 def one_silo_engine(model: FlatModel, x: torch.Tensor, y: torch.Tensor, config: DPSGDConfig) -> SiloEngine:
-    """A silo's own engine over its own records, its batches and noise drawn from OS randomness."""
+    """A silo's own engine over its own records, its batches and noise drawn from OS randomness, each
+    step the silo library's own (the engine `bench/dpsgd_throughput.py` times against Opacus)."""
     train = PaddedSilos.from_tensors([x], [y], task="classification", device=CPU, allow_empty=False)
     return SiloEngine(train=train, model=model, config=config, noise_multipliers=[config.noise_multiplier],
-                      streams=fresh_streams(CPU), device=CPU)
+                      streams=fresh_streams(CPU), device=CPU, one_step_per_silo=True)
 
 
 def to_record(arrays: Arrays) -> ArrayRecord:
