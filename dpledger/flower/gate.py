@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from flwr.app import ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
-from dpledger.flower import family, records
-from dpledger.flower.local import load_silo_file
+from dpledger.flower import records
+from dpledger.flower.built import per_run
 from dpledger.flower.settings import SettingsError, SiloSettings
 from dpledger.trainer.silo.registered import size_mismatch
 from dpledger.trainer.silo.rounds import Permit, open_round, refusal_line, spent_line
@@ -64,11 +64,11 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
     try:
         silo = SiloSettings.of_node(context.node_config)
         job_id, round_index, config = _order(message)
-        data = load_silo_file(silo.data_path)
+        data = per_run.data(context, silo.data_path)
         # What the run's algorithm will query of this silo's data this round, from its silo half
-        # (the same one the ClientApp then runs): a DP-SGD round, IFCA's selection composed with it,
-        # PMTL's record-level share of the server's Gaussian…
-        planned = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier)
+        # (the same one the ClientApp then runs, built once per run): a DP-SGD round, IFCA's
+        # selection composed with it, PMTL's record-level share of the server's Gaussian…
+        planned = per_run.parts(context, silo.data_path, config, noise_multiplier=silo.noise_multiplier).round(config)
         mechanism = planned.mechanism()
         key = silo.api_key()
     except (SettingsError, ValueError) as error:
