@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpledger.trainer.dpsgd.step import dp_sgd_step
+from dpledger.trainer.silo.dpsgd.step import dp_sgd_step
 
 MAX_GRAD_NORM = 1.0
 NOISE_MULTIPLIER = 1.0

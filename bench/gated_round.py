@@ -31,8 +31,8 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpledger.harness import running_server
-from dpledger.trainer.dpsgd.engine import DPSGDEngine
-from dpledger.trainer.gate import RoundGate
+from dpledger.trainer.silo.dpsgd.engine import DPSGDEngine
+from dpledger.trainer.silo.gate import RoundGate
 from dpledger.wire.client import LedgerClient
 
 N, BATCH, SIGMA, CLIP, LR = 4096, 64, 1.0, 1.0, 0.05

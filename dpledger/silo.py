@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dpledger.trainer.dpsgd.engine import DPSGDEngine
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.gate import OpenRound, RoundGate, RoundResult, StepNotCovered
-from dpledger.trainer.rounds import Permit, open_round, refusal_line, round_key
+from dpledger.trainer.silo.dpsgd.engine import DPSGDEngine
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.silo.gate import OpenRound, RoundGate, RoundResult, StepNotCovered
+from dpledger.trainer.silo.rounds import Permit, open_round, refusal_line, round_key
 from dpledger.wire.client import LedgerClient, Reservation, Retry
 from dpledger.wire.errors import Denied, LedgerError, NotOwned, Rejected, Unreachable
 
 if TYPE_CHECKING:
-    from dpledger.trainer.opacus_gate import OpacusGate
+    from dpledger.trainer.silo.opacus_gate import OpacusGate
 
 __all__ = [
     "DPSGDEngine",
@@ -47,7 +47,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "OpacusGate":  # needs the `opacus` extra; imported only when asked for
-        from dpledger.trainer.opacus_gate import OpacusGate
+        from dpledger.trainer.silo.opacus_gate import OpacusGate
 
         return OpacusGate
     raise AttributeError(f"module 'dpledger.silo' has no attribute {name!r}")

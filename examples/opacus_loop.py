@@ -13,7 +13,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpledger.trainer.opacus_gate import ACCOUNTANT, OpacusGate
+from dpledger.trainer.silo.opacus_gate import ACCOUNTANT, OpacusGate
 from dpledger.wire.client import LedgerClient
 
 digits = load_digits()

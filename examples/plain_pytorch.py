@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from dpledger.trainer.dpsgd.engine import DPSGDEngine
-from dpledger.trainer.gate import RoundGate
+from dpledger.trainer.silo.dpsgd.engine import DPSGDEngine
+from dpledger.trainer.silo.gate import RoundGate
 from dpledger.wire.client import LedgerClient
 
 digits, device = load_digits(), "cuda" if torch.cuda.is_available() else "cpu"

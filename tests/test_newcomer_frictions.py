@@ -17,7 +17,7 @@ import pytest
 
 from dpledger.cli import EXIT_CLOSED_PIPE, main
 from dpledger.harness import free_port, running_server
-from dpledger.trainer.rounds import refusal_line
+from dpledger.trainer.silo.rounds import refusal_line
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Denied
 from tests.conftest import ADMIN, ADMIN_KEY

@@ -64,7 +64,7 @@ def test_the_service_app_and_every_service_module_load_no_torch_and_nothing_of_t
 
 def test_no_module_of_the_worker_loads_the_service() -> None:
     loaded = loaded_after(packages=("dpledger.trainer",))
-    assert {"dpledger.trainer.federated", "dpledger.trainer.dpsgd", "torch"} <= set(loaded)
+    assert {"dpledger.trainer.federated", "dpledger.trainer.silo.dpsgd", "torch"} <= set(loaded)
     assert [m for m in loaded if _is(m, "dpledger.service")] == []
 
 
@@ -175,3 +175,29 @@ def _submodules_imported(path: Path) -> set[str]:
     """`from package import name` as `package.name` too, where the name may be a module of it."""
     return {f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None for alias in node.names}
+
+
+def test_the_silo_library_imports_nothing_of_the_simulator() -> None:
+    """Inside the worker, imports run one way: the simulator, the job runner and a Flower silo import
+    the silo library (`trainer/silo/`: gate, round protocol, DP-SGD engine, Opacus adapter), and the
+    library imports nothing of the worker outside itself, so what a hospital runs is that library
+    alone and a change to the simulator cannot change it. Static, as above, so a lazy import cannot
+    hide a crossing; then a fresh interpreter that loads every module of the library, as a silo's
+    own script does."""
+    library = ROOT / "trainer" / "silo"
+    crossings = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted(library.rglob("*.py"))
+        for name in sorted(_imported(path))
+        if (_is(name, "dpledger") and not _is(name, "dpledger.trainer.silo") and not _is(name, "dpledger.wire"))
+        or _is(name, "research")
+    ]
+    assert crossings == []
+    simulator = [p for p in (ROOT / "trainer" / "federated").rglob("*.py")
+                 if any(_is(n, "dpledger.trainer.silo") for n in _imported(p))]
+    assert simulator  # the walk sees the simulator's real imports of the library
+    loaded = loaded_after(packages=("dpledger.trainer.silo",))
+    assert {"dpledger.trainer.silo.gate", "dpledger.trainer.silo.dpsgd.engine"} <= set(loaded)
+    outside = [m for m in loaded if _is(m, "dpledger") and not _is(m, "dpledger.trainer.silo") and not _is(m, "dpledger.wire")
+               and m not in ("dpledger", "dpledger.trainer")]
+    assert outside == []

@@ -1,6 +1,6 @@
 """The round loop (docs/ARCHITECTURE.md, "The round protocol"): approval before every privacy-consuming step.
 
-Per round and silo, through the one round protocol (`trainer/rounds.py`): open the round (its key
+Per round and silo, through the one round protocol (`trainer/silo/rounds.py`): open the round (its key
 from job, round, silo; only this attempt's own reservation) → train → settle (commit when the silo
 took a step, release when it provably took none). A denial is final: that silo stops spending and
 its model stays frozen while the run goes on with the others. If the service becomes unreachable,
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from dpledger.trainer.federated import FederatedAlgorithm
-from dpledger.trainer.rounds import Permit, open_round
+from dpledger.trainer.silo.rounds import Permit, open_round
 from dpledger.wire.client import LedgerClient, Reservation
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Denied, LedgerError, NotOwned, Rejected, Unreachable

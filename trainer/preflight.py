@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpledger.trainer.job_config import JobConfig, SiloKey, silo_key
+from dpledger.trainer.silo.registered import size_mismatch
 from dpledger.wire.client import LedgerClient, Retry
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Rejected, Unreachable
@@ -124,13 +125,12 @@ def _check_job_unused(client: LedgerClient, silo: LedgerSilo, job_id: str) -> st
 
 
 def check_sizes(silos: Sequence[LedgerSilo], n_train: Sequence[int]) -> list[str]:
-    """The ledger charges q = B / its registered dataset_size: data with fewer records than that
-    would be sampled at a larger q than charged, so the run is refused (fail closed)."""
+    """Every silo whose data breaks the registered-size rule (`registered.size_mismatch`), so the run is
+    refused before any round reserves (fail closed)."""
     return [
-        f"{silo.label}: the data has {n} training records but the ledger charges as if it had {silo.dataset_size} "
-        f"(dataset_size): q would be under-charged; register the silo with dataset_size = {n}"
+        f"{silo.label}: {reason}"
         for silo, n in zip(silos, n_train, strict=True)
-        if n < silo.dataset_size
+        if (reason := size_mismatch(registered=silo.dataset_size, records=n)) is not None
     ]
 
 

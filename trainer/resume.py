@@ -11,7 +11,7 @@ Per round, in the job's output folder (`trainer.loop.RoundJournal`):
   is read again from the job's data and put back in place.
 
 On resume each silo's charges of the job are read (its own key) and settled by the one settle rule
-(`trainer/rounds.py`): a reserved charge of a round the checkpoint holds is committed (it trained);
+(`trainer/silo/rounds.py`): a reserved charge of a round the checkpoint holds is committed (it trained);
 one of the round that began training and was not checkpointed stays spent (committed) and that
 round is trained again under a charge of its own (`round_key(..., charge=n)`), so the ledger's
 history shows both; one of a round whose training never began is released. A committed round the

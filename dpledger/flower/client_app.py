@@ -17,9 +17,10 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from dpledger.flower import family, records
+from dpledger.flower.built import per_run
 from dpledger.flower.checkpoint import SiloStates
 from dpledger.flower.gate import ledger_gate
-from dpledger.flower.local import accuracy, load_silo_file, template
+from dpledger.flower.local import accuracy
 from dpledger.flower.settings import SiloSettings
 
 app = ClientApp(mods=[ledger_gate])
@@ -38,8 +39,8 @@ def train(message: Message, context: Context) -> Message:
         # Only the gate may let a round through; a ClientApp built without it must not train.
         raise RuntimeError("no ledger approval for this round")
     silo = SiloSettings.of_node(context.node_config)
-    data = load_silo_file(silo.data_path)
-    planned = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier)
+    # The gate built them for this message already (dpledger/flower/built.py): the same halves and engine.
+    planned = per_run.parts(context, silo.data_path, config, noise_multiplier=silo.noise_multiplier).round(config)
     if planned.mechanism_json() != approval.get("mechanism"):
         raise RuntimeError("the round would query other than what the ledger approved")
     received = family.from_record(message.content.array_records[records.ARRAYS])
@@ -64,10 +65,10 @@ def train(message: Message, context: Context) -> Message:
 def evaluate(message: Message, context: Context) -> Message:
     """Test accuracy of the model this silo deploys (the global one, its cluster's, or its own)."""
     silo = SiloSettings.of_node(context.node_config)
-    data = load_silo_file(silo.data_path)
+    data = per_run.data(context, silo.data_path)
     config = _config(message)
-    built = family.halves(config, noise_multiplier=silo.noise_multiplier)
-    model = template(seed=built.silo.config.seed)
+    parts = per_run.parts(context, silo.data_path, config, noise_multiplier=silo.noise_multiplier)
+    built, model = parts.halves, parts.model
     stored = SiloStates(silo.state_dir, config.get("run-key")).latest()
     state = stored if stored is not None else built.silo.start(model.initial(), 1)
     deployed = built.silo.deployed(family.from_record(message.content.array_records[records.ARRAYS]), state)[0]

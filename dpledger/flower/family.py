@@ -26,11 +26,11 @@ from flwr.app import Array, ArrayRecord
 from dpledger.flower.local import SiloData, template
 from dpledger.trainer.federated import registry
 from dpledger.trainer.federated.base import FederatedAlgorithm
-from dpledger.trainer.federated.batched import PaddedSilos
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.federated.engine import SiloEngine, fresh_streams
 from dpledger.trainer.federated.halves import Arrays, Halves
 from dpledger.trainer.federated.models import FlatModel
+from dpledger.trainer.federated.padded import PaddedSilos
 from dpledger.trainer.federated.plan import Mechanism, RoundPlan
 
 CPU = torch.device("cpu")
@@ -136,10 +136,11 @@ def public_options(config: Mapping[str, object]) -> dict[str, object]:
 
 
 def one_silo_engine(model: FlatModel, x: torch.Tensor, y: torch.Tensor, config: DPSGDConfig) -> SiloEngine:
-    """A silo's own engine over its own records, its batches and noise drawn from OS randomness."""
+    """A silo's own engine over its own records, its batches and noise drawn from OS randomness, each
+    step the silo library's own (the engine `bench/dpsgd_throughput.py` times against Opacus)."""
     train = PaddedSilos.from_tensors([x], [y], task="classification", device=CPU, allow_empty=False)
     return SiloEngine(train=train, model=model, config=config, noise_multipliers=[config.noise_multiplier],
-                      streams=fresh_streams(CPU), device=CPU)
+                      streams=fresh_streams(CPU), device=CPU, one_step_per_silo=True)
 
 
 def to_record(arrays: Arrays) -> ArrayRecord:
@@ -188,11 +189,26 @@ class SiloRound:
         return json.dumps(self.mechanism().model_dump(mode="json", exclude_none=True), sort_keys=True)
 
 
-def silo_round(config: Mapping[str, object], data: SiloData, *, noise_multiplier: float) -> SiloRound:
-    """The round a train message's config asks of this silo, with its data and its own σ."""
-    round_index = config.get("round")
-    if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
-        raise FamilyError(f"'round' must be an integer >= 0. Found {round_index!r}.")
+@dataclass(frozen=True)
+class SiloParts:
+    """What a silo builds for a run's algorithm, whatever the round: its silo half, the run's model,
+    and its own engine over its own records."""
+
+    halves: Halves
+    model: FlatModel
+    engine: SiloEngine
+
+    def round(self, config: Mapping[str, object]) -> SiloRound:
+        """The round a train message's config asks of this silo."""
+        round_index = config.get("round")
+        if isinstance(round_index, bool) or not isinstance(round_index, int) or round_index < 0:
+            raise FamilyError(f"'round' must be an integer >= 0. Found {round_index!r}.")
+        return SiloRound(round_index, self.halves, self.engine, self.model)
+
+
+def silo_parts(config: Mapping[str, object], data: SiloData, *, noise_multiplier: float) -> SiloParts:
+    """The halves, model and engine of the algorithm a config names, over this silo's data and its own σ."""
     built = halves(config, noise_multiplier=noise_multiplier)
     model = template(seed=built.silo.config.seed)
-    return SiloRound(round_index, built, one_silo_engine(model, data.x, data.y, built.silo.config), model)
+    return SiloParts(built, model, one_silo_engine(model, data.x, data.y, built.silo.config))
+

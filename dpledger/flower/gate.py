@@ -1,7 +1,7 @@
 """The silo's ClientApp mod: every train message is approved by the silo's own ledger before it
 may touch the data (Flower's `Mod = (Message, Context, call_next) -> Message`).
 
-The one round protocol (`trainer/rounds.py`): open the round → call_next → settle → report the
+The one round protocol (`trainer/silo/rounds.py`): open the round → call_next → settle → report the
 noisy update's norm, all with the silo's own key from its node config. A denial, a charge this
 delivery did not reserve (a redelivered message whose round an earlier delivery reserved, even when
 an answer was lost on the way), or any ledger error answers a constant status without calling the
@@ -24,10 +24,11 @@ from contextlib import contextmanager
 from flwr.app import ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
 
-from dpledger.flower import family, records
-from dpledger.flower.local import load_silo_file
+from dpledger.flower import records
+from dpledger.flower.built import per_run
 from dpledger.flower.settings import SettingsError, SiloSettings
-from dpledger.trainer.rounds import Permit, open_round, refusal_line, spent_line
+from dpledger.trainer.silo.registered import size_mismatch
+from dpledger.trainer.silo.rounds import Permit, open_round, refusal_line, spent_line
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.errors import Denied, LedgerError, NotOwned
 
@@ -66,11 +67,11 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
     try:
         silo = SiloSettings.of_node(context.node_config)
         job_id, round_index, attempt, config = _order(message)
-        data = load_silo_file(silo.data_path)
+        data = per_run.data(context, silo.data_path)
         # What the run's algorithm will query of this silo's data this round, from its silo half
-        # (the same one the ClientApp then runs): a DP-SGD round, IFCA's selection composed with it,
-        # PMTL's record-level share of the server's Gaussian…
-        planned = family.silo_round(config, data, noise_multiplier=silo.noise_multiplier)
+        # (the same one the ClientApp then runs, built once per run): a DP-SGD round, IFCA's
+        # selection composed with it, PMTL's record-level share of the server's Gaussian…
+        planned = per_run.parts(context, silo.data_path, config, noise_multiplier=silo.noise_multiplier).round(config)
         mechanism = planned.mechanism()
         key = silo.api_key()
     except (SettingsError, ValueError) as error:
@@ -80,12 +81,9 @@ def ledger_gate(message: Message, context: Context, call_next: ClientAppCallable
     with LedgerClient(silo.ledger_url, key) as ledger:
         started = time.perf_counter()
         try:
-            registered = ledger.silo(silo.silo_id).dataset_size
-            if data.size < registered:
-                # The ledger computes q from the registered size: sampling from fewer records would
-                # make the real q larger than the one charged.
-                log.error("round not run: %s holds %d records, fewer than the %d registered", silo.data_path,
-                          data.size, registered)
+            mismatch = size_mismatch(registered=ledger.silo(silo.silo_id).dataset_size, records=data.size)
+            if mismatch is not None:
+                log.error("round not run: %s: %s", silo.data_path, mismatch)
                 return records.status_reply(message, records.FAILED)
             permit = open_round(ledger, silo_id=silo.silo_id, job_id=ledger_job(job_id), round=round_index,
                                 mechanism=mechanism, charge=attempt)

@@ -114,7 +114,7 @@ def assert_one_round_committed(ledger: LedgerServer, silo_id: int) -> None:
 
 # --- through open_round -----------------------------------------------------------------------------
 def test_a_redelivery_whose_answer_is_lost_never_trains(ledger: LedgerServer, proxy: Proxy, tmp_path: Path) -> None:
-    from dpledger.trainer.rounds import open_round
+    from dpledger.trainer.silo.rounds import open_round
     from dpledger.wire.errors import NotOwned
 
     silo_id, job_id, node = new_silo(ledger, tmp_path, ledger_url=proxy.url)
@@ -134,7 +134,7 @@ def test_a_redelivery_whose_answer_is_lost_never_trains(ledger: LedgerServer, pr
 
 
 def test_an_attempt_whose_own_answer_is_lost_trains_once(ledger: LedgerServer, proxy: Proxy, tmp_path: Path) -> None:
-    from dpledger.trainer.rounds import open_round
+    from dpledger.trainer.silo.rounds import open_round
 
     silo_id, job_id, node = new_silo(ledger, tmp_path, ledger_url=proxy.url)
     proxy.add(RESERVE, action="drop_response")

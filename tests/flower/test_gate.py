@@ -188,3 +188,32 @@ def test_a_resumed_run_trains_the_interrupted_round_under_a_charge_of_its_own(le
         charges = admin.charges(silo_id)
     assert sorted(c.round for c in charges) == [0, 1, 1] and {c.status.value for c in charges} == {"committed"}
     assert detail.epsilon_committed == pytest.approx(gate_oracle.dpsgd_epsilon(detail, run(3), delta=DELTA), rel=1e-9)
+
+
+def test_a_silos_data_and_halves_are_built_once_per_run(ledger: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate and the ClientApp share one read of the data file and one build of the halves and
+    engine, and a ClientApp process that lives for the whole run (Flower's simulation engine) keeps
+    them from round to round; another run builds its own."""
+    from dpledger.flower import built
+
+    loads, builds = Counting(), Counting()
+    real_load, real_parts = built.load_silo_file, family.silo_parts
+
+    def load(path: Path) -> object:
+        loads.calls += 1
+        return real_load(path)
+
+    def parts(*args: object, **kwargs: object) -> object:
+        builds.calls += 1
+        return real_parts(*args, **kwargs)  # type: ignore[arg-type]  # passed through as the gate gave them
+
+    monkeypatch.setattr(built, "load_silo_file", load)
+    monkeypatch.setattr(family, "silo_parts", parts)
+    job_id, context = silo_context(ledger, tmp_path, budget=50.0)
+    for round_index in range(2):
+        assert records.reply_status(ledger_gate(train_message(job_id, round_index), context, train)) == records.TRAINED
+    assert (loads.calls, builds.calls) == (1, 1)
+    later = Context(run_id=2, node_id=7, node_config=context.node_config, state=context.state, run_config={})
+    assert records.reply_status(ledger_gate(train_message(job_id, 2), later, train)) == records.TRAINED
+    assert (loads.calls, builds.calls) == (2, 2)

@@ -10,9 +10,9 @@ import torch
 from scipy import stats  # type: ignore[import-untyped]  # scipy ships no type information
 from torch import Tensor, nn
 
-from dpledger.trainer.dpsgd.norms import layer_grads, per_sample_grad_norms
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.dpsgd.step import (
+from dpledger.trainer.silo.dpsgd.norms import layer_grads, per_sample_grad_norms
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.silo.dpsgd.step import (
     add_gaussian_noise,
     clip_factors,
     clipped_grad_sum,

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated import (
     MRMTL,
     PPSGD,
@@ -23,13 +22,16 @@ from dpledger.trainer.federated import (
     LocalTraining,
     build_model,
 )
-from dpledger.trainer.federated.batched import noisy_clipped_gradient, pad_batches
 from dpledger.trainer.federated.config import (
     STREAM_NOISE,
     STREAM_SAMPLER,
     derive_seed,
     make_generator,
 )
+from dpledger.trainer.federated.engine import SiloEngine
+from dpledger.trainer.federated.padded import PaddedSilos
+from dpledger.trainer.silo.dpsgd.batched import noisy_clipped_gradient, pad_batches
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
 from tests.trainer import wire
 
 CPU = torch.device("cpu")
@@ -145,6 +147,37 @@ def test_batched_gradient_matches_one_example_at_a_time(noise_multiplier: float)
         torch.testing.assert_close(batched[k], oracle, rtol=1e-5, atol=1e-6)
     if noise_multiplier == 0:
         assert torch.equal(batched[1], torch.zeros(model.size))
+
+
+def test_a_flower_silos_one_silo_steps_are_the_batched_engines_steps() -> None:
+    """A Flower silo's engine takes each step with the library's one-silo step (ghost norms over the
+    module), the simulator's with the batched kernel: on the same batches, without noise, both give
+    the same gradient, and so the same declared mechanism buys the same training."""
+    torch.manual_seed(0)
+    data = blobs(silos=3, n_train=[30, 7, 50])
+    model = FlatModel(build_model("mlp", in_features=FEATURES, out_features=NUM_CLASSES, hidden=6), task="classification")
+    train = PaddedSilos.from_tensors(data["x_train"], data["y_train"], task="classification", device=CPU, allow_empty=False)
+    config = DPSGDConfig(batch_size=8, clip_norm=0.5, lr=0.3)
+
+    def engine(one_step_per_silo: bool) -> SiloEngine:
+        return SiloEngine(train=train, model=model, config=config, noise_multipliers=[1.0, 2.0, 0.5], device=CPU,
+                          streams=lambda stream, k: torch.Generator().manual_seed(1000 * len(stream) + k),
+                          one_step_per_silo=one_step_per_silo)
+
+    batched, per_silo = engine(False), engine(True)
+    params = model.initial().expand(3, -1) + 0.3 * torch.randn(3, model.size)
+    rows = torch.tensor([2, 0, 1])
+    for _ in range(3):
+        torch.testing.assert_close(per_silo.dp_gradient(params[rows], rows, noised=False),
+                                   batched.dp_gradient(params[rows], rows, noised=False), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per_silo.dp_sgd(params, torch.arange(3), steps=4, noised=False),
+                               batched.dp_sgd(params, torch.arange(3), steps=4, noised=False), rtol=1e-4, atol=1e-5)
+    assert [per_silo.mechanism(k, steps=4) for k in range(3)] == [batched.mechanism(k, steps=4) for k in range(3)]
+    # With noise, each row's draw comes from that silo's own generator: the noise is σ_k·C / B_k.
+    assert per_silo.step is not None and per_silo.step.module is not model.module  # the template keeps its parameters
+    noisy = engine(True).dp_gradient(params[:1], torch.tensor([0]))  # fresh engines: the same first batch
+    clean = engine(True).dp_gradient(params[:1], torch.tensor([0]), noised=False)
+    assert abs(float((noisy - clean).std()) - 1.0 * 0.5 / 8) < 0.2 * 0.5 / 8
 
 
 def test_zero_gradient_is_clipped_safely() -> None:

@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
-from dpledger.trainer.dpsgd.engine import DPSGDEngine
-from dpledger.trainer.gate import RoundGate, StepNotCovered
+from dpledger.trainer.silo.dpsgd.engine import DPSGDEngine
+from dpledger.trainer.silo.gate import RoundGate, StepNotCovered
+from dpledger.trainer.silo.registered import SizeMismatch
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Denied, NotOwned
@@ -223,7 +224,10 @@ def test_models_that_mix_examples_and_samplers_over_other_data_are_refused(silo)
     client, silo_id = silo(5.0)
     engine = make_engine()
     engine.sampler.dataset_size = N - 1  # e.g. a loader that dropped a record the registration counted
-    with pytest.raises(ValueError, match=f"dataset_size={N}"):
+    with pytest.raises(SizeMismatch, match=f"as if it had {N} .*under-charged"):
+        RoundGate(client, silo_id=silo_id, sampler=engine.sampler)
+    engine.sampler.dataset_size = N + 1  # e.g. another file than the one registered: the ledger's q never ran
+    with pytest.raises(SizeMismatch, match=f"as if it had {N} .*over-charged"):
         RoundGate(client, silo_id=silo_id, sampler=engine.sampler)
 
 

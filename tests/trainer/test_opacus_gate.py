@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 from opacus import PrivacyEngine
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpledger.trainer.gate import StepNotCovered
-from dpledger.trainer.opacus_gate import ACCOUNTANT, NotPoisson, OpacusGate
+from dpledger.trainer.silo.gate import StepNotCovered
+from dpledger.trainer.silo.opacus_gate import ACCOUNTANT, NotPoisson, OpacusGate
 from dpledger.wire.client import LedgerClient
 from tests.conftest import ADMIN_KEY
 from tests.gate_oracle import ORDERS, dpsgd_epsilon, filter_pairs

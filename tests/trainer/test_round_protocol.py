@@ -1,4 +1,4 @@
-"""One conformance suite for the one round protocol (trainer/rounds.py), run against each silo-side
+"""One conformance suite for the one round protocol (trainer/silo/rounds.py), run against each silo-side
 runner over a real ledger server on a real SQLite file: the library's round gate (RoundGate), the
 in-process simulator's loop (run_gated), and the Flower ClientApp's mod (ledger_gate).
 
@@ -22,11 +22,11 @@ import torch
 
 from dpledger.harness import running_server
 from dpledger.trainer.data.digits import make_rotated_masked_digits
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
 from dpledger.trainer.federated import MRMTL, DPSGDConfig
-from dpledger.trainer.gate import RoundGate
 from dpledger.trainer.loop import GatedSilo, run_gated
-from dpledger.trainer.rounds import round_key
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.silo.gate import RoundGate
+from dpledger.trainer.silo.rounds import round_key
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import NotOwned

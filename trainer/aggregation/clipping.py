@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from dpledger.trainer.aggregation._checks import check_positive, check_updates
-from dpledger.trainer.dpsgd.clip import clip_rows
+from dpledger.trainer.silo.dpsgd.clip import clip_rows
 from dpledger.wire.mechanisms import Gaussian
 
 

@@ -1,7 +1,7 @@
 """Federated algorithms batched over silos, each declaring its true privacy cost per round.
 
 All K silos share one architecture; their parameters are stacked into [K, P] tensors and trained in
-one `vmap`-ed computation (see `batched`). Every algorithm implements `FederatedAlgorithm`:
+one `vmap`-ed computation (`dpledger.trainer.silo.dpsgd.batched`). Every algorithm implements `FederatedAlgorithm`:
 `round_mechanisms(r)` (what each silo's round r will query, in the ledger's wire format),
 `run_round(r, approved)` (only approved silos touch their data) and `evaluate()`.
 
@@ -19,12 +19,7 @@ from dpledger.trainer.federated.ditto import Ditto
 from dpledger.trainer.federated.fedavg import FedAvg
 from dpledger.trainer.federated.fedhdp import AdaptiveClip, FedHDP
 from dpledger.trainer.federated.finetune import Finetuning
-from dpledger.trainer.federated.ifca import (
-    IFCA,
-    ClusteredMRMTL,
-    ClusterSelection,
-    clustering_rounds,
-)
+from dpledger.trainer.federated.ifca import IFCA, ClusteredMRMTL, clustering_rounds
 from dpledger.trainer.federated.local import LocalTraining
 from dpledger.trainer.federated.models import (
     Architecture,
@@ -36,6 +31,7 @@ from dpledger.trainer.federated.mrmtl import MRMTL
 from dpledger.trainer.federated.pfa import PFA, GroupAggregated
 from dpledger.trainer.federated.pmtl import PMTL
 from dpledger.trainer.federated.ppsgd import PPSGD
+from dpledger.trainer.federated.selection import ClusterSelection
 
 __all__ = [
     "IFCA",

@@ -22,7 +22,6 @@ import torch
 from torch.func import vmap
 
 from dpledger.trainer.federated import engine as streams
-from dpledger.trainer.federated.batched import PaddedSilos
 from dpledger.trainer.federated.config import (
     STREAM_INIT,
     STREAM_NOISE,
@@ -36,6 +35,7 @@ from dpledger.trainer.federated.config import (
 from dpledger.trainer.federated.engine import SiloEngine
 from dpledger.trainer.federated.halves import Arrays, Halves, ServerHalf, ServerStart, SiloHalf
 from dpledger.trainer.federated.models import Architecture, ModelFactory, make_template
+from dpledger.trainer.federated.padded import PaddedSilos
 from dpledger.trainer.federated.plan import STEPS, Mechanism, PlannedQuery, RoundPlan
 
 # Every algorithm class that sets `name`, by that name (filled by FederatedAlgorithm.__init_subclass__).

@@ -2,29 +2,31 @@
 
 Every query of a silo's data goes through here and is counted in the engine's `QueryMeter` where
 it is made: a DP-SGD step (a Poisson-sampled Gaussian of the clipped per-record gradients), or
-IFCA's private cluster selection. The simulator builds one engine over all its silos with seeded
-random streams; a Flower ClientApp builds one over its own silo with fresh OS randomness, so the
-server can never predict a silo's batches or noise.
+IFCA's private cluster selection. The gradient is always the silo library's engine
+(`dpledger.trainer.silo.dpsgd`): the simulator builds one engine over all its silos with seeded
+random streams, which takes its steps with that engine's batched form; a Flower ClientApp builds
+one over its own silo with fresh OS randomness (so the server can never predict a silo's batches or
+noise), which takes each step with the engine's own one-silo step (`FlatStep`), the one benchmarked
+against Opacus.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch.func import vmap
 
-from dpledger.trainer.dpsgd.clip import clip_factors
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.federated.batched import PaddedSilos, gaussian_noise, noisy_clipped_gradient, pad_batches
 from dpledger.trainer.federated.config import DPSGDConfig
 from dpledger.trainer.federated.models import FlatModel
+from dpledger.trainer.federated.padded import PaddedSilos
 from dpledger.trainer.federated.plan import SELECTIONS, STEPS, Mechanism, QueryMeter
-
-if TYPE_CHECKING:
-    from dpledger.trainer.federated.ifca import ClusterSelection
+from dpledger.trainer.federated.selection import ClusterSelection
+from dpledger.trainer.silo.dpsgd.batched import gaussian_noise, noisy_clipped_gradient, pad_batches
+from dpledger.trainer.silo.dpsgd.clip import clip_factors
+from dpledger.trainer.silo.dpsgd.flat import FlatStep
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
 
 # Random streams a silo draws from, by name (the simulator derives each from the run's seed).
 SAMPLER, NOISE, SELECTION_SAMPLER, SELECTION_NOISE = "sampler", "noise", "selection sampler", "selection noise"
@@ -38,10 +40,15 @@ def fresh_streams(device: torch.device) -> Streams:
 
 class SiloEngine:
     """DP-SGD and private selection over the silos of `train` (rows 0..K−1), each with its own
-    sampler (q_k = B_k / n_k), noise multiplier and random streams."""
+    sampler (q_k = B_k / n_k), noise multiplier and random streams.
+
+    `one_step_per_silo`: each row's gradient is the engine's one-silo step over the model's module
+    (a Flower silo, whose one row is all it trains), rather than one batched computation over the
+    rows (the simulator, whose seeded runs it keeps bit for bit)."""
 
     def __init__(self, *, train: PaddedSilos, model: FlatModel, config: DPSGDConfig,
-                 noise_multipliers: list[float], streams: Streams, device: torch.device) -> None:
+                 noise_multipliers: list[float], streams: Streams, device: torch.device,
+                 one_step_per_silo: bool = False) -> None:
         self.train = train
         self.model = model
         self.config = config
@@ -57,6 +64,7 @@ class SiloEngine:
         self.noise_generators = [streams(NOISE, k) for k in range(train.num_silos)]
         self._selection: tuple[ClusterSelection, list[PoissonSampler], list[torch.Generator]] | None = None
         self.meter = QueryMeter(train.num_silos)
+        self.step = FlatStep(model.module, model.per_example_loss) if one_step_per_silo else None
 
     @property
     def num_silos(self) -> int:
@@ -73,9 +81,18 @@ class SiloEngine:
         clips without noise: only for an algorithm whose server noises the aggregate (PMTL), whose
         silos are charged that noise instead."""
         row_list = rows.tolist()
-        idx, mask = pad_batches([self.samplers[k].sample() for k in row_list], device=self.device)
-        at = rows.unsqueeze(1)
+        batches = [self.samplers[k].sample() for k in row_list]
         self.meter.record(kind, rows)
+        if self.step is not None:
+            return torch.stack([
+                self.step.gradient(params[a], self.train.x[k, batch], self.train.y[k, batch],
+                                   max_grad_norm=self.config.clip_norm,
+                                   noise_multiplier=self.noise_multipliers[k] if noised else 0.0,
+                                   expected_batch_size=float(self.batch_sizes[k]), generator=self.noise_generators[k])
+                for a, (k, batch) in enumerate(zip(row_list, batches, strict=True))
+            ])
+        idx, mask = pad_batches(batches, device=self.device)
+        at = rows.unsqueeze(1)
         return noisy_clipped_gradient(
             self.model, params, self.train.x[at, idx], self.train.y[at, idx], mask,
             clip_norm=self.config.clip_norm, noise_multipliers=self._noise[rows] if noised else 0.0,

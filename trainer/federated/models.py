@@ -67,6 +67,12 @@ class FlatModel:
             return nn.functional.cross_entropy(out, y)
         return 0.5 * ((out.squeeze(-1) - y) ** 2).mean()
 
+    def per_example_loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`loss` of each example of a batch ([b]): what the engine's one-silo step differentiates."""
+        if self.task == "classification":
+            return nn.functional.cross_entropy(out, y, reduction="none")
+        return 0.5 * (out.squeeze(-1) - y) ** 2
+
     def example_loss(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Loss of one example (x: [d], y: scalar); the function `vmap(grad(...))` differentiates."""
         return self.loss(self.forward(flat, x.unsqueeze(0)), y.unsqueeze(0))

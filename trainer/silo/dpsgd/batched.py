@@ -1,85 +1,42 @@
-"""DP-SGD for many silos at once: one batched computation over stacked [K, P] parameters.
+"""The engine's DP-SGD gradient for many silos at once: one batched computation over stacked [K, P] parameters.
 
-The phases follow Opacus: Poisson batches per silo, padded to a common size with a mask;
+What the simulator runs over its K silos (`dpledger.trainer.federated.engine`), where one silo's
+step (`step.private_gradient`, over a module) would be K separate computations. The phases are the
+engine's: Poisson batches per silo, padded to a common size with a mask;
 per-sample gradients; per-sample clipping to C; sum; Gaussian noise N(0, σ²C²) per silo from that
 silo's own generator; division by the silo's expected batch size B_k (Abadi et al. 2016, Alg. 1;
 Liu et al. 2022 §5, "Federation as noise reduction", writes the same step with a noise term per silo).
 
-The models here are small (at most a few thousand parameters), so per-sample gradients are
-materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (trainer/dpsgd/norms.py) is what
-larger models need. Silos are processed in chunks so that tensor stays under a memory cap. The clip
-factor and the noise draw are the engine's own (`trainer.dpsgd.clip`, `trainer.dpsgd.noise`).
+The simulated models are small (at most a few thousand parameters), so per-sample gradients are
+materialised as a [A, b, P] tensor with `vmap(grad)`; ghost clipping (`norms`, in the one-silo step)
+is what larger models need. Silos are processed in chunks so that tensor stays under a memory cap.
+The clip factor and the noise draw are the engine's own (`clip`, `noise`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.func import grad, vmap
 
-from dpledger.trainer.dpsgd import noise
-from dpledger.trainer.dpsgd.clip import clip_factors
-from dpledger.trainer.federated.config import Task
-from dpledger.trainer.federated.models import FlatModel
+from dpledger.trainer.silo.dpsgd import noise
+from dpledger.trainer.silo.dpsgd.clip import clip_factors
 
 # Cap on the elements of one per-sample gradient tensor (2**25 float32 = 128 MiB).
 MAX_PER_SAMPLE_ELEMENTS = 2**25
 
 
-@dataclass(frozen=True)
-class PaddedSilos:
-    """K silos' datasets, padded along the record dimension to the largest one.
-
-    Padding rows are never sampled (indices come from each silo's own sampler, below n_k) and are
-    masked out of evaluation.
-    """
-
-    x: torch.Tensor  # [K, n_max, d] float32
-    y: torch.Tensor  # [K, n_max] int64 (classification) or float32 (regression)
-    sizes: list[int]  # n_k
+class FlatLoss(Protocol):
+    """A model seen as a function of one flat parameter vector: its size P and one example's loss."""
 
     @property
-    def num_silos(self) -> int:
-        return len(self.sizes)
+    def size(self) -> int: ...
 
-    @property
-    def mask(self) -> torch.Tensor:
-        """[K, n_max] bool: True on real records."""
-        positions = torch.arange(self.x.shape[1], device=self.x.device)
-        sizes = torch.tensor(self.sizes, device=self.x.device)
-        return positions.unsqueeze(0) < sizes.unsqueeze(1)
-
-    @classmethod
-    def from_tensors(
-        cls,
-        xs: Sequence[torch.Tensor],
-        ys: Sequence[torch.Tensor],
-        *,
-        task: Task,
-        device: torch.device,
-        allow_empty: bool,
-    ) -> PaddedSilos:
-        if len(xs) == 0 or len(xs) != len(ys):
-            raise ValueError(f"Need one x and one y tensor per silo (at least one). Found {len(xs)} x, {len(ys)} y.")
-        features = int(xs[0].shape[-1])
-        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            if x.dim() != 2 or x.shape[1] != features:
-                raise ValueError(f"Silo {k}: x must be [n, {features}]-shaped. Found {tuple(x.shape)}.")
-            if y.dim() != 1 or y.shape[0] != x.shape[0]:
-                raise ValueError(f"Silo {k}: y must be [n] with n = {x.shape[0]}. Found {tuple(y.shape)}.")
-            if x.shape[0] == 0 and not allow_empty:
-                raise ValueError(f"Silo {k} has no training records.")
-        sizes = [int(x.shape[0]) for x in xs]
-        n_max = max(max(sizes), 1)
-        x_pad = torch.zeros(len(xs), n_max, features, dtype=torch.float32, device=device)
-        y_dtype = torch.int64 if task == "classification" else torch.float32
-        y_pad = torch.zeros(len(xs), n_max, dtype=y_dtype, device=device)
-        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            x_pad[k, : sizes[k]] = x.to(device=device, dtype=torch.float32)
-            y_pad[k, : sizes[k]] = y.to(device=device, dtype=y_dtype)
-        return cls(x=x_pad, y=y_pad, sizes=sizes)
+    def example_loss(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one example (x: [d], y: a scalar) at parameters `flat` ([P])."""
+        ...
 
 
 def pad_batches(indices: Sequence[torch.Tensor], *, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +57,7 @@ def pad_batches(indices: Sequence[torch.Tensor], *, device: torch.device) -> tup
     return idx, mask
 
 
-def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def per_sample_gradients(model: FlatLoss, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[A, b, P] gradients of each example's loss at its own silo's parameters (params: [A, P])."""
     per_example = vmap(grad(model.example_loss), in_dims=(None, 0, 0))
     gradients: torch.Tensor = vmap(per_example, in_dims=(0, 0, 0))(params, x, y)
@@ -110,7 +67,7 @@ def per_sample_gradients(model: FlatModel, params: torch.Tensor, x: torch.Tensor
 def clip_and_sum(grads: torch.Tensor, mask: torch.Tensor, *, clip_norm: float) -> torch.Tensor:
     """Σ_i clip_C(g_i) over the unmasked examples of each silo ([A, b, P] → [A, P]).
 
-    The clip factor is the engine's (`trainer.dpsgd.clip.clip_factors`). The mask is folded into
+    The clip factor is the engine's (`trainer.silo.dpsgd.clip.clip_factors`). The mask is folded into
     the per-example factors so the clipped sum is one batched matrix product (one pass over the
     [A, b, P] tensor). That is safe because padding slots point at a real record (index 0), so their
     gradients are finite whenever the real ones are.
@@ -129,7 +86,7 @@ def gaussian_noise(
 
 
 def noisy_clipped_gradient(
-    model: FlatModel,
+    model: FlatLoss,
     params: torch.Tensor,
     x: torch.Tensor,
     y: torch.Tensor,

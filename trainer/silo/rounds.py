@@ -1,6 +1,6 @@
 """The one round protocol of every silo-side runner: reserve → train → settle.
 
-The library's round gate (`trainer/gate.py`), the in-process simulator's loop (`trainer/loop.py`)
+The library's round gate (`trainer/silo/gate.py`), the in-process simulator's loop (`trainer/loop.py`)
 and the Flower ClientApp's mod (`dpledger/flower/gate.py`) open and settle their rounds here, and
 nowhere else:
 

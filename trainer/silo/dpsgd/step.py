@@ -2,11 +2,11 @@
 
 Public API:
 
-- `clip_factors` (from `trainer.dpsgd.clip`): min(1, C/||g_i||), 1 for a zero gradient.
+- `clip_factors` (from `trainer.silo.dpsgd.clip`): min(1, C/||g_i||), 1 for a zero gradient.
 - `clipped_grad_sum(model, loss_fn, x, y, *, max_grad_norm) -> ClippedGradSum`: Σ_i c_i·g_i for
   every trainable parameter, and the per-sample norms it clipped, without per-sample gradients
-  wherever a ghost rule exists (see `trainer.dpsgd.norms`).
-- `add_gaussian_noise` (from `trainer.dpsgd.noise`): grads + N(0, std²) per coordinate.
+  wherever a ghost rule exists (see `trainer.silo.dpsgd.norms`).
+- `add_gaussian_noise` (from `trainer.silo.dpsgd.noise`): grads + N(0, std²) per coordinate.
 - `dp_sgd_step(model, loss_fn, x, y, *, max_grad_norm, noise_multiplier, expected_batch_size,
   generator, optimizer) -> StepStats`: the phases above, then division by the expected batch size
   and `optimizer.step()`.
@@ -25,10 +25,10 @@ from typing import TypedDict, Unpack
 import torch
 from torch import Tensor, nn
 
-from dpledger.trainer.dpsgd.capture import LossFn, trainable_parameters
-from dpledger.trainer.dpsgd.clip import clip_factors
-from dpledger.trainer.dpsgd.noise import add_gaussian_noise
-from dpledger.trainer.dpsgd.norms import layer_grads, norms_from_layers
+from dpledger.trainer.silo.dpsgd.capture import LossFn, trainable_parameters
+from dpledger.trainer.silo.dpsgd.clip import clip_factors
+from dpledger.trainer.silo.dpsgd.noise import add_gaussian_noise
+from dpledger.trainer.silo.dpsgd.norms import layer_grads, norms_from_layers
 
 __all__ = [
     "ClippedGradSum", "PrivateGradient", "StepStats", "add_gaussian_noise", "clip_factors", "clipped_grad_sum",

@@ -3,8 +3,8 @@
 One step: ask the round's permit for a step (refused before any record is read when no reservation
 covers it), draw a Poisson batch from the sampler that also declares the mechanism, clip each
 example's gradient (ghost norms where the layer allows, `torch.func` otherwise:
-`trainer.dpsgd.norms`), add one Gaussian draw from an explicit generator, divide by the expected
-batch size, step the optimizer. The permit comes from the round gate (`dpledger.trainer.gate`); the
+`trainer.silo.dpsgd.norms`), add one Gaussian draw from an explicit generator, divide by the expected
+batch size, step the optimizer. The permit comes from the round gate (`dpledger.trainer.silo.gate`); the
 engine cannot step without one.
 """
 
@@ -19,10 +19,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils.data import Dataset, default_collate
 
-from dpledger.trainer.dpsgd.capture import LossFn, trainable_parameters
-from dpledger.trainer.dpsgd.noise import same_device
-from dpledger.trainer.dpsgd.sampler import PoissonSampler
-from dpledger.trainer.dpsgd.step import PrivateGradient, StepStats, dp_sgd_step, private_gradient
+from dpledger.trainer.silo.dpsgd.capture import LossFn, trainable_parameters
+from dpledger.trainer.silo.dpsgd.noise import same_device
+from dpledger.trainer.silo.dpsgd.sampler import PoissonSampler
+from dpledger.trainer.silo.dpsgd.step import PrivateGradient, StepStats, dp_sgd_step, private_gradient
 
 
 class StepPermit(Protocol):

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.grad import conv2d_weight
 
-from dpledger.trainer.dpsgd.capture import LayerTrace, LossFn, trace_layers
+from dpledger.trainer.silo.dpsgd.capture import LayerTrace, LossFn, trace_layers
 
 
 class LayerGrads(Protocol):

@@ -5,7 +5,7 @@
         for _ in range(permit.steps):
             engine.step(permit)
 
-On entry the gate opens the round through the one round protocol (`trainer/rounds.py`): it reserves
+On entry the gate opens the round through the one round protocol (`trainer/silo/rounds.py`): it reserves
 the round's mechanism (the one its sampler declares: `steps` Poisson-sampled Gaussian steps at the
 sampler's batch size; the ledger derives q from the silo's registered size). The body runs only on
 this attempt's own reservation: a denial (`Denied`, final: the gate refuses every later round too)
@@ -16,8 +16,8 @@ a record. On exit the protocol's settle rule applies: committed once the body ma
 (a step was permitted, the model ran, or the body ran to its end), released only when it never did.
 
 The gate first reads the silo's registered dataset size and refuses a sampler drawing from a
-different number of records: q = batch_size / n is charged with the ledger's n, so a sampler over
-fewer records than registered would sample each at a higher rate than the ledger charges.
+different number of records (`registered.check_registered_size`, the one rule every runner applies):
+q = batch_size / n is charged with the ledger's n.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from dpledger.trainer.rounds import Permit, open_round, round_key
+from dpledger.trainer.silo.registered import check_registered_size
+from dpledger.trainer.silo.rounds import Permit, open_round, round_key
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.errors import Denied
@@ -135,11 +136,7 @@ class RoundGate:
         if sampler.kind != "poisson":
             raise ValueError(f"the sampler samples {sampler.kind!r}; a dpsgd charge means Poisson sampling, so it is refused")
         self.registered: SiloDetail = client.silo(silo_id)
-        if self.registered.dataset_size != sampler.dataset_size:
-            raise ValueError(
-                f"silo {silo_id} is registered with dataset_size={self.registered.dataset_size} but the sampler draws "
-                f"from {sampler.dataset_size} records: the ledger charges q = batch_size / {self.registered.dataset_size}"
-            )
+        check_registered_size(registered=self.registered.dataset_size, records=sampler.dataset_size, silo=f"silo {silo_id}")
         self.results: list[RoundResult] = []
         self._next_round = 0
         self._denied: Denied | None = None

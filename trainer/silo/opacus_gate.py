@@ -1,6 +1,6 @@
 """Gate an unmodified Opacus `PrivacyEngine` loop: a registered accountant that refuses unreserved steps.
 
-    import dpledger.trainer.opacus_gate as ledger_opacus          # registers the "dpledger" accountant
+    import dpledger.trainer.silo.opacus_gate as ledger_opacus          # registers the "dpledger" accountant
     engine = PrivacyEngine(accountant=ledger_opacus.ACCOUNTANT)
     model, optimizer, loader = engine.make_private(module=..., optimizer=..., data_loader=..., ...)
     gate = ledger_opacus.OpacusGate(client, silo_id=..., privacy_engine=engine, module=model,
@@ -37,7 +37,7 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpledger.trainer.gate import OpenRound, RoundGate, StepNotCovered
+from dpledger.trainer.silo.gate import OpenRound, RoundGate, StepNotCovered
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.mechanisms import DpSgd
 
