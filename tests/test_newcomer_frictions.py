@@ -136,3 +136,23 @@ def _public_key_hex(pem: Path) -> str:
 
     private = load_pem_private_key(pem.read_bytes(), password=None)
     return private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+def test_a_database_a_newer_dpledger_migrated_is_named_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`dpledger migrate` on a database at a revision it does not have (a newer version's) says so in
+    one line and exit 2, where Alembic raised a 40-line traceback, and writes nothing."""
+    import sqlite3
+
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    monkeypatch.setenv("DATABASE_URL", url)
+    assert main(["migrate"]) == 0
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = '9999'")
+    capsys.readouterr()
+    assert main(["migrate"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "dpledger migrate: the database (DATABASE_URL) is at a revision this dpledger does not have ('9999'): a newer "
+        "dpledger migrated it; run that version, or point DATABASE_URL at another database"]
+    with sqlite3.connect(tmp_path / "ledger.db") as db:
+        assert db.execute("SELECT version_num FROM alembic_version").fetchall() == [("9999",)]

@@ -14,6 +14,7 @@ from typing import IO
 
 from alembic import command
 from alembic.config import Config
+from alembic.util.exc import CommandError
 from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DisconnectionError
@@ -21,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 import dpledger.migrations
+from dpledger.service.ledger.errors import LedgerError
 from dpledger.service.ledger.wakeup import Doorbell
 
 MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
@@ -322,7 +324,20 @@ def migrate(url: str) -> None:
     """Upgrade to head, one process at a time: two that start at once on a fresh database (`serve`
     while `keys create` runs) would both find it unversioned and both create its tables."""
     with _migration_lock(url):
-        command.upgrade(alembic_config(url), "head")
+        try:
+            command.upgrade(alembic_config(url), "head")
+        except CommandError as error:
+            if "Can't locate revision" not in str(error):
+                raise
+            # A database a newer dpledger migrated: its revision is none of ours. Said in one line, not
+            # Alembic's traceback, and nothing is written.
+            raise UnknownRevision(f"the database (DATABASE_URL) is at a revision this dpledger does not have "
+                                  f"({str(error).rsplit(' ', 1)[-1]}): a newer dpledger migrated it; run that "
+                                  "version, or point DATABASE_URL at another database") from None
+
+
+class UnknownRevision(LedgerError):
+    """The database's schema revision is not one of this version's migrations."""
 
 
 # PostgreSQL: the advisory lock every dpledger migration takes (any fixed 64-bit number; "dpledger").
