@@ -4,7 +4,9 @@ first on PATH, real processes on 127.0.0.1. Its ports come from LEDGER_PORT, SUP
 NODE_PORT (the block's own defaults are 8000, 9100 and 9200), set here to free ones so that it runs
 beside other tests.
 
-Asserted: the block exits 0 (its last line found every background job alive to stop); the run's
+It runs beside BUSY_PER_CORE busy processes a core, as on a shared server. Asserted: the block exits 0
+(its last line found every background job alive to stop), or fails only with the one line that says
+which SuperNodes did not answer and what to raise (then the test is an xfail); the run's
 `out` JSON says every silo trained every round; each silo's ε spent, read over HTTP with an admin
 key from a ledger restarted on the block's database, equals dp-accounting's ε of that DP-SGD through
 the silo's published filter (tests/flower/federation.expected_epsilon); and nothing the block
@@ -25,6 +27,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,7 +40,26 @@ from tests.flower.federation import expected_epsilon
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BEGIN, END = "<!-- federation-block: begin -->\n```bash\n", "```\n<!-- federation-block: end -->"
-BLOCK_TIMEOUT = 600.0  # seconds; measured 406 s (two rounds) while other federation tests kept two cores ~10x oversubscribed
+BLOCK_TIMEOUT = 900.0  # seconds; measured 406 s (two rounds) while other federation tests kept two cores ~10x oversubscribed
+
+
+# The block runs beside this many busy processes per core (stopped with it, or with this test's process).
+BUSY_PER_CORE = 4
+BUSY = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+
+
+@contextmanager
+def oversubscribed(per_core: int) -> Iterator[None]:
+    """`per_core` × cores busy processes for the block's run: each spins until it is killed or its
+    parent (this test's process) is gone, so none outlives a killed test."""
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(per_core * (os.cpu_count() or 1))]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+        for process in busy:
+            process.wait()
 
 
 def readme_block() -> str:
@@ -89,12 +112,18 @@ def test_the_readme_federation_block_runs_as_pasted_into_an_empty_folder(tmp_pat
         env.pop(inherited, None)
     log = tmp_path / "block.log"
     started = time.monotonic()
-    shell = run_block(script, folder=folder, env=env, log=log, timeout=BLOCK_TIMEOUT)
+    with oversubscribed(BUSY_PER_CORE):  # a hospital's shared server, not a quiet test box
+        shell = run_block(script, folder=folder, env=env, log=log, timeout=BLOCK_TIMEOUT)
     try:
         elapsed = time.monotonic() - started
         text = log.read_text()
-        assert shell.returncode == 0, text[-4000:]
-        print(f"the README's federation block ran in {elapsed:.0f} s")
+        print(f"the README's federation block ran in {elapsed:.0f} s beside {BUSY_PER_CORE} busy processes a core")
+        if shell.returncode != 0:
+            # Too slow even for first-contact-timeout: it may fail, but only with the one line that says what to raise.
+            assert "nothing trained: " in text and "raise first-contact-timeout" in text, text[-4000:]
+            assert "dpledger flwr-run: run " in text
+            assert json.loads((folder / "run.json").read_text())["outcome"] == "nothing trained"
+            pytest.xfail("the block failed with its one line on the oversubscribed machine")
 
         # Everything it started stops with its last line (the SuperLink's SuperExec within seconds).
         deadline = time.monotonic() + 30
