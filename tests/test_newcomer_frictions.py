@@ -102,15 +102,17 @@ def test_a_refusal_names_its_round_counted_from_1() -> None:
     assert refusal_line(denied, round=16) == "round 17 refused: it needs ε 3.25 in all; the budget is 3.00 and 2.50 is spent"
 
 
-def test_the_readmes_postgresql_block_starts_a_production_ledger(tmp_path: Path) -> None:
+def test_the_readmes_postgresql_block_starts_a_production_ledger(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The block as written, with the placeholders filled (a SQLite file stands in for the server
-    unless DPLEDGER_TEST_POSTGRES_URL names one) and the serve line in the background."""
+    unless DPLEDGER_TEST_POSTGRES_URL names one: then a database of this session's own on it, not
+    one a bench or another run may have left at another revision) and the serve line in the background."""
     readme = (ROOT / "docs" / "guides" / "operator.md").read_text()
     heading = "## Running on PostgreSQL with several workers\n\n<!-- runs-in: tests/test_newcomer_frictions.py -->\n```\n"
     block = readme.split(heading, 1)[1].split("```", 1)[0]
     lines = [line for line in block.splitlines() if not line.startswith("pip install")]  # installed already
     port = free_port()
-    database = os.environ.get("DPLEDGER_TEST_POSTGRES_URL") or f"sqlite:///{tmp_path}/ledger.db"
+    database = (request.getfixturevalue("postgres_url") if os.environ.get("DPLEDGER_TEST_POSTGRES_URL")
+                else f"sqlite:///{tmp_path}/ledger.db")
     script = "\n".join(lines)
     script = re.sub(r"DATABASE_URL=\S+", f"DATABASE_URL={database}", script)
     script = script.replace("DPLEDGER_ADMIN_KEY=...", f"DPLEDGER_ADMIN_KEY={README_ADMIN_KEY}")
