@@ -33,8 +33,9 @@ from dpledger.wire.schemas import SiloDetail
 
 def round_key(job_id: str, round: int, silo_id: int, charge: int = 0) -> str:
     """The idempotency key of a silo's round in a job: the same for every attempt at that round.
-    `charge` > 0 names a further charge of the round: a resumed job (`dpledger train --resume`) trains
-    again, under a charge of its own, a round whose earlier charge was spent without a checkpoint of it."""
+    `charge` > 0 names a further charge of the round: a resumed job (`dpledger train --resume`, or a
+    Flower run resumed: its start's number) trains again, under a charge of its own, a round whose
+    earlier charge was spent without a checkpoint of it."""
     key = f"{job_id}/round-{round}/silo-{silo_id}"
     return key if charge == 0 else f"{key}/charge-{charge}"
 
