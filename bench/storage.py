@@ -9,7 +9,10 @@ SQLite: the pages in use ((page_count − freelist_count) × page_size) after a 
 and after the charges. PostgreSQL: `pg_total_relation_size` (heap, indexes, TOAST) summed over the
 ledger's tables, before and after (the bench drops and recreates schema `public`). Both measure the
 growth from a silo that holds one charge already (its filter fixed, its pair priced), so registration
-is left out. Prints one line per database, then one JSON line.
+is left out. On PostgreSQL it also prints the size once `VACUUM FULL` dropped the dead row versions
+(the silo row's running sums, rewritten by every approval, are most of the raw growth): what the
+charges hold at rest, as SQLite's count of pages in use (its free pages left out) is. Prints one line
+per database, then one JSON line.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ def postgres_bytes(engine: Engine) -> int:
                        for table in tables))
 
 
+def vacuum_full(engine: Engine) -> None:
+    """PostgreSQL: every ledger table rewritten with its live rows only. An approval updates its silo's row
+    (the running sums, ~3.3 KB of text each, TOASTed) and a commit its charge's: the dead versions take
+    space that autovacuum hands back for reuse but never returns, so the growth before this is the churn
+    of a busy spell and the size after it what the charges hold at rest."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        connection.exec_driver_sql("VACUUM FULL")
+
+
 def wait_sequenced(engine: Engine, timeout: float = 60.0) -> None:
     """Until the log's sequencer moved every pending leaf: the log's rows are part of what a charge costs."""
     deadline = time.monotonic() + timeout
@@ -93,6 +105,9 @@ def measure(url: str, charges: int) -> dict[str, Any]:
 
             charge(0)  # fixes the filter and prices the pair: what every later charge finds done
             wait_sequenced(engine)
+            postgres = engine.dialect.name == "postgresql"
+            if postgres:
+                vacuum_full(engine)
             before, started = size(engine), time.perf_counter()
             for i in range(1, charges + 1):
                 charge(i)
@@ -101,12 +116,17 @@ def measure(url: str, charges: int) -> dict[str, Any]:
             wait_sequenced(engine)
             seconds = time.perf_counter() - started
             after = size(engine)
+        if postgres:  # the server's connections closed: nothing holds a table's lock
+            app.state.engine.dispose()
+            vacuum_full(engine)
+        at_rest = size(engine)
     finally:
         app.state.engine.dispose()
         engine.dispose()
-    per_charge = (after - before) / charges
+    per_charge, at_rest_per_charge = (after - before) / charges, (at_rest - before) / charges
     return {"database": engine.dialect.name, "charges": charges, "bytes_before": before, "bytes_after": after,
-            "bytes_per_charge": per_charge, "kb_per_charge": per_charge / 1024, "seconds": seconds}
+            "bytes_per_charge": per_charge, "kb_per_charge": per_charge / 1024, "bytes_at_rest": at_rest,
+            "kb_per_charge_at_rest": at_rest_per_charge / 1024, "seconds": seconds}
 
 
 def postgres_answers(url: str) -> bool:
@@ -143,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_postgres:
         log(f"PostgreSQL at {args.pg_url} does not answer: skipped")
     for run in runs:
-        print(f"{run['database']:>10}: {run['kb_per_charge']:.2f} KB per charge (reserve + commit, {run['charges']} "
-              f"charges of one pair; {run['bytes_before']:,} → {run['bytes_after']:,} bytes, {run['seconds']:.0f} s)")
+        vacuumed = (f", {run['kb_per_charge_at_rest']:.2f} KB after VACUUM FULL" if run["database"] == "postgresql"
+                    else "")
+        print(f"{run['database']:>10}: {run['kb_per_charge']:.2f} KB per charge{vacuumed} (reserve + commit, "
+              f"{run['charges']} charges of one pair; {run['bytes_before']:,} → {run['bytes_after']:,} bytes, "
+              f"{run['seconds']:.0f} s)")
     print(json.dumps(json_safe({"config": vars(args), "runs": runs}), allow_nan=False))
     return 0
 
