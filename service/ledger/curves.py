@@ -65,7 +65,8 @@ class Known:
 
 def reference(session: Session, text: str) -> tuple[str, bool]:
     """The key of the curve `text` and whether this transaction must write its row (not known committed).
-    A key to write is noted on the session, to be known once its transaction commits."""
+    A key to write is noted on the session, to be known once its transaction commits: the caller writes
+    the row in this transaction whenever told to (`store`, or the approval's statement)."""
     digest = key(text)
     known = session.info.get(KNOWN)
     if known is not None and digest in known:
