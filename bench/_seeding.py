@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
-from dpledger.service.ledger import audit, chain, charges, gate, silos, transparency
+from dpledger.service.ledger import audit, chain, charges, curves, gate, silos, transparency
 from dpledger.service.ledger.db import Database, make_engine, migrate
 from dpledger.service.ledger.models import (
     Charge,
@@ -63,6 +63,7 @@ class _Pair:
     curve: np.ndarray
     mechanism_json: str
     curve_json: str
+    curve_hash: str  # its row's key in the curves table (ledger/curves.py)
 
 
 def _ids(session: Session, table: Table, count: int) -> list[int]:
@@ -116,6 +117,7 @@ def _append_batch(session: Session, silo: Silo, rounds: range, *, mechanism: Cal
     charge_rows: list[dict[str, Any]] = []
     entry_rows: list[dict[str, Any]] = []
     leaf_rows: list[dict[str, Any]] = []
+    used: dict[str, str] = {}  # the curves the batch's charges name, by key
 
     def entry(event: EntryEvent, charge: ChargeRecord, subject_text: str, eps: float) -> None:
         nonlocal seq, head
@@ -133,7 +135,9 @@ def _append_batch(session: Session, silo: Silo, rounds: range, *, mechanism: Cal
         pair = pairs.get(pair_key)
         if pair is None:
             priced = charges.price(requested, silo=silo, charged=True)
-            pair = pairs[pair_key] = _Pair(priced.curve, priced.mechanism.model_dump_json(), curve_to_json(priced.curve))
+            text = curve_to_json(priced.curve)
+            pair = pairs[pair_key] = _Pair(priced.curve, priced.mechanism.model_dump_json(), text, curves.key(text))
+        used[pair.curve_hash] = pair.curve_json
         candidate = spent.add(pair.curve)
         eps = gate.reading(silo, candidate).epsilon  # the silo's fixed filter, as reserve's check reads it
         if not rdp.within_budget(eps, budget=silo.epsilon):
@@ -141,7 +145,7 @@ def _append_batch(session: Session, silo: Silo, rounds: range, *, mechanism: Cal
         charge = ChargeRecord(
             id=charge_id, silo_id=silo.id, idempotency_key=key(i),
             request_hash=charges.request_hash(mechanism=requested, job_id=job_id, round=i),
-            mechanism=pair.mechanism_json, rdp=pair.curve_json, order_grid=rdp.ORDER_GRID_ID,
+            mechanism=pair.mechanism_json, curve_hash=pair.curve_hash, rdp=pair.curve_json, order_grid=rdp.ORDER_GRID_ID,
             conversion=rdp.LEDGER_CONVERSION_ID, status=ChargeStatus.committed if commit else ChargeStatus.reserved,
             job_id=job_id, round=i, epsilon_spent_after=eps, created_at=datetime.now(UTC), touched_at=None,
             attempt_id=None,
@@ -153,6 +157,8 @@ def _append_batch(session: Session, silo: Silo, rounds: range, *, mechanism: Cal
         if commit:  # the reading of the unchanged spent sum: the reserve's ε again
             committed = committed.add(pair.curve)
             entry(EntryEvent.commit, charge, subject_text, eps)
+    for text in used.values():  # each once, unless this process knows it stored, as reserve() writes it
+        curves.store(session, text)
     connection = session.connection()
     connection.execute(_INSERT_CHARGES, charge_rows)  # before the entries that name them (foreign keys)
     connection.execute(_INSERT_ENTRIES, entry_rows)

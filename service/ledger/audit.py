@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
-from dpledger.service.ledger import chain, seals
+from dpledger.service.ledger import chain, curves, seals
 from dpledger.service.ledger.models import (
     Charge,
     ChargeStatus,
@@ -176,6 +176,10 @@ def _verify_charges(silo: Silo, charges: dict[int, Charge], status_from_log: dic
             report.flag(
                 silo.id, None, f"charge {charge.id} is stored {charge.status!r} but its entries say {logged.value}", charge.id
             )
+        if charge.rdp is not None and curves.mismatched(charge.curve_hash, charge.rdp):
+            # An edited curve row: its entries' hashes break too, for every charge that shares it; this names the row.
+            report.flag(silo.id, None, f"charge {charge.id}'s curve (row {charge.curve_hash[:12]}… of the curves table) "
+                        "does not hash to its key: the row was edited", charge.id)
         curve = _stored_curve(charge)
         if curve is None:
             # Left out of the recomputed sums, so the running sums are reported as well.

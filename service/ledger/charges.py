@@ -32,7 +32,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import chain, gate, keys, seals, silos, transparency
+from dpledger.service.ledger import chain, curves, gate, keys, seals, silos, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import (
     Conflict,
@@ -359,24 +359,32 @@ def reserve_locked(
     if first is not None:  # its first charge: the filter it was checked under is fixed (or refit) now, before it
         silos.fix_filter(session, silo, first, now=now)
     gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
+    curve_text = curve_to_json(priced.curve)
+    # The curve is stored once per ledger (ledger/curves.py): the charge names it by key, and a curve this
+    # process knows committed (a repeated pair: the common path) is not written again.
+    curve_hash, new_curve = curves.reference(session, curve_text)
     values: dict[str, Any] = {
         "silo_id": silo_id, "idempotency_key": idempotency_key, "request_hash": digest,
-        "mechanism": priced.mechanism.model_dump_json(), "rdp": curve_to_json(priced.curve),
+        "mechanism": priced.mechanism.model_dump_json(), "curve_hash": curve_hash,
         "order_grid": rdp.ORDER_GRID_ID, "conversion": rdp.LEDGER_CONVERSION_ID, "status": ChargeStatus.reserved,
         "job_id": job_id, "round": round, "epsilon_spent_after": decision.epsilon_if_approved, "created_at": now,
         "touched_at": None, "attempt_id": attempt_id,
     }
     # Core, not the unit of work's flush of a new object: the row is not read back in this
-    # transaction, and the answer needs only these values and the id. SQLite: one INSERT … RETURNING;
-    # PostgreSQL: with the entry, under the id the lock's statement took.
+    # transaction, and the answer needs only these values and the id. SQLite: one INSERT … RETURNING
+    # (after its curve's, where new); PostgreSQL: with the entry (and a new curve), under the id the
+    # lock's statement took.
     if next_id is None:
+        if new_curve:
+            session.connection().execute(curves.INSERT["sqlite"], {"curve_hash": curve_hash, "curve_rdp": curve_text})
         charge_id, new_charge = session.connection().execute(_INSERT_CHARGE, values).scalar_one(), None
     else:
         charge_id, new_charge = next_id, {"id": next_id, **values}
-    charge = ChargeRecord(id=charge_id, **values)
+    charge = ChargeRecord(id=charge_id, rdp=curve_text, **values)
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
         rdp_spent=decision.candidate.to_json(), new_charge=new_charge,
+        new_curve=curve_text if new_charge is not None and new_curve else None,
     )
     # dp-accounting's conversion, vectorised (as view): the charge's own ε, and the reference of the sum after it.
     own, reference = (float(e) for e in rdp.epsilons(np.vstack([priced.curve, decision.candidate.curve()]), delta=silo.delta))

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 import dpledger.migrations
+from dpledger.service.ledger import curves
 from dpledger.service.ledger.errors import LedgerError
 from dpledger.service.ledger.wakeup import Doorbell
 
@@ -277,6 +278,7 @@ class Database:
         # database has a connection per thread, which a group could not share.
         self._group = GroupCommit(engine, self._writers) if self._writers is not None and self._writers.on_file else None
         self.doorbell = Doorbell(engine)  # rung after a commit that wrote a pending leaf (wakeup.py)
+        self.curves = curves.Known()  # the curves this process saw committed: not written again (curves.py)
 
     @classmethod
     def connect(cls, url: str) -> Database:
@@ -295,10 +297,12 @@ class Database:
         it wrote a pending leaf, rings the log's sequencer."""
         if self._group is not None:
             with self._group.session(self._sessions) as session:
+                session.info[curves.KNOWN] = self.curves
                 yield session
         else:
             # The session opens and closes (its connection back to the pool) outside the writers' queue.
             with self._sessions() as session, self._writers if self._writers is not None else nullcontext():
+                session.info[curves.KNOWN] = self.curves
                 session.connection(execution_options={_IMMEDIATE: True})
                 try:
                     yield session
@@ -306,6 +310,7 @@ class Database:
                 except BaseException:
                     session.rollback()
                     raise
+        curves.committed(session)  # durable now (a group's COMMIT included): its new curves are known
         if _leaf_committed():
             self.doorbell.ring()
 

@@ -17,9 +17,10 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    select,
 )
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 # Re-exported (`X as X`): the tables' vocabularies are part of what this module offers its callers.
@@ -101,6 +102,16 @@ class Silo(Base):
     retired_reason: Mapped[str | None] = mapped_column(Text)
 
 
+class Curve(Base):
+    """An RDP curve at the order grid, stored once per ledger (ledger/curves.py): its exact text, keyed by
+    the text's SHA-256. Rows are only ever added; the charges that name a curve share it."""
+
+    __tablename__ = "curves"
+
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    rdp: Mapped[str] = mapped_column(Text)
+
+
 class Charge(Base):
     __tablename__ = "charges"
     __table_args__ = (UniqueConstraint("silo_id", "idempotency_key", name="uq_charges_silo_idempotency"),)
@@ -110,7 +121,12 @@ class Charge(Base):
     idempotency_key: Mapped[str] = mapped_column(String(200))
     request_hash: Mapped[str] = mapped_column(String(64))
     mechanism: Mapped[str] = mapped_column(Text)  # resolved mechanism JSON (q filled in by the service)
-    rdp: Mapped[str] = mapped_column(Text)  # its RDP curve at the order grid below
+    # Its RDP curve at the order grid below: the key of its row in `curves`, and the text read through it
+    # with every load of a charge (what its entries' hashes cover; None only where the row is gone).
+    curve_hash: Mapped[str] = mapped_column(ForeignKey("curves.hash", name="fk_charges_curve_hash_curves"))
+    rdp: Mapped[str] = column_property(
+        select(Curve.rdp).where(Curve.hash == curve_hash).correlate_except(Curve).scalar_subquery()
+    )
     order_grid: Mapped[str] = mapped_column(String(100))
     conversion: Mapped[str] = mapped_column(String(100))
     status: Mapped[ChargeStatus] = mapped_column(StoredEnum(ChargeStatus))
@@ -155,7 +171,8 @@ class ChargeRecord:
     idempotency_key: str
     request_hash: str
     mechanism: str
-    rdp: str
+    curve_hash: str
+    rdp: str  # the curve's text, which its entries' hashes cover
     order_grid: str
     conversion: str
     status: ChargeStatus

@@ -24,9 +24,11 @@ from dpledger.service.ledger import chain
 from dpledger.service.ledger.models import ChargeRecord, EntryEvent, Silo
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 
-# The charge's columns an entry's hash covers (chain.charge_fields), read with the entry.
-CHARGE_COLUMNS = ("id", "silo_id", "idempotency_key", "request_hash", "mechanism", "rdp", "order_grid", "conversion",
-                  "status", "job_id", "round", "epsilon_spent_after", "created_at", "touched_at", "attempt_id")
+# The charge's columns an entry's hash covers (chain.charge_fields), read with the entry: "rdp" is its curve's
+# text, read through "curve_hash" from the curves table (ledger/curves.py).
+CHARGE_COLUMNS = ("id", "silo_id", "idempotency_key", "request_hash", "mechanism", "curve_hash", "rdp", "order_grid",
+                  "conversion", "status", "job_id", "round", "epsilon_spent_after", "created_at", "touched_at",
+                  "attempt_id")
 # A plan text progress was derived under: NO_PLAN where nothing tracked the reserves for a plan.
 NO_PLAN = "\x00no plan"
 

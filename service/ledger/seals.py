@@ -35,7 +35,7 @@ from dpledger.service.accounting import plans
 from dpledger.service.ledger import chain, gate, replayed
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict
-from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Silo
+from dpledger.service.ledger.models import Charge, Curve, EntryEvent, LedgerEntry, Silo
 
 # The events whose entries cover the silo's record rather than a charge.
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
@@ -72,6 +72,7 @@ UNREAD: dict[str, str] = {}
 
 _TABLE = cast(Table, LedgerEntry.__table__)
 _CHARGES = cast(Table, Charge.__table__)
+_CURVES = cast(Table, Curve.__table__)
 # A record is covered by at most four entries (its create or seal entry, its filter entry, its retire
 # entry, its plan entry); the list is fixed, not expanding (which would be rendered again at each
 # execution), and a shorter one repeats its first.
@@ -80,9 +81,13 @@ _PAGE = 2000  # entries a cold replay reads at a time
 
 
 def _entries(where: ColumnElement[bool]) -> Select[Any]:
-    """The silo's entries where `where` holds, each with the charge it names (`c_*`: what its hash covers)."""
-    return select(*_TABLE.c, *(_CHARGES.c[name].label(f"c_{name}") for name in replayed.CHARGE_COLUMNS)).select_from(
+    """The silo's entries where `where` holds, each with the charge it names (`c_*`: what its hash covers,
+    its curve's text read through its key)."""
+    columns = (_CURVES.c.rdp if name == "rdp" else _CHARGES.c[name] for name in replayed.CHARGE_COLUMNS)
+    return select(*_TABLE.c, *(column.label(f"c_{name}") for name, column in zip(
+        replayed.CHARGE_COLUMNS, columns, strict=True))).select_from(
         _TABLE.outerjoin(_CHARGES, _CHARGES.c.id == _TABLE.c.charge_id)
+        .outerjoin(_CURVES, _CURVES.c.hash == _CHARGES.c.curve_hash)
     ).where(_TABLE.c.silo_id == bindparam("silo_id"), where)
 
 

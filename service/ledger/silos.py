@@ -18,7 +18,7 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain, gate, replayed, seals, transparency
+from dpledger.service.ledger import chain, curves, gate, replayed, seals, transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
@@ -67,16 +67,20 @@ _LEAF_COLUMNS = ("salt", "leaf_hash", "promised_by")
 
 
 @functools.cache
-def _append_statement(columns: tuple[str, ...], *, with_charge: bool) -> Insert:
+def _append_statement(columns: tuple[str, ...], *, with_charge: bool, with_curve: bool = False) -> Insert:
     """PostgreSQL: the silo's new columns, its entry and the entry's pending leaf (and, `with_charge`,
-    the charge it names, first) in one statement (data-modifying CTEs), where each would cost a round
-    trip, about 0.1 ms of the server's CPU."""
+    the charge it names, first; `with_curve`, before it, the charge's curve where this process does not
+    know it stored, ledger/curves.py) in one statement (data-modifying CTEs), where each would cost a
+    round trip, about 0.1 ms of the server's CPU. (The charge's foreign key to its curve is checked at
+    the statement's end, when the curve's CTE has run.)"""
     stored = _store_statement(columns).cte("stored")
     ctes = [stored]
     if with_charge:
         ctes.insert(0, insert(_CHARGES).values(
             {column.name: bindparam(f"charge_{column.name}", type_=column.type) for column in _CHARGES.c}
         ).cte("charge"))
+    if with_curve:
+        ctes.insert(0, curves.INSERT["postgresql"].cte("curve"))
     entry = insert(_ENTRIES).values(
         {column: bindparam(f"entry_{column}", type_=_ENTRIES.c[column].type) for column in _ENTRY_COLUMNS}
     ).returning(_ENTRIES.c.id).cte("entry")
@@ -215,14 +219,14 @@ def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, n
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | ChargeRecord | None, epsilon_spent: float,
     now: datetime, rdp_spent: str | None = None, rdp_committed: str | None = None,
-    new_charge: dict[str, Any] | None = None,
+    new_charge: dict[str, Any] | None = None, new_curve: str | None = None,
 ) -> transparency.Position:
     """Appends one entry to the silo's chain and, in the same transaction, its leaf to the
     transparency log's pending leaves (sequenced within the promised delay, transparency.py); the
     caller holds the silo's lock. `rdp_spent`, `rdp_committed`: the silo's running sums after the
     entry's event, written with its chain fields. `new_charge`: PostgreSQL only, the row of `charge`
-    (its id taken from the sequence), inserted first in the same statement. Returns the entry's leaf
-    and its promise."""
+    (its id taken from the sequence), inserted first in the same statement; `new_curve`, with it, its
+    curve's text, inserted before it unless stored already. Returns the entry's leaf and its promise."""
     # What this process derived of the chain through the previous entry (seals.check, under this lock),
     # and the sums as they read then: extended by this entry below (replayed.extend).
     derived = replayed.genesis(track_plan=False) if silo.chain_seq == 0 else seals.derived(session, silo)
@@ -242,17 +246,18 @@ def append_entry(
                   if text is not None}}
     connection = session.connection()
     if connection.dialect.name != "postgresql":  # SQLite runs a statement in-process: three cost little
-        assert new_charge is None, "a charge is inserted with its entry only on PostgreSQL"
+        assert new_charge is None and new_curve is None, "a charge is inserted with its entry only on PostgreSQL"
         _store(session, silo, **columns)
         entry.id = connection.execute(_INSERT_ENTRY, {column: getattr(entry, column) for column in _ENTRY_COLUMNS}
                                       ).scalar_one()
         _derive(session, silo, derived, event=event, before=before)
         return transparency.enqueue(session, entry, subject_text=subject_text)
     leaf, position = transparency.pending_leaf(entry, subject_text=subject_text)
-    connection.execute(_append_statement(tuple(columns), with_charge=new_charge is not None), {
+    curve = {} if new_curve is None or new_charge is None else {"curve_hash": new_charge["curve_hash"], "curve_rdp": new_curve}
+    connection.execute(_append_statement(tuple(columns), with_charge=new_charge is not None, with_curve=bool(curve)), {
         "silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()},
         **{f"entry_{column}": getattr(entry, column) for column in _ENTRY_COLUMNS}, **leaf,
-        **{f"charge_{column}": value for column, value in (new_charge or {}).items()},
+        **{f"charge_{column}": value for column, value in (new_charge or {}).items()}, **curve,
     })
     _stored(silo, columns)
     _derive(session, silo, derived, event=event, before=before)

@@ -402,7 +402,8 @@ def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry 
     if not rows:
         return []
     low, high = min(r.idx for r in rows), max(r.idx for r in rows)
-    entry_columns, charge_columns = LedgerEntry.__table__.columns, Charge.__table__.columns
+    # A charge's curve is its text in the curves table, read through its key (ledger/curves.py).
+    entry_columns, charge_columns = LedgerEntry.__table__.columns, (*Charge.__table__.columns, Charge.rdp.label("rdp"))
     if high - low < 2 * len(rows):  # a page of the log: a range of the index, no list of ids to bind
         in_page = LogLeaf.idx.between(low, high)
         # On the session's connection: Core rows without the ORM's loading pass over 10,000 of them.

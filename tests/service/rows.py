@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 
 def sql(engine: Engine, statement: str, **params: Any) -> Any:
@@ -14,3 +16,20 @@ def sql(engine: Engine, statement: str, **params: Any) -> Any:
 
 def entries(engine: Engine) -> int:
     return int(sql(engine, "SELECT count(*) FROM ledger_entries").scalar_one())
+
+
+def charge_curve(connection: Connection, charge_id: int) -> str:
+    """The curve text a charge reads, through its key into the curves table (ledger/curves.py)."""
+    return str(connection.execute(text("SELECT curves.rdp FROM charges JOIN curves ON curves.hash = charges.curve_hash "
+                                       "WHERE charges.id = :id"), {"id": charge_id}).scalar_one())
+
+
+def repoint_curve(connection: Connection, charge_id: int, forged: str) -> Callable[[Connection], None]:
+    """What an edit of one charge's curve is, now that charges share curve rows: a row of the forger's own,
+    keyed as the ledger keys one (its text's SHA-256), and the charge pointed at it. Returns the undo."""
+    old = connection.execute(text("SELECT curve_hash FROM charges WHERE id = :id"), {"id": charge_id}).scalar_one()
+    key = hashlib.sha256(forged.encode()).hexdigest()
+    if connection.execute(text("SELECT count(*) FROM curves WHERE hash = :h"), {"h": key}).scalar_one() == 0:
+        connection.execute(text("INSERT INTO curves (hash, rdp) VALUES (:h, :t)"), {"h": key, "t": forged})
+    connection.execute(text("UPDATE charges SET curve_hash = :h WHERE id = :id"), {"h": key, "id": charge_id})
+    return lambda c: c.execute(text("UPDATE charges SET curve_hash = :h WHERE id = :id"), {"h": old, "id": charge_id})

@@ -79,7 +79,7 @@ def test_revision_0012_keeps_silos_across_a_round_trip_and_refuses_to_downgrade_
     with pytest.raises(RuntimeError, match=rf"silos {silo_id} are retired: code below revision 0012 would approve"):
         command.downgrade(config, "0011")
     # Refused at 0012: SQLite has stepped down from the head to it, PostgreSQL's transactional DDL undid that step.
-    assert {"retired_seq", "retired_reason"} <= columns() and version() in ("0012", "0013")
+    assert {"retired_seq", "retired_reason"} <= columns() and version() in ("0012", "0013", "0014")
     engine.dispose()
 
 
@@ -100,3 +100,40 @@ def test_revision_0013_refuses_to_downgrade_a_silo_whose_registered_filter_was_r
     with pytest.raises(RuntimeError, match=rf"silos {made['id']} had their registered filter refit by their first charge"):
         command.downgrade(config, "0012")
     engine.dispose()
+
+
+def test_revision_0014_moves_each_charge_curve_into_one_row_per_curve_and_back(database_url: str) -> None:
+    """0014 keys each distinct curve text by its SHA-256 in `curves` and points the charges at it; its
+    downgrade puts each charge's text back. Every entry still recomputes to its hash either way."""
+    config, engine = alembic_config(database_url), create_engine(database_url)
+    pairs = [{"type": "dpsgd", "batch_size": 10, "noise_multiplier": sigma, "steps": 1} for sigma in (1.0, 1.0, 1.3, 1.0)]
+
+    def serve_and_verify(charge: bool) -> None:
+        app = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
+        with TestClient(app) as client:
+            if charge:
+                made = client.post("/v1/silos", headers=ADMIN, json={"name": "curves", "epsilon": 50.0, "delta": 1e-5,
+                                                                     "dataset_size": 1000}).json()
+                for i, step in enumerate(pairs):
+                    answer = client.post(f"/v1/silos/{made['id']}/charges", json={"mechanism": step, "idempotency_key": f"k{i}"},
+                                         headers={"Authorization": f"Bearer {made['api_key']}"})
+                    assert answer.status_code == 201, answer.text
+            assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+        app.state.engine.dispose()
+
+    serve_and_verify(charge=True)
+    with engine.connect() as connection:
+        stored = dict(connection.execute(text("SELECT charges.id, curves.rdp FROM charges JOIN curves "
+                                              "ON curves.hash = charges.curve_hash")).tuples().all())
+        assert connection.execute(text("SELECT count(*) FROM curves")).scalar_one() == 2  # two pairs, two rows
+    command.downgrade(config, "0013")
+    assert "curves" not in inspect(engine).get_table_names()
+    with engine.connect() as connection:
+        assert dict(connection.execute(text("SELECT id, rdp FROM charges")).tuples().all()) == stored
+    command.upgrade(config, "head")
+    with engine.connect() as connection:
+        assert dict(connection.execute(text("SELECT charges.id, curves.rdp FROM charges JOIN curves "
+                                            "ON curves.hash = charges.curve_hash")).tuples().all()) == stored
+        assert connection.execute(text("SELECT count(*) FROM curves")).scalar_one() == 2
+    engine.dispose()
+    serve_and_verify(charge=False)

@@ -21,7 +21,7 @@ from dpledger.service.ledger.db import migrate
 from dpledger.service.ledger.models import Silo
 from dpledger.wire.enums import Relation
 from tests.conftest import ADMIN, bearer
-from tests.service.rows import entries, sql
+from tests.service.rows import charge_curve, entries, repoint_curve, sql
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 OFF_PLAN = {**STEP, "noise_multiplier": 2.0}
@@ -155,15 +155,16 @@ def test_a_charge_edited_before_its_release_is_refused_and_the_sum_kept(client: 
     target, headers = _register(client, "released")
     held = _charge(client, target, headers, "held").json()["charge_id"]
     sums = sql(engine, "SELECT rdp_spent, chain_seq FROM silos WHERE id = :id", id=target).one()
-    rdp_text = sql(engine, "SELECT rdp FROM charges WHERE id = :id", id=held).scalar_one()
-    sql(engine, "UPDATE charges SET rdp = :rdp WHERE id = :id", id=held, rdp=json.dumps([4 * x for x in json.loads(rdp_text)]))
+    with engine.begin() as connection:  # its curve four times larger: a row of the forger's, the charge pointed at it
+        undo = repoint_curve(connection, held, json.dumps([4 * x for x in json.loads(charge_curve(connection, held))]))
     written = entries(engine)
     refused = client.post(f"/v1/charges/{held}/release", headers=headers)
     assert refused.status_code == 409, refused.text
     assert refused.json()["detail"].startswith(f"charge {held} no longer matches its reserve entry (seq 2)'s hash")
     assert entries(engine) == written
     assert sql(engine, "SELECT rdp_spent, chain_seq FROM silos WHERE id = :id", id=target).one() == sums
-    sql(engine, "UPDATE charges SET rdp = :rdp WHERE id = :id", id=held, rdp=rdp_text)
+    with engine.begin() as connection:
+        undo(connection)
     assert client.post(f"/v1/charges/{held}/release", headers=headers).status_code == 200
     assert _charge(client, target, headers, "next").status_code == 201
     assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True

@@ -175,12 +175,14 @@ def test_an_edit_that_python_reads_as_equal_is_still_named_after_the_record_was_
     assert_names(charge(client, tampered, headers, "after"), tampered, 1, "create")
 
 
+BAD_CURVE = "0" * 64  # a curves row's key that its text does not hash to
 HOSTILE = [
     # A filter whose weights put every δ share on one order (issue 41): the audit names it, never crashes.
     "UPDATE silos SET filter_spec = :one_weight WHERE id = :id",
     "UPDATE silos SET plan = '{\"segments\": [' WHERE id = :id",
     "UPDATE silos SET rdp_spent = 'not a sum', rdp_committed = '{\"finite\": [1.0], \"infinite\": [0]}' WHERE id = :id",
-    "UPDATE charges SET rdp = '[1, 2', mechanism = '{' WHERE silo_id = :id",
+    # Its charges' curve a row that neither parses nor hashes to its key (inserted first, below), and their mechanism.
+    "UPDATE charges SET curve_hash = :bad_curve, mechanism = '{' WHERE silo_id = :id",
     "UPDATE charges SET status = 'refunded' WHERE silo_id = :id",
     "UPDATE ledger_entries SET event = 'gift' WHERE silo_id = :id AND seq = 2",
 ]
@@ -197,7 +199,10 @@ def test_the_chain_check_reports_a_hostile_record_as_a_finding_never_a_crash(cli
             assert charge(client, tampered, headers, key).status_code == 201
         spec = json.loads(sql(engine, "SELECT filter_spec FROM silos WHERE id = :id", id=tampered).scalar_one())
         one_weight = json.dumps({**spec, "weights": [1.0] + [0.0] * (len(spec["weights"]) - 1)})
-        sql(engine, edit, id=tampered, **({"one_weight": one_weight} if ":one_weight" in edit else {}))
+        if ":bad_curve" in edit:
+            sql(engine, "INSERT INTO curves (hash, rdp) VALUES (:h, '[1, 2')", h=BAD_CURVE)
+        sql(engine, edit, id=tampered, **({"one_weight": one_weight} if ":one_weight" in edit else {}),
+            **({"bad_curve": BAD_CURVE} if ":bad_curve" in edit else {}))
         report = client.get("/v1/audit/verify", headers=ADMIN)
         assert report.status_code == 200, (edit, report.text)
         assert report.json()["ok"] is False

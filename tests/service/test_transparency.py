@@ -37,9 +37,9 @@ from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger import chain, gate, transparency
+from dpledger.service.ledger import chain, curves, gate, transparency
 from dpledger.service.ledger.db import alembic_config
-from dpledger.service.ledger.models import Charge, LedgerEntry, LogLeaf, LogNode, LogState, Silo
+from dpledger.service.ledger.models import Charge, Curve, LedgerEntry, LogLeaf, LogNode, LogState, Silo
 from dpledger.service.ledger.signer import SigningKeyError
 from dpledger.service.settings import Settings
 from dpledger.wire import merkle, receipt_store
@@ -192,8 +192,12 @@ class Operator:
             for silo in session.scalars(select(Silo)):
                 charges = {c.id: c for c in session.scalars(select(Charge).where(Charge.silo_id == silo.id))}
                 if recompute_epsilon:
-                    for c in charges.values():
+                    for c in charges.values():  # a curve row of its own (curves.py keys it), and the charge at it
                         c.rdp = curve_to_json(rdp.certified_curve(adapter.validate_json(c.mechanism)))
+                        c.curve_hash = curves.key(c.rdp)
+                        if session.get(Curve, c.curve_hash) is None:
+                            session.add(Curve(hash=c.curve_hash, rdp=c.rdp))
+                            session.flush()
                 spent = committed = RunningSum.empty(len(rdp.ORDERS))
                 prev, seq = chain.GENESIS, 0
                 for e in session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo.id).order_by(LedgerEntry.seq)):

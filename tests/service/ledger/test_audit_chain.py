@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.conftest import ADMIN
+from tests.service.rows import charge_curve, repoint_curve
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 
@@ -61,10 +62,14 @@ def test_an_edited_charge_is_named(client, ledger, database_url, column, forge) 
     target = ids[5]  # the second silo's last charge, still reserved
     engine = create_engine(database_url)
     with engine.begin() as connection:
-        value = connection.execute(text(f"SELECT {column} FROM charges WHERE id = :id"), {"id": target}).scalar_one()
-        forged = forge(value)
-        assert forged != value
-        connection.execute(text(f"UPDATE charges SET {column} = :v WHERE id = :id"), {"v": forged, "id": target})
+        if column == "rdp":  # the charges share their curve's row: the forger points this one at a row of its own
+            forged = forge(charge_curve(connection, target))
+            repoint_curve(connection, target, forged)
+        else:
+            value = connection.execute(text(f"SELECT {column} FROM charges WHERE id = :id"), {"id": target}).scalar_one()
+            forged = forge(value)
+            assert forged != value
+            connection.execute(text(f"UPDATE charges SET {column} = :v WHERE id = :id"), {"v": forged, "id": target})
     engine.dispose()
 
     report = verify(client)
@@ -72,6 +77,27 @@ def test_an_edited_charge_is_named(client, ledger, database_url, column, forge) 
     assert report["ok"] is False
     assert target in report["bad_charge_ids"]
     assert ids[0] not in report["bad_charge_ids"]  # the first silo's chain is untouched
+
+
+def test_an_edited_curve_row_names_every_charge_that_shares_it(client, ledger, database_url) -> None:
+    """A curve is stored once (ledger/curves.py): its row edited in place changes what every charge of the
+    pair reads, so each one's entries break, and the row is named as not hashing to its key."""
+    _, ids = ledger
+    engine = create_engine(database_url)
+    with engine.begin() as connection:
+        key = connection.execute(text("SELECT curve_hash FROM charges WHERE id = :id"), {"id": ids[0]}).scalar_one()
+        assert connection.execute(text("SELECT count(DISTINCT curve_hash) FROM charges")).scalar_one() == 1
+        assert connection.execute(text("SELECT count(*) FROM curves")).scalar_one() == 1  # one pair, one row
+        original = charge_curve(connection, ids[0])
+        connection.execute(text("UPDATE curves SET rdp = :t WHERE hash = :h"), {"t": _scale_first_order(original), "h": key})
+    report = verify(client)
+    assert report["ok"] is False
+    assert sorted(report["bad_charge_ids"]) == sorted(ids)
+    assert sum("does not hash to its key" in problem for problem in report["problems"]) == len(ids)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE curves SET rdp = :t WHERE hash = :h"), {"t": original, "h": key})
+    engine.dispose()
+    assert verify(client)["ok"] is True
 
 
 def test_an_edited_entry_is_named(client, ledger, database_url) -> None:
