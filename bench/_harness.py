@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
+from sqlalchemy import create_engine, text
 
 _T0 = time.perf_counter()
 
@@ -287,3 +288,24 @@ async def balance_connections(loader: RawClient, root: int | None, workers: int,
         await loader.close_port(victim)
         await asyncio.sleep(0.005)
     return sorted(counts.values(), reverse=True)
+
+
+def postgres_answers(url: str) -> bool:
+    """Whether a PostgreSQL server answers at `url` within 3 s (the benches skip it otherwise)."""
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 3})
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        engine.dispose()
+        return True
+    except Exception:
+        return False
+
+
+def reset_postgres(url: str) -> None:
+    """Schema `public` dropped and created again: a bench starts from an empty database."""
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
+        connection.execute(text("CREATE SCHEMA public"))
+    engine.dispose()

@@ -71,6 +71,7 @@ from _harness import (
     grown,
     json_safe,
     log,
+    reset_postgres,
     wait_until_settled,
 )
 
@@ -277,14 +278,6 @@ async def run_config(url: str, big: dict[str, Any], args: argparse.Namespace, la
 
 # --------------------------------------------------------------------------------------------------
 # One database: migrate, seed the big silo, run each worker count, verify the big chain
-
-
-def reset_postgres(url: str) -> None:
-    engine = create_engine(url)
-    with engine.begin() as connection:
-        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
-        connection.execute(text("CREATE SCHEMA public"))
-    engine.dispose()
 
 
 def postgres_answers(url: str) -> str | None:

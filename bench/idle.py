@@ -34,7 +34,7 @@ from sqlalchemy import create_engine, text
 
 from dpledger.harness import free_port
 
-from _harness import json_safe, log, wait_until_settled
+from _harness import json_safe, log, postgres_answers, reset_postgres, wait_until_settled
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -140,25 +140,6 @@ def measure(url: str, workers: int, *, seconds: float, settle: float, approvals:
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait()
-
-
-def postgres_answers(url: str) -> bool:
-    try:
-        engine = create_engine(url, connect_args={"connect_timeout": 3})
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-        engine.dispose()
-        return True
-    except Exception:
-        return False
-
-
-def reset_postgres(url: str) -> None:
-    engine = create_engine(url)
-    with engine.begin() as connection:
-        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
-        connection.execute(text("CREATE SCHEMA public"))
-    engine.dispose()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from dpledger.service.ledger.db import migrate
 from dpledger.service.ledger.models import Base
 from dpledger.service.settings import Settings
 
-from _harness import json_safe, log
+from _harness import json_safe, log, postgres_answers, reset_postgres
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -127,25 +127,6 @@ def measure(url: str, charges: int) -> dict[str, Any]:
     return {"database": engine.dialect.name, "charges": charges, "bytes_before": before, "bytes_after": after,
             "bytes_per_charge": per_charge, "kb_per_charge": per_charge / 1024, "bytes_at_rest": at_rest,
             "kb_per_charge_at_rest": at_rest_per_charge / 1024, "seconds": seconds}
-
-
-def postgres_answers(url: str) -> bool:
-    try:
-        engine = create_engine(url, connect_args={"connect_timeout": 3})
-        with engine.connect() as connection:
-            connection.execute(text("SELECT 1"))
-        engine.dispose()
-        return True
-    except Exception:
-        return False
-
-
-def reset_postgres(url: str) -> None:
-    engine = create_engine(url)
-    with engine.begin() as connection:
-        connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
-        connection.execute(text("CREATE SCHEMA public"))
-    engine.dispose()
 
 
 def main(argv: list[str] | None = None) -> int:
