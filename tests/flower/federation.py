@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from dpledger.trainer.data.digits_files import write_digits_silo_files
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import Role
 from tests import gate_oracle
+from tests.faults.proxy import Proxy
 
 BIN = Path(sys.executable).parent
 APP_DIR = Path(__file__).resolve().parents[2] / "dpledger" / "flower" / "app"
@@ -82,6 +83,7 @@ class Silo:
     noise_multiplier: float
     process: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    ledger_url: str | None = None  # where its SuperNode reaches the ledger, where not the federation's (a proxy)
 
 
 @dataclass
@@ -109,7 +111,7 @@ class Federation:
 
     def node_config(self, silo: Silo) -> dict[str, object]:
         """A silo's own settings: a SuperNode's `--node-config`, or its entry of the simulation's file."""
-        return {"ledger-url": self.ledger_url, "silo-id": silo.silo_id, "key-file": str(silo.key_file),
+        return {"ledger-url": silo.ledger_url or self.ledger_url, "silo-id": silo.silo_id, "key-file": str(silo.key_file),
                 "data-path": str(silo.data_file), "noise-multiplier": silo.noise_multiplier}
 
     def start(self, command: list[str], log: Path, *, group: int | None = None) -> subprocess.Popen[bytes]:
@@ -255,15 +257,19 @@ def _ignore_stop_signals() -> None:
 
 @contextmanager
 def federation(folder: Path, *, budgets: list[float], noise_multiplier: float | NoiseChoice, train: int,
-               test: int, simulation: bool = False, isolation: str = ISOLATION) -> Iterator[Federation]:
+               test: int, simulation: bool = False, isolation: str = ISOLATION,
+               proxy: Proxy | None = None, proxied: tuple[int, ...] = ()) -> Iterator[Federation]:
     with stopped_with_its_starter():
         yield from _federation(folder, budgets=budgets, noise_multiplier=noise_multiplier, train=train, test=test,
-                               simulation=simulation, isolation=isolation)
+                               simulation=simulation, isolation=isolation, proxy=proxy, proxied=proxied)
 
 
 def _federation(folder: Path, *, budgets: list[float], noise_multiplier: float | NoiseChoice, train: int,
-                test: int, simulation: bool, isolation: str) -> Iterator[Federation]:
+                test: int, simulation: bool, isolation: str, proxy: Proxy | None,
+                proxied: tuple[int, ...]) -> Iterator[Federation]:
     """`noise_multiplier`: every silo's σ, or a function each silo calls with its own key.
+    `proxy`, `proxied`: the silos at these positions reach the ledger through `proxy` (not yet
+    listening: it is pointed at the ledger here and started), whose rules a test sets.
     `simulation`: no SuperNodes; the SuperLink runs Flower's simulation engine (Ray) with one virtual
     node per silo, whose settings come from the file named by DPLEDGER_SIMULATION_NODES.
     `isolation`: the SuperNodes' `--isolation` ("process": a `flower-superexec` of ours beside each)."""
@@ -277,6 +283,7 @@ def _federation(folder: Path, *, budgets: list[float], noise_multiplier: float |
     (folder / "flwr-home" / "config.toml").write_text(
         f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{superlink_port}"\ninsecure = true\n'
     )
+    stack = ExitStack()
     try:
         serve = fed.start(
             ["env", f"DATABASE_URL=sqlite:///{folder / 'ledger.db'}", f"DPLEDGER_ADMIN_KEY={admin_key}",
@@ -284,6 +291,9 @@ def _federation(folder: Path, *, budgets: list[float], noise_multiplier: float |
             folder / "ledger.log",
         )
         wait_http(f"{fed.ledger_url}/healthz", serve, 60)
+        if proxy is not None:
+            proxy.upstream_port = ledger_port
+            stack.enter_context(proxy)
         data = write_silo_files(folder, silos=len(budgets), train=train, test=test)
         with fed.ledger() as admin:
             fed.coordinator_key_file.write_text(admin.create_key(role=Role.coordinator).api_key)
@@ -297,7 +307,8 @@ def _federation(folder: Path, *, budgets: list[float], noise_multiplier: float |
                         sigma = noise_multiplier(own, created.id)
                 else:
                     sigma = noise_multiplier
-                fed.silos.append(Silo(created.id, epsilon, key_file, path, sigma))
+                fed.silos.append(Silo(created.id, epsilon, key_file, path, sigma,
+                                      ledger_url=proxy.url if proxy is not None and k in proxied else None))
         if simulation:
             nodes = folder / "simulation-nodes.json"
             nodes.write_text(json.dumps([fed.node_config(silo) for silo in fed.silos]))
@@ -320,6 +331,7 @@ def _federation(folder: Path, *, budgets: list[float], noise_multiplier: float |
         _ignore_stop_signals()  # a second signal must not cut the killing short
         for process in fed.processes:
             kill(process)
+        stack.close()
         if sigint is not None:
             signal.signal(signal.SIGINT, sigint)
 

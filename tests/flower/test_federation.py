@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("flwr", reason="flwr is not installed (the `flower` extra)")
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from dp_accounting import dp_event as de
 
 from tests import gate_oracle
+from tests.faults.proxy import Proxy
 from tests.flower.federation import (
     DELTA,
     Federation,
@@ -33,6 +33,8 @@ TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
 RUN_TIMEOUT = 560.0
 SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
+# Silo 1 (the one killed mid-run) reaches the ledger through it (tests/faults/proxy.py).
+PROXY = Proxy(0)
 
 
 def epsilon_after(silo: Any, rounds: int, pmtl_rounds: int = 0) -> float:
@@ -49,7 +51,8 @@ BUDGETS = [budget_for_rounds(2, steps=STEPS, sampling_rate=BATCH / TRAIN, noise_
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
-    with federation(tmp_path_factory.mktemp("flower"), budgets=BUDGETS, noise_multiplier=SIGMA, train=TRAIN, test=TEST) as f:
+    with federation(tmp_path_factory.mktemp("flower"), budgets=BUDGETS, noise_multiplier=SIGMA, train=TRAIN, test=TEST,
+                    proxy=PROXY, proxied=(1,)) as f:
         yield f
 
 
@@ -104,28 +107,29 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     assert set(fedavg["accuracy"]) == {str(s) for s in ids}
 
     # --- MR-MTL: silo 0 is declined at once; silo 1's SuperNode is killed while its round-1
-    # reservation is open; silo 2 finishes every round.
+    # reservation is open (at its commit, which never reaches the ledger); silo 2 finishes every round.
     out = fed.folder / "mrmtl.json"
     log_path = fed.folder / "flwr-run-mrmtl.log"
-    runner = fed.start_run(log_path, **run_config(fed, "mrmtl", out))
     victim = fed.silos[1]
-    # Silo 1 committed ROUNDS rounds of FedAvg and round 0 of this run before round 1 opens.
+    site = victim.process
+    assert site is not None
+
+    def round_1(body: bytes) -> bool:
+        return bool(json.loads(body).get("round") == 1)
+
+    # The victim reaches the ledger through the module's proxy: once the ledger has answered its
+    # round-1 reservation, its site is killed before the answer reaches it (a poll for the open
+    # reservation raced the commit once training got fast), so that reservation stays open, i.e. spent.
+    reserve = rf"/v1/silos/{victim.silo_id}/charges"
+    earlier = len(PROXY.seen(reserve))
+    PROXY.add(reserve, body=round_1, after=lambda _request, _status: kill(site))
+    runner = fed.start_run(log_path, **run_config(fed, "mrmtl", out))
     try:
-        deadline = time.monotonic() + RUN_TIMEOUT / 2
-        with fed.ledger() as admin:
-            committed_before_round_1 = epsilon_after(admin.silo(victim.silo_id), ROUNDS + 1) * (1 - 1e-9)
-            while time.monotonic() < deadline:
-                detail = admin.silo(victim.silo_id)
-                if detail.epsilon_spent > detail.epsilon_committed >= committed_before_round_1:
-                    break  # round 1's reservation is open: its ClientApp is training
-                time.sleep(0.05)
-            else:
-                pytest.fail("silo 1 never had an open reservation in round 1")
-            assert victim.process is not None
-            kill(victim.process)
         runner.wait(timeout=RUN_TIMEOUT)
     finally:
         kill(runner)
+        PROXY.clear()
+    assert [e.status for e in PROXY.seen(reserve)[earlier:] if round_1(e.request.body)] == [201]  # reserved, then killed
     text = log_path.read_text()
     assert runner.returncode == 0, text[-3000:]
     mrmtl = json.loads(out.read_text())
