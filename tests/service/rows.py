@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from typing import Any
 
+from fastapi.testclient import TestClient
 from sqlalchemy import Connection, Engine, text
+
+from tests.conftest import ADMIN
 
 
 def sql(engine: Engine, statement: str, **params: Any) -> Any:
@@ -33,3 +37,11 @@ def repoint_curve(connection: Connection, charge_id: int, forged: str) -> Callab
         connection.execute(text("INSERT INTO curves (hash, rdp) VALUES (:h, :t)"), {"h": key, "t": forged})
     connection.execute(text("UPDATE charges SET curve_hash = :h WHERE id = :id"), {"h": key, "id": charge_id})
     return lambda c: c.execute(text("UPDATE charges SET curve_hash = :h WHERE id = :id"), {"h": old, "id": charge_id})
+
+
+def logged(client: TestClient, engine: Engine) -> None:
+    """Waits (bounded) until the sequencer has every entry in the log's signed head: an auditor reads the head."""
+    deadline = time.monotonic() + 30
+    while client.get("/v1/log/head", headers=ADMIN).json()["tree_size"] < entries(engine):
+        assert time.monotonic() < deadline, "the sequencer did not log every entry within 30 s"
+        time.sleep(0.05)

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from dpledger.cli import main
 from dpledger.harness import running_server
 from dpledger.wire.receipts import Receipt
 from tests.conftest import ADMIN, ADMIN_KEY, bearer
-from tests.service.rows import entries, sql
+from tests.service.rows import entries, logged, sql
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 SEARCH = {"trial": STEP, "mean_trials": 2, "distribution": {"kind": "geometric"}}
@@ -69,14 +68,6 @@ def reader(client: TestClient, headers: dict[str, str]) -> Get:
         return response.json()
 
     return get
-
-
-def logged(client: TestClient, engine: Engine) -> None:
-    """Waits (bounded) until the sequencer has every entry in the log's signed head: an auditor reads the head."""
-    deadline = time.monotonic() + 30
-    while client.get("/v1/log/head", headers=ADMIN).json()["tree_size"] < entries(engine):
-        assert time.monotonic() < deadline, "the sequencer did not log every entry within 30 s"
-        time.sleep(0.05)
 
 
 def test_only_an_admin_may_retire_a_silo(client: TestClient, engine: Engine) -> None:
