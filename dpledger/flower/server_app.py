@@ -55,6 +55,7 @@ class RoundLog:
     seconds: float  # wall time of the round, as the server sees it
     train_seconds: dict[int, float]
     ledger_seconds: dict[int, float]
+    timeout: float = 0.0  # the longest the round waited for a reply: round-timeout + the start-up allowance (Pace)
 
 
 @dataclass
@@ -79,18 +80,45 @@ def _wait_for_nodes(grid: Grid, count: int) -> list[int]:
 
 
 REPLY_POLL_SECONDS = 0.1
+# A round waits round-timeout beyond this many times the slowest start-up seen (Pace): room for a
+# machine that grows busier during the run.
+STARTUP_SLACK = 2.0
 
 
-def _exchange(grid: Grid, messages: Iterable[Message], timeout: float) -> list[Message]:
+@dataclass
+class Pace:
+    """How slowly this federation's ClientApps start, measured in this run: each message starts a
+    ClientApp process (Flower, torch and the app imported anew), minutes on a busy machine, and
+    `round-timeout` is meant for the training, not that. Measured on every first contact (a silo-id
+    query: start-up alone) and on every trained reply (its wait less the train and ledger seconds
+    the silo reported); a round then waits `round-timeout` + STARTUP_SLACK × the slowest, the
+    addition capped at `first-contact-timeout`."""
+
+    ceiling: float  # first-contact-timeout: the longest start-up the run's settings allow
+    startup: float = 0.0
+
+    def saw(self, seconds: float) -> None:
+        self.startup = max(self.startup, seconds)
+
+    def timeout(self, round_timeout: float) -> float:
+        return round_timeout + min(STARTUP_SLACK * self.startup, self.ceiling)
+
+
+def _exchange(grid: Grid, messages: Iterable[Message], timeout: float,
+              waited: dict[str, float] | None = None) -> list[Message]:
     """Grid.send_and_receive, pulling every 0.1 s: Flower 1.41's own pulls every 3 s, which rounds
-    every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py)."""
+    every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py). `waited` gets each
+    reply's wait in seconds (by the id of the message it answers)."""
     pending = set(grid.push_messages(messages))
-    deadline = time.monotonic() + timeout
+    pushed = time.monotonic()
+    deadline = pushed + timeout
     replies: list[Message] = []
     while pending and time.monotonic() < deadline:
         pulled = list(grid.pull_messages(pending))
         replies.extend(pulled)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
+        if waited is not None:
+            waited.update((reply.metadata.reply_to_message_id, time.monotonic() - pushed) for reply in pulled)
         if pending:
             time.sleep(REPLY_POLL_SECONDS)
     return replies
@@ -107,10 +135,14 @@ def _public_values(reply: Message) -> dict[str, object]:
     return values
 
 
-def _ask_silo_ids(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int]:
+def _ask_silo_ids(grid: Grid, nodes: list[int], timeout: float, pace: Pace) -> dict[int, int]:
     asks = [Message(RecordDict(), node, MessageType.QUERY, group_id="silo-id") for node in nodes]
     silos: dict[int, int] = {}
-    for reply in _exchange(grid, asks, timeout):
+    waited: dict[str, float] = {}
+    replies = _exchange(grid, asks, timeout, waited)
+    for seconds in waited.values():
+        pace.saw(seconds)
+    for reply in replies:
         if not reply.has_error() and records.CONFIG in reply.content.config_records:
             silo_id = reply.content.config_records[records.CONFIG].get("silo-id")
             if isinstance(silo_id, int):
@@ -122,7 +154,7 @@ SILO_ID_ASKS = 3  # how many rounds a silent new node is asked its silo id befor
 
 
 def _current_nodes(grid: Grid, silos: dict[int, int], job_silos: list[int], timeout: float,
-                   asks: dict[int, int]) -> dict[int, int]:
+                   asks: dict[int, int], pace: Pace) -> dict[int, int]:
     """Silo id → its connected node now. A node not heard from (a restarted SuperNode comes back under
     a new id) is asked its silo id, in up to SILO_ID_ASKS rounds while it stays silent; `silos`
     (node → silo) keeps every node that answered for one of the job's silos, in the order found, so
@@ -132,7 +164,7 @@ def _current_nodes(grid: Grid, silos: dict[int, int], job_silos: list[int], time
     if new:
         for node in new:
             asks[node] = asks.get(node, 0) + 1
-        for node, silo in _ask_silo_ids(grid, new, timeout).items():
+        for node, silo in _ask_silo_ids(grid, new, timeout, pace).items():
             asks[node] = SILO_ID_ASKS  # it answered: never asked again
             if silo in job_silos:
                 log.info("silo %d answers on node %d", silo, node)
@@ -142,10 +174,13 @@ def _current_nodes(grid: Grid, silos: dict[int, int], job_silos: list[int], time
 
 
 class FastGrid(Grid):
-    """The run's grid, with replies pulled every 0.1 s (`_exchange`) in Strategy.start's loop."""
+    """The run's grid in Strategy.start's loop: replies pulled every 0.1 s (`_exchange`), each
+    round's timeout stretched by the start-up its ClientApps take (Pace), which it measures again on
+    every trained reply."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, pace: Pace) -> None:
         self.grid = grid
+        self.pace = pace
 
     @property
     def run(self) -> Run:
@@ -168,7 +203,16 @@ class FastGrid(Grid):
         return self.grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return _exchange(self.grid, messages, 3600.0 if timeout is None else timeout)
+        waited: dict[str, float] = {}
+        replies = _exchange(self.grid, messages, self.pace.timeout(3600.0 if timeout is None else timeout), waited)
+        for reply in replies:
+            if reply.has_error() or records.METRICS not in reply.content.metric_records:
+                continue
+            metrics = reply.content.metric_records[records.METRICS]
+            busy = [metrics.get(name) for name in ("train-seconds", "ledger-seconds")]
+            if all(isinstance(seconds, float) for seconds in busy):
+                self.pace.saw(waited[reply.metadata.reply_to_message_id] - sum(busy))  # type: ignore[arg-type]  # floats, checked
+        return replies
 
 
 class LedgerStrategy(Strategy):
@@ -177,8 +221,9 @@ class LedgerStrategy(Strategy):
     declined (and that the server half asks this round), on whichever node answers for it now."""
 
     def __init__(self, settings: RunSettings, server: ServerHalf, run: RunLog, asked_nodes: dict[int, int], *,
-                 job_silos: list[int], active: set[int], done: int, run_key: str, attempt: int) -> None:
+                 job_silos: list[int], active: set[int], done: int, run_key: str, attempt: int, pace: Pace) -> None:
         self.settings = settings
+        self.pace = pace
         self.server = server
         self.run = run
         self.job_silos = job_silos
@@ -191,6 +236,10 @@ class LedgerStrategy(Strategy):
         self._asked: list[int] = []
         self._node_of: dict[int, int] = {}
         self._started = 0.0
+        self._round_timeout = 0.0
+
+    def _timeout(self) -> float:
+        return self.pace.timeout(self.settings.round_timeout)
 
     def summary(self) -> None:
         log.info("job %d: %s over %d silos, %d rounds", self.run.job_id, self.settings.algorithm,
@@ -209,13 +258,14 @@ class LedgerStrategy(Strategy):
             log.info("round %d: no silo left to train", round_index + 1)
             self._asked = []
             return []
-        node_of = self._node_of = _current_nodes(grid, self.run.silos, self.job_silos, self.settings.round_timeout,
-                                                 self.asked_nodes)
+        node_of = self._node_of = _current_nodes(grid, self.run.silos, self.job_silos, self._timeout(),
+                                                 self.asked_nodes, self.pace)
         asks = self.server.asks(round_index).tolist()
         self._asked = [silo for k, silo in enumerate(self.job_silos) if silo in self.active and asks[k]]
         content = family.to_record(self.server.broadcast(round_index))
         round_config = self._round_config(round_index)
         self._started = time.perf_counter()
+        self._round_timeout = self._timeout()  # what FastGrid waits for this round's replies
         return [Message(RecordDict({records.ARRAYS: content, records.CONFIG: round_config}), node_of[silo],
                         MessageType.TRAIN, group_id=str(round_index))
                 for silo in self._asked if silo in node_of]
@@ -226,7 +276,7 @@ class LedgerStrategy(Strategy):
             return None, None
         by_silo = {self.run.silos.get(reply.metadata.src_node_id): reply for reply in replies}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - self._started, train_seconds={},
-                         ledger_seconds={})
+                         ledger_seconds={}, timeout=self._round_timeout)
         uploads: list[dict[str, torch.Tensor]] = []
         members: list[int] = []
         for silo in self._asked:
@@ -256,7 +306,8 @@ class LedgerStrategy(Strategy):
             log.info("job %d: privacy groups %s", self.run.job_id, self.run.groups)
         self.run.rounds.append(entry)
         counts = {s: sum(v == s for v in entry.status.values()) for s in set(entry.status.values())}
-        log.info("round %d: %s in %.2f s", round_index + 1, counts, entry.seconds)
+        log.info("round %d: %s in %.2f s (replies waited for up to %.0f s)", round_index + 1, counts, entry.seconds,
+                 entry.timeout)
         self.save(round_index + 1)
         return None, MetricRecord({status: count for status, count in counts.items()})
 
@@ -275,7 +326,7 @@ class LedgerStrategy(Strategy):
             return []  # one evaluation, after the last round
         content = family.to_record(self.server.broadcast(last))
         evaluate_config = self._round_config(last)
-        nodes = _current_nodes(grid, self.run.silos, self.job_silos, self.settings.round_timeout, self.asked_nodes)
+        nodes = _current_nodes(grid, self.run.silos, self.job_silos, self._timeout(), self.asked_nodes, self.pace)
         return [Message(RecordDict({records.ARRAYS: content, records.CONFIG: evaluate_config}), node,
                         MessageType.EVALUATE, group_id="evaluate") for node in sorted(nodes.values())]
 
@@ -352,7 +403,8 @@ def main(grid: Grid, context: Context) -> None:
         log.error("%s", refused)
         raise
     nodes = _wait_for_nodes(grid, settings.min_nodes)
-    silos = _ask_silo_ids(grid, nodes, settings.first_contact_timeout)
+    pace = Pace(ceiling=settings.first_contact_timeout)
+    silos = _ask_silo_ids(grid, nodes, settings.first_contact_timeout, pace)
     if earlier is not None:  # the job's silos only, by silo id (their nodes are new)
         silos = {node: silo for node, silo in silos.items() if silo in earlier.job_silos}
     if len(silos) < settings.min_nodes:
@@ -380,7 +432,7 @@ def main(grid: Grid, context: Context) -> None:
     # Asked once already at the start; those that answered are never asked again.
     asked_nodes = {node: 1 for node in nodes} | {node: SILO_ID_ASKS for node in silos}
     strategy = LedgerStrategy(settings, server, run, asked_nodes, job_silos=job_silos, active=active, done=done,
-                              run_key=run_key, attempt=attempt)
+                              run_key=run_key, attempt=attempt, pace=pace)
     strategy.save(done)
     ended = False
 
@@ -392,7 +444,7 @@ def main(grid: Grid, context: Context) -> None:
 
     add_exit_handler(stopped)
     try:
-        strategy.start(grid=FastGrid(grid), initial_arrays=family.to_record(server.broadcast(done)),
+        strategy.start(grid=FastGrid(grid, pace), initial_arrays=family.to_record(server.broadcast(done)),
                        num_rounds=settings.rounds - done, timeout=settings.round_timeout)
     except Exception as error:
         ended = True
