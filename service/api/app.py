@@ -13,7 +13,7 @@ from fastapi_offline import FastAPIOffline
 from dpledger.service.api import errors, metrics
 from dpledger.service.api.admission import BodyLimit, InFlight
 from dpledger.service.api.known import Known
-from dpledger.service.api.ledger_file import FileWatch, FileWatchMiddleware, sqlite_file
+from dpledger.service.api.ledger_file import FileWatch, FileWatchMiddleware, ledger_path
 from dpledger.service.api.refusals import RefusalLog
 from dpledger.service.api.routes import (
     audit,
@@ -96,7 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _watch_file(app: FastAPI, db: Database, url: str) -> None:
     """A SQLite ledger: the file opened now is the one served, or nothing is (ledger_file.py)."""
-    path = sqlite_file(url)
+    path = ledger_path(url)
     if path is None:
         return
     with db.engine.connect():  # SQLite creates the file at its first connection: it exists before it is watched

@@ -17,8 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import IO
 
-from sqlalchemy import make_url
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dpledger.service.ledger.sqlite_url import sqlite_file
 
 log = logging.getLogger("dpledger.ledger")
 
@@ -26,14 +27,12 @@ log = logging.getLogger("dpledger.ledger")
 GUARDED_PREFIXES = ("/healthz", "/v1/", "/dashboard")
 
 
-def sqlite_file(url: str) -> str | None:
-    """The absolute path of a SQLite ledger's file; None for an in-memory database or another backend."""
-    parsed = make_url(url)
-    database = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+def ledger_path(url: str) -> str | None:
+    """The absolute path of a SQLite ledger's file; None for an in-memory database, another backend,
+    or a URI filename (`file:…`, a form this service does not write)."""
+    database = sqlite_file(url)
+    if database is None or database.startswith("file:"):
         return None
-    if database.startswith("file:") or "mode=memory" in url:
-        return None  # a URI filename: in memory, or a form this service does not write
     return os.path.abspath(database)
 
 
@@ -50,7 +49,7 @@ def hold_ledger(database_url: str) -> None:
     same file would sign with a key of its own (development) or interleave a second sequencer: an
     auditor then reads "the ledger's signing key changed". Workers of one server are its children and
     share its lock; PostgreSQL ledgers serve from several hosts by design and take none."""
-    path = sqlite_file(database_url)
+    path = ledger_path(database_url)
     if path is None or path in _held:
         return
     lock_path = f"{path}.server-lock"
@@ -95,7 +94,7 @@ _joined: dict[str, IO[str]] = {}
 def join_ledger(database_url: str) -> None:
     """A serving process's shared lock on its SQLite ledger's `<database>.workers-lock`, for as long as it
     lives: the server that holds the ledger's lock (hold_ledger) started it."""
-    path = sqlite_file(database_url)
+    path = ledger_path(database_url)
     if path is None or path in _joined:
         return
     workers = open(f"{path}.workers-lock", "a")

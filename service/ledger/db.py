@@ -24,6 +24,7 @@ from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 import dpledger.migrations
 from dpledger.service.ledger import curves
 from dpledger.service.ledger.errors import LedgerError
+from dpledger.service.ledger.sqlite_url import sqlite_file
 from dpledger.service.ledger.wakeup import Doorbell
 
 MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
@@ -51,9 +52,9 @@ class SqliteWriters:
     one process need the thread lock in front of it."""
 
     def __init__(self, database: str | None) -> None:
+        """`database`: the SQLite file (sqlite_file), None in memory."""
         self._threads = threading.Lock()
-        in_memory = not database or database == ":memory:" or database.startswith("file::memory:")
-        self._path = None if in_memory else f"{database}.writer-lock"
+        self._path = None if database is None else f"{database}.writer-lock"
         self._file: IO[bytes] | None = None
 
     @property
@@ -195,8 +196,7 @@ def make_engine(url: str) -> Engine:
         # threads, and the sequencer), so that a burst of requests does not open and close
         # connections, each running the PRAGMAs below.
         # (An in-memory database has one connection per thread, SingletonThreadPool, and no such sizes.)
-        database = make_url(url).database
-        in_memory = not database or database == ":memory:" or "mode=memory" in url
+        in_memory = sqlite_file(url) is None
         # LIFO: the connections of a quiet spell are the last ones used, still hot in every cache.
         pool = {} if in_memory else {"pool_size": 20, "max_overflow": 30, "pool_use_lifo": True}
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False}, **pool)
@@ -273,7 +273,7 @@ class Database:
         self._read_sessions = self._sessions if engine.dialect.name == "sqlite" else sessionmaker(
             engine.execution_options(isolation_level="REPEATABLE READ"), expire_on_commit=False
         )
-        self._writers = SqliteWriters(engine.url.database) if engine.dialect.name == "sqlite" else None
+        self._writers = SqliteWriters(sqlite_file(engine.url)) if engine.dialect.name == "sqlite" else None
         # A file's writers commit in groups; PostgreSQL groups its own WAL flushes, and an in-memory
         # database has a connection per thread, which a group could not share.
         self._group = GroupCommit(engine, self._writers) if self._writers is not None and self._writers.on_file else None
@@ -356,8 +356,8 @@ def _migration_lock(url: str) -> Iterator[None]:
     parsed = make_url(url)
     backend = parsed.get_backend_name()
     if backend == "sqlite":
-        database = parsed.database
-        if not database or database == ":memory:" or database.startswith("file::memory:") or "mode=memory" in url:
+        database = sqlite_file(parsed)
+        if database is None:
             yield
             return
         with open(f"{database}.migrate-lock", "ab") as lock:

@@ -37,6 +37,7 @@ from dpledger.service.ledger import transparency
 from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.models import LogPending
 from dpledger.service.ledger.signer import TreeHeadSigner
+from dpledger.service.ledger.sqlite_url import sqlite_file
 from dpledger.service.ledger.wakeup import LINGER_S, Wakeups, _Fifo, _Notifications, fifo_path
 from dpledger.wire.receipts import SignedTreeHead
 
@@ -172,11 +173,7 @@ def runs_for(db: Database) -> bool:
     """An in-memory SQLite database lives in one connection of one thread: nothing to sequence from
     another thread (such a ledger serves the API's documents only: cli.py, its docs tests)."""
     url = db.engine.url
-    if url.get_backend_name() != "sqlite":
-        return True
-    database = url.database or ""
-    return bool(database) and database != ":memory:" and not database.startswith("file::memory:") \
-        and "mode=memory" not in str(url)
+    return url.get_backend_name() != "sqlite" or sqlite_file(url) is not None
 
 
 class Sequencer:

@@ -29,6 +29,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.pool import NullPool
 
+from dpledger.service.ledger.sqlite_url import sqlite_file
+
 log = logging.getLogger("dpledger.sequencer")
 
 CHANNEL = "dpledger_sequencer"  # PostgreSQL's LISTEN/NOTIFY channel of the log's sequencer
@@ -169,16 +171,8 @@ class Wakeups:
         self._tx.close()
 
 
-def _sqlite_file(engine: Engine) -> str | None:
-    database = engine.url.database or ""
-    if engine.dialect.name != "sqlite" or not database or database == ":memory:" or database.startswith("file::memory:") \
-            or "mode=memory" in str(engine.url):
-        return None
-    return database
-
-
 def fifo_path(engine: Engine) -> str | None:
-    database = _sqlite_file(engine)
+    database = sqlite_file(engine.url)
     return None if database is None else f"{database}.sequencer-wake"
 
 
