@@ -350,3 +350,30 @@ def test_a_first_charge_filter_is_computed_once_per_terms_and_equals_the_allocat
     assert rdp_filter.first_charge_spec(epsilon=2.5, delta=1e-6, first=curve / 2) is first
     assert rdp_filter.default_spec(epsilon=2.5, delta=1e-6, dataset_size=900) is rdp_filter.default_spec(
         epsilon=2.5, delta=1e-6, dataset_size=900)
+
+
+def _least_cut_total(need: np.ndarray) -> float:
+    """Every cut of the prefixes into consecutive runs, each run read by its best single order: the
+    least sum over runs of that order's largest need (the cover's objective, by exhaustion)."""
+    n = need.shape[1]
+    best = math.inf
+    for mask in range(2 ** (n - 1)):
+        cuts = [0] + [j + 1 for j in range(n - 1) if mask >> j & 1] + [n]
+        best = min(best, sum(float(need[:, a:b].max(axis=1).min()) for a, b in zip(cuts, cuts[1:], strict=False)))
+    return best
+
+
+def test_the_cheapest_cover_is_the_least_cut_by_exhaustion_and_reads_every_prefix() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        need = rng.random((int(rng.integers(1, 6)), int(rng.integers(1, 8)))) ** 3
+        need[rng.random(need.shape) < 0.25] = np.inf
+        total, shares = rdp_filter._cheapest_cover(need)
+        least = _least_cut_total(need)
+        if not math.isfinite(least):
+            assert (total, shares) == (math.inf, {})
+            continue
+        # One order's share reads all its runs, so the total is at most the least cut (up to the sums' rounding).
+        assert total == math.fsum(shares.values()) <= least * (1 + 1e-12)
+        for j in range(need.shape[1]):  # every prefix is read by an order within its share
+            assert any(need[i, j] <= share for i, share in shares.items())
