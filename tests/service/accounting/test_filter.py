@@ -10,6 +10,7 @@ Every quantity here is computed at 50 digits with mpmath from the two output dis
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
@@ -359,7 +360,7 @@ def _least_cut_total(need: np.ndarray) -> float:
     best = math.inf
     for mask in range(2 ** (n - 1)):
         cuts = [0] + [j + 1 for j in range(n - 1) if mask >> j & 1] + [n]
-        best = min(best, sum(float(need[:, a:b].max(axis=1).min()) for a, b in zip(cuts, cuts[1:], strict=False)))
+        best = min(best, sum(float(need[:, a:b].max(axis=1).min()) for a, b in itertools.pairwise(cuts)))
     return best
 
 
