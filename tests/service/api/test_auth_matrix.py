@@ -171,7 +171,7 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
         case "log_head":
             return "GET", "/v1/log/head", None
         case "log_inclusion_proof":  # log index 0 is the own silo's create entry (it was registered first)
-            return "GET", "/v1/log/proofs/inclusion?index=0", None
+            return "GET", f"/v1/log/proofs/inclusion?index={world.own_leaf()[0]}", None
         case "log_inclusion_by_hash":
             return "GET", f"/v1/log/proofs/by-hash?leaf_hash={world.own_leaf()[1]}", None
         case "log_proofs":  # an inclusion proof of the own silo's entry, and a consistency proof
@@ -197,8 +197,8 @@ def request_for(route: str, world: World) -> tuple[str, str, dict | None]:
             return "POST", f"/v1/silos/{world.tampered_silo()}/seal", None
         case "retire_silo":  # once per silo, and never the world's own (later calls need it approving)
             return "POST", f"/v1/silos/{world.fresh_silo()[0]}/retire", {"reason": "registered with the wrong dataset size"}
-        case "log_consistency_proof":
-            return "GET", "/v1/log/proofs/consistency?first=1", None
+        case "log_consistency_proof":  # from the tree of the own silo's create entry alone (sequenced first)
+            return "GET", f"/v1/log/proofs/consistency?first={world.own_leaf()[0] + 1}", None
         case "log_leaves":
             return "GET", "/v1/log/leaves", None
         case "log_record_verified_head":
