@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -26,8 +29,6 @@ def test_the_committed_openapi_document_is_the_one_the_app_generates() -> None:
 
 
 def test_operation_ids_are_the_stable_route_names() -> None:
-    import json
-
     document = json.loads(openapi_document())
     ids = {op["operationId"] for path in document["paths"].values() for op in path.values()}
     assert {"reserve_charge", "commit_charge", "release_charge", "get_silo", "silo_history", "verify_ledger"} <= ids
@@ -79,7 +80,7 @@ def test_revision_0012_keeps_silos_across_a_round_trip_and_refuses_to_downgrade_
     with pytest.raises(RuntimeError, match=rf"silos {silo_id} are retired: code below revision 0012 would approve"):
         command.downgrade(config, "0011")
     # Refused at 0012: SQLite has stepped down from the head to it, PostgreSQL's transactional DDL undid that step.
-    assert {"retired_seq", "retired_reason"} <= columns() and version() in ("0012", "0013", "0014")
+    assert {"retired_seq", "retired_reason"} <= columns() and version() in ("0012", "0013", "0014", "0015")
     engine.dispose()
 
 
@@ -137,3 +138,54 @@ def test_revision_0014_moves_each_charge_curve_into_one_row_per_curve_and_back(d
         assert connection.execute(text("SELECT count(*) FROM curves")).scalar_one() == 2
     engine.dispose()
     serve_and_verify(charge=False)
+
+
+def test_revision_0015_stores_the_running_sums_in_base64_value_for_value_and_back(database_url: str) -> None:
+    """0015 rewrites each silo's two running sums from JSON into the base64 of their float64 bytes
+    (exact), keeps them in the row on PostgreSQL (STORAGE MAIN, fillfactor 50); its downgrade writes
+    JSON back. The audit reads the ledger clean at every step."""
+    config, engine = alembic_config(database_url), create_engine(database_url)
+    app = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
+    step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 3}
+    with TestClient(app) as client:
+        made = client.post("/v1/silos", headers=ADMIN, json={"name": "sums", "epsilon": 50.0, "delta": 1e-5,
+                                                             "dataset_size": 1000}).json()
+        for i in range(3):
+            answer = client.post(f"/v1/silos/{made['id']}/charges", json={"mechanism": step, "idempotency_key": f"k{i}"},
+                                 headers={"Authorization": f"Bearer {made['api_key']}"})
+            assert answer.status_code == 201, answer.text
+    app.state.engine.dispose()
+
+    def sums() -> tuple[str, str]:
+        with engine.connect() as connection:
+            row = connection.execute(text("SELECT rdp_spent, rdp_committed FROM silos WHERE id = :id"),
+                                     {"id": made["id"]}).one()
+        return row.rdp_spent, row.rdp_committed
+
+    def audited_clean() -> None:
+        served = create_app(Settings(database_url=database_url, admin_key=ADMIN_KEY))
+        with TestClient(served) as client:
+            assert client.get("/v1/audit/verify", headers=ADMIN).json()["ok"] is True
+        served.state.engine.dispose()
+
+    new = sums()
+    assert all(s.startswith("b64:") for s in new)
+    audited_clean()
+    command.downgrade(config, "0014")
+    old = sums()
+    for stored, written in zip(new, old, strict=True):
+        data = json.loads(written)
+        assert np.array(data["finite"], dtype="<f8").tobytes() == base64.b64decode(stored[4:])
+        assert data["infinite"] == [0] * len(data["finite"])
+    audited_clean()
+    command.upgrade(config, "head")
+    assert sums() == new  # value for value: the very text the service writes
+    if engine.dialect.name == "postgresql":
+        with engine.connect() as connection:
+            storage = dict(connection.execute(text(
+                "SELECT attname, attstorage FROM pg_attribute WHERE attrelid = 'silos'::regclass "
+                "AND attname IN ('rdp_spent', 'rdp_committed')")).tuples().all())
+            options = connection.execute(text("SELECT reloptions FROM pg_class WHERE oid = 'silos'::regclass")).scalar_one()
+        assert storage == {"rdp_spent": "m", "rdp_committed": "m"} and options == ["fillfactor=50"]
+    audited_clean()
+    engine.dispose()

@@ -9,6 +9,7 @@ pool of them.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import random
@@ -23,7 +24,7 @@ from dp_accounting import privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from pydantic import TypeAdapter, ValidationError
 
-from dpledger.service.accounting import rdp
+from dpledger.service.accounting import rdp, running_sum
 from dpledger.service.accounting.events import MechanismError, resolve, to_dp_event
 from dpledger.service.accounting.running_sum import (
     RunningSum,
@@ -539,20 +540,42 @@ def test_running_sum_round_trips_through_json_with_infinities() -> None:
     assert np.array_equal(RunningSum.from_json(empty.to_json()).curve(), np.zeros(len(ORDERS)))
 
 
-def test_a_sum_is_written_as_text_that_parses_back_to_the_same_floats_and_an_overflow_stays_infinite() -> None:
-    # to_json writes finite sums with orjson, not json: the text must parse (by the standard library,
-    # as every reader parses it) to the very floats, and an overflowed order must read ∞, never NaN.
+def _stored(text: str) -> tuple[np.ndarray, np.ndarray]:
+    """The stored form, decoded independently: "b64:", the float64 bytes in base64, then ":" and the
+    int64 infinite counts where any is nonzero (revision 0015)."""
+    assert text.startswith("b64:")
+    finite, _, infinite = text[4:].partition(":")
+    values = np.frombuffer(base64.b64decode(finite), dtype="<f8")
+    counts = np.frombuffer(base64.b64decode(infinite), dtype="<i8") if infinite else np.zeros(len(values), dtype=np.int64)
+    return values, counts
+
+
+def test_a_sum_is_written_as_text_that_holds_the_very_floats_and_an_overflow_stays_infinite() -> None:
+    # The text must decode (independently of RunningSum) to the very floats, and an overflowed order
+    # must read ∞, never NaN; 156 orders take 1,668 characters (JSON took ~3,400).
     rng = np.random.default_rng(5)
     for _ in range(200):
         finite = rng.random(len(ORDERS)) * 10.0 ** rng.integers(-320, 308, len(ORDERS))
         finite[:6] = [5e-324, 1e-5, 0.1 + 0.2, 1e16, 1.7976931348623157e308, 0.0]
         text = RunningSum(finite, np.zeros(len(ORDERS), dtype=np.int64)).to_json()
-        assert np.array(json.loads(text)["finite"], dtype=float).tobytes() == finite.tobytes()
+        assert _stored(text)[0].tobytes() == finite.tobytes() and len(text) == 4 + 4 * math.ceil(8 * len(ORDERS) / 3)
     big = RunningSum.empty(len(ORDERS)).add(np.full(len(ORDERS), 1.7976931348623157e308))
     overflowed = big.add(np.full(len(ORDERS), 1.7976931348623157e308))
     assert np.all(np.isinf(overflowed.finite))
-    parsed = np.array(json.loads(overflowed.to_json())["finite"], dtype=float)
-    assert np.all(np.isposinf(parsed))
+    assert np.all(np.isposinf(_stored(overflowed.to_json())[0]))
+
+
+def test_a_sum_stored_as_json_before_revision_0015_reads_the_same_and_a_broken_one_is_refused() -> None:
+    rng = np.random.default_rng(7)
+    s = RunningSum.empty(len(ORDERS)).add(random_curve(rng, infinite=True)).add(random_curve(rng, infinite=False))
+    old = json.dumps({"finite": s.finite.tolist(), "infinite": s.infinite.tolist()})
+    read = RunningSum.from_json(old)
+    assert read.finite.tobytes() == s.finite.tobytes() and np.array_equal(read.infinite, s.infinite)
+    text = RunningSum(s.finite, np.zeros(len(ORDERS), dtype=np.int64)).to_json()
+    three_counts = ":" + base64.b64encode(np.ones(3, dtype="<i8").tobytes()).decode()
+    for broken in ("not a sum", text[:-8], text.replace("b64:", "b64:!"), text + three_counts, '{"finite": [1.0]}'):
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            RunningSum.from_json(broken)
 
 
 def test_a_sum_written_here_is_read_back_without_parsing_and_equal_to_its_text() -> None:
@@ -561,18 +584,19 @@ def test_a_sum_written_here_is_read_back_without_parsing_and_equal_to_its_text()
     rng = np.random.default_rng(11)
     s = RunningSum.empty(len(ORDERS)).add(random_curve(rng, infinite=True)).add(random_curve(rng, infinite=False))
     text = s.to_json()
-    data = json.loads(text)  # the text, parsed independently
+    finite, infinite = _stored(text)  # the text, decoded independently
     kept = RunningSum.from_json(text)
-    assert kept.finite.tobytes() == np.array(data["finite"], dtype=float).tobytes()
-    assert np.array_equal(kept.infinite, np.array(data["infinite"], dtype=np.int64))
+    assert kept.finite.tobytes() == finite.tobytes()
+    assert np.array_equal(kept.infinite, infinite)
     with pytest.raises(ValueError, match="read-only"):
         kept.finite[0] = 1.0
     # The writer's own arrays stay its own: changing them changes nothing read back from the text.
     s.finite[0] += 1.0
-    assert RunningSum.from_json(text).finite[0] == data["finite"][0]
+    assert RunningSum.from_json(text).finite[0] == finite[0]
     # A text this process never wrote (an edited row, another worker's write) is parsed as it reads.
-    edited = json.dumps({"finite": [x * 2 for x in data["finite"]], "infinite": data["infinite"]})
-    assert RunningSum.from_json(edited).finite.tobytes() == (np.array(data["finite"]) * 2).tobytes()
+    edited = RunningSum(finite * 2, infinite.copy()).to_json()
+    running_sum._PARSED.clear()
+    assert RunningSum.from_json(edited).finite.tobytes() == (finite * 2).tobytes()
 
 
 def test_a_charge_curve_round_trips_through_json_with_infinities() -> None:
