@@ -202,7 +202,7 @@ def _seed_silo(db: Database, name: str, count: int) -> None:
     """A silo with `count` DP-SGD charges, each reserved then committed, seeded in bulk as a loop of
     reserve and commit would write them (bench/_seeding.py, checked at start): the audit then
     recomposes each entry's ε, so a seeding that differs from the ledger's would fail it."""
-    silo, _ = silos.register(db, name=name, epsilon=1e6, delta=1e-5, dataset_size=1000)
+    silo, _ = silos.register(db, name=name, epsilon=1e4, delta=1e-5, dataset_size=1000)
     _seeding.seed(db, silo.id, count, mechanism=lambda _i: STEP_MECHANISM, commit=True)
 
 
