@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 
 _T0 = time.perf_counter()
 
@@ -309,3 +309,14 @@ def reset_postgres(url: str) -> None:
         connection.execute(text("DROP SCHEMA IF EXISTS public CASCADE"))
         connection.execute(text("CREATE SCHEMA public"))
     engine.dispose()
+
+
+def wait_sequenced(engine: Engine, timeout: float = 60.0) -> None:
+    """Until the log's sequencer moved every pending leaf (a bulk seed leaves all of its leaves pending)."""
+    deadline = time.monotonic() + timeout
+    with engine.connect() as connection:
+        while connection.execute(text("SELECT count(*) FROM log_pending")).scalar_one():
+            connection.rollback()
+            if time.monotonic() > deadline:
+                raise RuntimeError("the log's sequencer left leaves pending")
+            time.sleep(0.1)

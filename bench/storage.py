@@ -36,7 +36,7 @@ from dpledger.service.ledger.db import migrate
 from dpledger.service.ledger.models import Base
 from dpledger.service.settings import Settings
 
-from _harness import json_safe, log, postgres_answers, reset_postgres
+from _harness import json_safe, log, postgres_answers, reset_postgres, wait_sequenced
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -71,17 +71,6 @@ def vacuum_full(engine: Engine) -> None:
     of a busy spell and the size after it what the charges hold at rest."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
         connection.exec_driver_sql("VACUUM FULL")
-
-
-def wait_sequenced(engine: Engine, timeout: float = 60.0) -> None:
-    """Until the log's sequencer moved every pending leaf: the log's rows are part of what a charge costs."""
-    deadline = time.monotonic() + timeout
-    with engine.connect() as connection:
-        while connection.execute(text("SELECT count(*) FROM log_pending")).scalar_one():
-            connection.rollback()
-            if time.monotonic() > deadline:
-                raise RuntimeError("the log's sequencer left leaves pending")
-            time.sleep(0.1)
 
 
 def measure(url: str, charges: int) -> dict[str, Any]:
