@@ -153,6 +153,9 @@ class FilterView(BaseModel):
     source: str = Field(description="horizon (from the budget and a horizon at registration), first_charge (a silo "
                         "registered without a horizon: from its budget and its first charge), refit (a registered "
                         "horizon that was not the workload, refit by the first charge), or legacy")
+    parts: list[str] = Field(default_factory=list, description="a horizon's filter: the digests (16 hex digits of "
+                             "the SHA-256 of the resolved mechanism's JSON) of the horizon and of every mechanism "
+                             "inside it. A first charge it does not name is refit to what the silo runs")
 
 
 class PlanView(BaseModel):

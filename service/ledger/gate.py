@@ -62,7 +62,8 @@ def first_charge(silo: Silo, curve: np.ndarray, mechanism: AnyMechanism) -> rdp_
     to its first charge (open_to_first); else None."""
     if not open_to_first(silo):
         return None
-    return rdp_filter.FirstCharge(curve, rdp.training_unit(mechanism), trains=rdp.trains(mechanism))
+    return rdp_filter.FirstCharge(curve, rdp.training_unit(mechanism), trains=rdp.trains(mechanism),
+                                  digest=rdp_filter.mechanism_digest(mechanism))
 
 
 def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:

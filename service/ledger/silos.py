@@ -118,8 +118,8 @@ def filter_for(*, epsilon: float, delta: float, dataset_size: int, horizon: AnyM
                 f"({error}); register with a larger ε{' or a smaller δ' if delta >= 0.5 else ''}, or declare a "
                 "horizon (the workload this silo will run)")) from error
     try:
-        curve = rdp.certified_curve(resolve(horizon, dataset_size=dataset_size, path="horizon"))
-        return rdp_filter.horizon_spec(epsilon=epsilon, delta=delta, horizon=curve)
+        resolved = resolve(horizon, dataset_size=dataset_size, path="horizon")
+        return rdp_filter.declared_spec(epsilon=epsilon, delta=delta, horizon=resolved)
     except MechanismError as error:
         raise InvalidRequest(error.field if error.field.startswith("horizon") else "horizon", error.message) from error
     except ValueError as error:
@@ -408,6 +408,9 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
     epsilon_after = found.epsilon_after
     if gate.refittable(silo):
         run = rdp.certified_curve(DpSgd(noise_multiplier=found.noise_multiplier, steps=steps, sampling_rate=sampling_rate))
-        after = gate.spec(silo, first=rdp_filter.FirstCharge(run * unit, trains=True))
+        # The first charge as the job sends it, so that the refit reads whether the horizon names it.
+        sent = resolve(DpSgd(noise_multiplier=found.noise_multiplier, steps=first_steps or steps, batch_size=batch_size),
+                       dataset_size=silo.dataset_size, charged=True)
+        after = gate.spec(silo, first=rdp_filter.FirstCharge(run * unit, trains=True, digest=rdp_filter.mechanism_digest(sent)))
         epsilon_after = rdp_filter.read(after, run, delta=silo.delta).epsilon
     return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=epsilon_after)

@@ -47,7 +47,7 @@ from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import EntryEvent
 from dpledger.wire.mechanisms import Mechanism
 from dpledger.wire.receipts import HeadError, PublicKey, Receipt, SignedTreeHead, check_receipt, is_fork
-from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON, bearer
+from tests.conftest import ADMIN, ADMIN_KEY, bearer
 from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
@@ -120,7 +120,7 @@ def build(client: TestClient) -> Ledger:
     for name in ("a", "b"):
         # A declared horizon: the chain holds no filter entry, so the positions below are the charges'.
         created = client.post("/v1/silos", json={"name": name, "epsilon": 10.0, "delta": 1e-5, "dataset_size": 1000,
-                                                 "horizon": TEST_HORIZON}, headers=ADMIN).json()
+                                                 "horizon": STEP}, headers=ADMIN).json()
         ids[name] = created["id"]
         parties[name] = Party(client, bearer(created["api_key"]))
     auditor_key = client.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
@@ -392,7 +392,7 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
     receipts, head_file = tmp_path / "receipts", tmp_path / "auditor-head.json"
     with running_server(database_url=f"sqlite:///{honest}", admin_key=ADMIN_KEY) as server:
         with LedgerClient(server, ADMIN_KEY, receipts=False) as admin:
-            silo = admin.create_silo(name="clinic", epsilon=10.0, delta=1e-5, dataset_size=1000, horizon=TEST_HORIZON)
+            silo = admin.create_silo(name="clinic", epsilon=10.0, delta=1e-5, dataset_size=1000, horizon=STEP)
         auditor = httpx.post(f"{server}/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"]
         with LedgerClient(server, silo.api_key, receipts=receipts) as client:
             charge_ids = [client.reserve(silo.id, mechanism=STEP, idempotency_key=f"r{i}").charge_id for i in range(3)]
@@ -546,7 +546,7 @@ def test_racing_approvals_of_several_silos_on_several_workers_build_one_log_that
     with running_server(database_url=database_url, admin_key=ADMIN_KEY, workers=workers) as server, \
             httpx.Client(base_url=server, timeout=60) as http:
         silos = [http.post("/v1/silos", headers=ADMIN, json={"name": f"s{i}", "epsilon": 100.0, "delta": 1e-5,
-                                                               "dataset_size": 1000, "horizon": TEST_HORIZON}).json()
+                                                               "dataset_size": 1000, "horizon": STEP}).json()
                  for i in range(4)]
         auditor = bearer(http.post("/v1/keys", json={"role": "auditor"}, headers=ADMIN).json()["api_key"])
 

@@ -109,7 +109,7 @@ def _filter_view(silo: Silo) -> FilterView | None:
     if gate.pending(silo):
         return None  # fixed by the silo's first charge (gate.pending)
     spec = gate.spec(silo)
-    return FilterView(orders=list(spec.orders), weights=list(spec.weights), source=spec.source)
+    return FilterView(orders=list(spec.orders), weights=list(spec.weights), source=spec.source, parts=list(spec.parts))
 
 
 def _plan_view(silo: Silo) -> PlanView | None:

@@ -10,6 +10,7 @@ Every quantity here is computed at 50 digits with mpmath from the two output dis
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Sequence
@@ -19,13 +20,15 @@ import mpmath as mp
 import numpy as np
 import pytest
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from pydantic import TypeAdapter
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp
+from dpledger.service.accounting.events import resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges, gate
 from dpledger.service.ledger.models import Silo
-from dpledger.wire.mechanisms import DpSgd
+from dpledger.wire.mechanisms import AnyMechanism, DpSgd, Mechanism
 from tests.service.accounting import anchors
 
 EPSILON, DELTA = 2.0, 1e-5
@@ -378,3 +381,52 @@ def test_the_cheapest_cover_is_the_least_cut_by_exhaustion_and_reads_every_prefi
         assert total == math.fsum(shares.values()) <= least * (1 + 1e-12)
         for j in range(need.shape[1]):  # every prefix is read by an order within its share
             assert any(need[i, j] <= share for i, share in shares.items())
+
+
+def _resolved(mechanism: dict[str, object], size: int) -> AnyMechanism:
+    return resolve(TypeAdapter(Mechanism).validate_python(mechanism), dataset_size=size, charged=True)
+
+
+def test_a_horizon_names_its_parts_and_only_a_first_charge_it_does_not_name_is_refit_on_units_alone() -> None:
+    """A horizon that declares a job's whole mix (as tests/reliability/test_load.py's silos do) keeps its
+    filter when the first charge is one part of it, although a filter fitted to that part would be
+    tighter on it; the same step at another σ is not what was declared and is refit, to a filter that
+    buys at least the registered filter's units of it."""
+    size, delta = 10_000, 1e-5
+    step = {"type": "dpsgd", "batch_size": 100, "noise_multiplier": 1.1, "steps": 1}
+    query = {"type": "gaussian", "noise_multiplier": 3.0}
+    mix = {"type": "composed", "events": [{"type": "self_composed", "count": 400, "event": step},
+                                          {"type": "self_composed", "count": 20, "event": query}]}
+    declared = _resolved(mix, size)
+    budget = 1.5 * rdp.epsilons(rdp.certified_curve(declared), delta=delta)[0]
+    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
+    inside = [declared, *declared.events, _resolved(step, size), _resolved(query, size)]  # type: ignore[attr-defined]
+    assert registered.parts == tuple(sorted(hashlib.sha256(m.model_dump_json().encode()).hexdigest()[:16] for m in inside))
+    assert rdp_filter.FilterSpec.from_json(registered.to_json()) == registered
+
+    named = _resolved(step, size)
+    curve = rdp.certified_curve(named)
+    first = rdp_filter.FirstCharge(curve, None, trains=True, digest=rdp_filter.mechanism_digest(named))
+    assert rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=first) is registered
+
+    other = _resolved({**step, "noise_multiplier": 1.2}, size)
+    curve = rdp.certified_curve(other)
+    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
+        curve, None, trains=True, digest=rdp_filter.mechanism_digest(other)))
+    assert refit.source == "refit"
+    kept = rdp_filter.units_bought(registered, curve, offset=None, epsilon=budget, delta=delta)
+    assert rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta) >= kept
+
+
+def test_the_rest_share_yields_where_the_end_of_a_slow_path_cannot_be_held() -> None:
+    """A central job whose ε grows 0.15% over its last 10% of steps (q = 145/60,000, σ 1.18, budgeted by
+    dp-accounting for 152 steps): with 1% of δ spread off the path, its order's share alone cost 0.13%
+    of ε, and the filter bought 139 steps (0.91). The rest yields to hold the end: ≥ 0.95 of them."""
+    q, sigma, steps = 145 / 60_000, 1.18, 152
+    budget = dpa_epsilon(q, sigma, steps)
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=1, sampling_rate=q))
+    spec = rdp_filter.allocate(unit, epsilon=budget, delta=DELTA_PATH).spec
+    assert sum(map(Fraction, spec.weights)) <= 1
+    assert rdp_filter.units_bought(spec, unit, offset=None, epsilon=budget, delta=DELTA_PATH) >= 0.95 * steps
+    spread = [w for w in spec.weights if w == spec.weights[-1]]  # the rest: one even share off the path
+    assert len(spread) > 100 and math.fsum(spread) < rdp_filter.REST_WEIGHT

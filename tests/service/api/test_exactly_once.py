@@ -118,8 +118,8 @@ def test_item1_poisson_sampled_events_are_charged_by_expected_batch_size(client,
 # --- 2. a replay is not a fresh approval --------------------------------------------------------
 
 def test_item2_a_replay_of_a_committed_and_of_a_released_charge_says_so(client, make_silo) -> None:
-    silo = make_silo(epsilon=50.0)
     step = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
+    silo = make_silo(epsilon=50.0, horizon=step)
     first = charge(client, silo, "c", step, job_id="job", round=0)
     second = charge(client, silo, "r", step, job_id="job", round=1)
     assert first.status_code == second.status_code == 201

@@ -21,7 +21,7 @@ def verify(client):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def ledger(client, make_silo):  # type: ignore[no-untyped-def]
-    silos = [make_silo(epsilon=100.0), make_silo(epsilon=100.0)]
+    silos = [make_silo(epsilon=100.0, horizon=STEP), make_silo(epsilon=100.0, horizon=STEP)]
     ids = []
     for silo in silos:
         for i in range(3):
