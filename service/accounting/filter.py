@@ -595,17 +595,28 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
     any output."""
     if not first.trains:
         return registered
-    fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit)
     unit, offset = (first.curve, None) if first.unit is None else (first.unit, first.curve)
     kept = units_bought(registered, unit, offset=offset, epsilon=epsilon, delta=delta)
-    bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
     named = not registered.parts or first.digest is None or first.digest in registered.parts
+    # No filter buys more units than dp-accounting's rule affords (each reads at least the best order's
+    # ε at the whole δ), so where the registered filter buys half of those and meets its goals (or
+    # the horizon names the charge), neither rule below can refit: no allocation on a first approval.
+    try:
+        # + 1: the bisection's rounding, at a budget of exactly K units
+        affordable = math.floor(horizon_units(unit, epsilon=epsilon, delta=delta, offset=offset)) + 1
+    except ValueError:
+        affordable = None
+    if affordable is not None and kept >= REFIT_UNITS * affordable and (
+            named or not misses_goals(registered, None, unit, offset=offset, units=kept, delta=delta)):
+        return registered
+    fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit)
+    bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
     if not named and kept > bought:  # fitted again, holding the units the registered filter buys
         fitted = _fitted(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit, hold=kept)
         bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
     if kept > bought:
         return registered
-    if kept < REFIT_UNITS * bought or (not named and misses_goals(registered, fitted, unit, offset=offset, units=bought,
+    if kept < REFIT_UNITS * bought or (not named and misses_goals(registered, fitted, unit, offset=offset, units=kept,
                                                                   delta=delta)):
         return FilterSpec(fitted.orders, fitted.weights, "refit")
     return registered
@@ -618,11 +629,12 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
 REFIT_MARGIN = 1.05
 
 
-def misses_goals(registered: FilterSpec, fitted: FilterSpec, unit: np.ndarray, *, offset: np.ndarray | None, units: int,
-                 delta: float) -> bool:
-    """Whether `registered` reads the workload's path (offset + t units, path_prefixes of `units`)
-    above its goals, and REFIT_MARGIN further above them than `fitted`: each filter's score is its
-    worst reading ÷ ((1 + goal_excess(t)) × the best order's ε at the whole δ) over the prefixes."""
+def misses_goals(registered: FilterSpec, fitted: FilterSpec | None, unit: np.ndarray, *, offset: np.ndarray | None,
+                 units: int, delta: float) -> bool:
+    """Whether `registered` reads the workload's path (offset + t units, path_prefixes of `units`: the
+    units it buys) above its goals, and REFIT_MARGIN further above them than `fitted` (where given):
+    each filter's score is its worst reading ÷ ((1 + goal_excess(t)) × the best order's ε at the
+    whole δ) over the prefixes."""
     if units < 1:
         return False
     prefixes = path_prefixes(float(units))
@@ -632,8 +644,10 @@ def misses_goals(registered: FilterSpec, fitted: FilterSpec, unit: np.ndarray, *
         goals = (1 + goal_excess(prefixes, float(units))) * order_epsilons(
             np.array(rdp.ORDERS)[None, :], curves, np.full((1, 1), delta)).min(axis=1)
         registered_score = float(np.max(read_many(registered, curves, delta=delta) / goals))
+        if fitted is None or registered_score <= 1:
+            return registered_score > 1
         fitted_score = float(np.max(read_many(fitted, curves, delta=delta) / goals))
-    return registered_score > 1 and registered_score > REFIT_MARGIN * fitted_score
+    return registered_score > REFIT_MARGIN * fitted_score
 
 
 def units_bought(spec: FilterSpec, unit: np.ndarray, *, offset: np.ndarray | None, epsilon: float, delta: float) -> int:
