@@ -143,7 +143,9 @@ def test_a_search_over_budget_is_refused_before_any_trial_and_writes_nothing(cli
 
 def test_trials_up_to_k_are_accepted_the_kth_commits_and_one_more_is_refused(client, make_silo) -> None:
     silo = make_silo(epsilon=100.0)
-    started = start(client, silo, "s", mean=3).json()
+    answer = start(client, silo, "s", mean=3)
+    assert answer.status_code == 201, answer.text
+    started = answer.json()
     search_id, k, charge_id = started["search_id"], started["trials"], started["charge_id"]
     assert k >= 1  # geometric: K ≥ 1
     refused = client.post(f"/v1/charges/{charge_id}/release", headers=silo.headers)
