@@ -602,8 +602,8 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
     kept = units_bought(registered, unit, offset=offset, epsilon=epsilon, delta=delta)
     named = not registered.parts or first.digest is None or first.digest in registered.parts
     # No filter buys more units than dp-accounting's rule affords (each reads at least the best order's
-    # ε at the whole δ), so where the registered filter buys half of those and meets its goals (or
-    # the horizon names the charge), neither rule below can refit: no allocation on a first approval.
+    # ε at the whole δ), so where the registered filter buys `share` of those and the horizon names the
+    # charge or the registered filter meets its goals, neither rule below can refit: no allocation.
     try:
         # + 1: the bisection's rounding, at a budget of exactly K units
         affordable = math.floor(horizon_units(unit, epsilon=epsilon, delta=delta, offset=offset)) + 1
