@@ -20,7 +20,7 @@ from dpledger.harness import ServerProcess
 from dpledger.service.ledger.signer import ephemeral_seed
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.receipts import Receipt
-from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON, bearer
+from tests.conftest import ADMIN, ADMIN_KEY, bearer
 
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.0, "steps": 1}
 CHARGES = 12
@@ -44,7 +44,7 @@ def test_a_kill_before_sequencing_loses_no_leaf_and_the_next_sequencer_keeps_eve
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             silo = http.post("/v1/silos", headers=ADMIN, json={"name": "kept", "epsilon": 50.0, "delta": 1e-5,
-                                                                 "dataset_size": 1000, "horizon": TEST_HORIZON}).json()
+                                                                 "dataset_size": 1000, "horizon": STEP}).json()
             receipts = []
             for i in range(CHARGES):
                 answer = http.post(f"/v1/silos/{silo['id']}/charges", headers=bearer(silo["api_key"]),
