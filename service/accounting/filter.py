@@ -57,8 +57,8 @@ from dpledger.wire.mechanisms import AnyMechanism, DpSgd, children
 REST_WEIGHT = 0.01
 # ...unless the path's end cannot be held with that much left over: where ε grows slowly at the end
 # (a central job at q = 0.0024, σ 1.18: 0.15% of ε per 10% of the rounds), the 1% costs its order
-# ln(1/0.99)/(α − 1), 0.13% of ε and 9% of the rounds. Then the rest yields, down to REST_LEAST
-# (tried a tenth at a time), and a workload off the path pays ln(155/0.0001)/(α − 1) instead.
+# ln(1/0.99)/(α − 1), 0.13% of ε and 9% of the rounds. Then the rest yields, to a tenth and then
+# to REST_LEAST, and a workload off the path pays ln(155/0.0001)/(α − 1) instead.
 REST_LEAST = 1e-4
 # The path's goal profile: the reading allowed at a prefix of t units, as an excess over the best
 # order's ε at the whole δ, in units of one scale s that the allocation makes as small as it can:
@@ -380,12 +380,10 @@ class _Path:
         if keep is not None and keep in prefixes and best[-1] > best[prefixes == keep][0]:
             held_at = prefixes == keep
             excess = np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess)
-        rest = REST_WEIGHT
-        while rest >= REST_LEAST * (1 - 1e-9):
+        for rest in (REST_WEIGHT, REST_WEIGHT / 10, REST_LEAST):
             path = cls(units, prefixes, excess, conv, best, at_end, held=True, rest=rest)
             if path.cover(path.goals(MAX_SCALE))[0] <= path.budget:
                 return path
-            rest /= 10
         path = cls(units, prefixes, excess, conv, best, at_end, held=False)  # the end scaled like every prefix
         if path.cover(path.goals(MAX_SCALE))[0] > path.budget:
             raise ValueError("no filter of the grid's orders reads this horizon's path within the largest ratio")
