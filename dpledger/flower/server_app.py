@@ -24,7 +24,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -55,7 +55,7 @@ class RoundLog:
     seconds: float  # wall time of the round, as the server sees it
     train_seconds: dict[int, float]
     ledger_seconds: dict[int, float]
-    timeout: float = 0.0  # the longest the round waited for a reply: round-timeout + the start-up allowance (Pace)
+    timeout: float = 0.0  # the longest the round would wait for a reply (Pace, FastGrid.send_and_receive)
 
 
 @dataclass
@@ -96,6 +96,7 @@ class Pace:
 
     ceiling: float  # first-contact-timeout: the longest start-up the run's settings allow
     startup: float = 0.0
+    allowed: float = 0.0  # the last exchange's deadline, seconds after its push (FastGrid)
 
     def saw(self, seconds: float) -> None:
         self.startup = max(self.startup, seconds)
@@ -104,21 +105,23 @@ class Pace:
         return round_timeout + min(STARTUP_SLACK * self.startup, self.ceiling)
 
 
-def _exchange(grid: Grid, messages: Iterable[Message], timeout: float,
-              waited: dict[str, float] | None = None) -> list[Message]:
+def _exchange(grid: Grid, messages: Iterable[Message], timeout: float | Callable[[list[Message]], float],
+              waited: dict[str, float]) -> list[Message]:
     """Grid.send_and_receive, pulling every 0.1 s: Flower 1.41's own pulls every 3 s, which rounds
-    every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py). `waited` gets each
-    reply's wait in seconds (by the id of the message it answers)."""
+    every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py). `timeout`: seconds from
+    the push, or a function of the replies pulled so far (read again after each pull that brings
+    one). `waited` gets each reply's wait in seconds (by the id of the message it answers)."""
     pending = set(grid.push_messages(messages))
     pushed = time.monotonic()
-    deadline = pushed + timeout
     replies: list[Message] = []
+    deadline = pushed + (timeout(replies) if callable(timeout) else timeout)
     while pending and time.monotonic() < deadline:
         pulled = list(grid.pull_messages(pending))
         replies.extend(pulled)
         pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
-        if waited is not None:
-            waited.update((reply.metadata.reply_to_message_id, time.monotonic() - pushed) for reply in pulled)
+        waited.update((reply.metadata.reply_to_message_id, time.monotonic() - pushed) for reply in pulled)
+        if pulled and callable(timeout):
+            deadline = pushed + timeout(replies)
         if pending:
             time.sleep(REPLY_POLL_SECONDS)
     return replies
@@ -203,16 +206,34 @@ class FastGrid(Grid):
         return self.grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        round_timeout = 3600.0 if timeout is None else timeout
         waited: dict[str, float] = {}
-        replies = _exchange(self.grid, messages, self.pace.timeout(3600.0 if timeout is None else timeout), waited)
-        for reply in replies:
-            if reply.has_error() or records.METRICS not in reply.content.metric_records:
-                continue
-            metrics = reply.content.metric_records[records.METRICS]
-            busy = [metrics.get(name) for name in ("train-seconds", "ledger-seconds")]
-            if all(isinstance(seconds, float) for seconds in busy):
-                self.pace.saw(waited[reply.metadata.reply_to_message_id] - sum(busy))  # type: ignore[arg-type]  # floats, checked
-        return replies
+        measured: set[str] = set()
+
+        def deadline(replies: list[Message]) -> float:
+            """Until a reply comes, the round cannot tell a machine grown slower since the last
+            measurement (the load of a shared server changes within a run) from silent silos, and a
+            charge spent on an update that comes too late is ε lost: it waits as long as the run's
+            settings allow a start-up (round-timeout + first-contact-timeout). Each reply measures the
+            start-up again, and the round then waits what Pace allows for it."""
+            for reply in replies:
+                message_id = reply.metadata.reply_to_message_id
+                if message_id not in measured:
+                    measured.add(message_id)
+                    self._measure(reply, waited[message_id])
+            self.pace.allowed = self.pace.timeout(round_timeout) if replies else round_timeout + self.pace.ceiling
+            return self.pace.allowed
+
+        return _exchange(self.grid, messages, deadline, waited)
+
+    def _measure(self, reply: Message, waited: float) -> None:
+        """A trained reply's start-up: its wait less the train and ledger seconds the silo reported."""
+        if reply.has_error() or records.METRICS not in reply.content.metric_records:
+            return
+        metrics = reply.content.metric_records[records.METRICS]
+        busy = [metrics.get(name) for name in ("train-seconds", "ledger-seconds")]
+        if all(isinstance(seconds, float) for seconds in busy):
+            self.pace.saw(waited - sum(busy))  # type: ignore[arg-type]  # floats, checked
 
 
 class LedgerStrategy(Strategy):
@@ -236,7 +257,6 @@ class LedgerStrategy(Strategy):
         self._asked: list[int] = []
         self._node_of: dict[int, int] = {}
         self._started = 0.0
-        self._round_timeout = 0.0
 
     def _timeout(self) -> float:
         return self.pace.timeout(self.settings.round_timeout)
@@ -265,7 +285,6 @@ class LedgerStrategy(Strategy):
         content = family.to_record(self.server.broadcast(round_index))
         round_config = self._round_config(round_index)
         self._started = time.perf_counter()
-        self._round_timeout = self._timeout()  # what FastGrid waits for this round's replies
         return [Message(RecordDict({records.ARRAYS: content, records.CONFIG: round_config}), node_of[silo],
                         MessageType.TRAIN, group_id=str(round_index))
                 for silo in self._asked if silo in node_of]
@@ -276,7 +295,7 @@ class LedgerStrategy(Strategy):
             return None, None
         by_silo = {self.run.silos.get(reply.metadata.src_node_id): reply for reply in replies}
         entry = RoundLog(round=round_index, status={}, seconds=time.perf_counter() - self._started, train_seconds={},
-                         ledger_seconds={}, timeout=self._round_timeout)
+                         ledger_seconds={}, timeout=self.pace.allowed)
         uploads: list[dict[str, torch.Tensor]] = []
         members: list[int] = []
         for silo in self._asked:

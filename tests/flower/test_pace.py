@@ -74,9 +74,32 @@ def test_a_round_waits_round_timeout_beyond_the_start_up_it_measured(monkeypatch
     # ...and measures the start-up again from the reply: its wait less the seconds the silo reported.
     assert STARTUP <= pace.startup < STARTUP + 0.5
 
-    # Without the measured start-up the same round hears nothing (what a slow machine did to a fixed timeout).
-    unmeasured = server_app.FastGrid(grid, server_app.Pace(ceiling=600.0))  # type: ignore[arg-type]  # idem
-    assert list(unmeasured.send_and_receive([message(n, "train") for n in (1, 2, 3)], timeout=ROUND_TIMEOUT)) == []
+    assert pace.allowed == pytest.approx(pace.timeout(ROUND_TIMEOUT))  # what the round's out entry records
+
+
+def test_a_machine_grown_slower_since_the_last_measurement_still_hears_every_silo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round whose measured start-up is stale (here none at all: the shared server got busier since
+    first contact) waits for its first reply up to round-timeout + first-contact-timeout, measures the
+    start-up from it, and hears the rest; a ceiling too short for any reply still ends the round."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    grid = SlowGrid([1, 2, 3])
+    stale = server_app.Pace(ceiling=600.0)
+    fast = server_app.FastGrid(grid, stale)  # type: ignore[arg-type]  # the grid's calls only
+    started = time.monotonic()
+    replies = list(fast.send_and_receive([message(n, "train") for n in (1, 2, 3)], timeout=ROUND_TIMEOUT))
+    assert sorted(r.metadata.src_node_id for r in replies) == [1, 2, 3]
+    assert time.monotonic() - started < STARTUP + TRAIN + LEDGER + 1.0  # it waited for the replies, not the ceiling
+    assert STARTUP <= stale.startup < STARTUP + 0.5
+    assert stale.allowed == pytest.approx(stale.timeout(ROUND_TIMEOUT))
+
+    # first-contact-timeout bounds the wait for a first reply: past it the round ends, having heard nothing.
+    capped = server_app.Pace(ceiling=0.1)
+    assert list(server_app.FastGrid(grid, capped).send_and_receive(  # type: ignore[arg-type]  # idem
+        [message(n, "train") for n in (1, 2, 3)], timeout=ROUND_TIMEOUT)) == []
+    assert capped.allowed == pytest.approx(ROUND_TIMEOUT + 0.1)
 
 
 def test_the_start_up_allowance_is_capped_at_first_contact_timeout() -> None:
