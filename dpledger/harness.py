@@ -15,6 +15,10 @@ import httpx
 
 from dpledger.service.ledger.db import migrate
 
+# How long a server may take to answer /healthz: 4 workers importing the app on a machine ~10×
+# oversubscribed took over 60 s once (a CI run); a server that answers returns at once.
+STARTUP_SECONDS = 180.0
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -23,7 +27,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(*, database_url: str, admin_key: str, workers: int = 1, startup_timeout: float = 60.0) -> Iterator[str]:
+def running_server(*, database_url: str, admin_key: str, workers: int = 1,
+                   startup_timeout: float = STARTUP_SECONDS) -> Iterator[str]:
     """Migrates, starts `uvicorn` with `workers` processes, yields the base URL, stops it on exit."""
     with ServerProcess(
         database_url=database_url, admin_key=admin_key, workers=workers, startup_timeout=startup_timeout
@@ -36,7 +41,8 @@ class ServerProcess:
     tests: an answered approval must survive the kill of every process that might have held it."""
 
     def __init__(
-        self, *, database_url: str, admin_key: str, workers: int = 1, port: int | None = None, startup_timeout: float = 60.0
+        self, *, database_url: str, admin_key: str, workers: int = 1, port: int | None = None,
+        startup_timeout: float = STARTUP_SECONDS,
     ) -> None:
         self.database_url = database_url
         self.admin_key = admin_key

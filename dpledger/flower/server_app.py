@@ -483,5 +483,8 @@ def main(grid: Grid, context: Context) -> None:
         settings.out.write_text(json.dumps({"outcome": outcome, **asdict(run)}, indent=1, default=str))
     if outcome == "nothing trained":
         statuses = sorted({e.status[s] for e in run.rounds[:1] for s in e.status})
-        raise RuntimeError(f"job {job_id}: no silo trained any round (round 1: {', '.join(statuses) or 'no round'}); "
-                           "the run failed")
+        silent = (f"; no reply came within {run.rounds[0].timeout:.0f} s: on a machine this busy, raise "
+                  "first-contact-timeout (the longest start-up a round waits for) or round-timeout"
+                  if "no reply" in statuses else "")
+        raise RuntimeError(f"job {job_id}: no silo trained any round (round 1: {', '.join(statuses) or 'no round'})"
+                           f"{silent}; the run failed")
