@@ -86,8 +86,9 @@ _INNER_SECONDS: dict[type, float] = {
     m.SampledWithoutReplacement: 0.4, m.RepeatAndSelect: 0.03, m.PoissonSampled: 0.04, m.DpSgd: 0.04,
 }
 _INNER_CLOSED_FORM = 0.0005  # gaussian, laplace, zcdp inside a leaf
-# Fixing a pending silo's filter from a first charge (filter.first_charge_spec: a bisection over a
-# dynamic program on the path of its prefixes): 0.01–0.1 s for one DP-SGD step, up to ~0.5 s seen.
+# One filter allocation (filter.allocate: a registration's horizon, the filter a first charge fixes
+# or refits; bisections over a dynamic program on the path of its prefixes): 0.01–0.1 s for one
+# DP-SGD step, up to ~0.5 s seen; allocate allows it as it starts (a cached filter costs nothing).
 FIRST_FILTER_SECONDS = 0.5
 NODE_SECONDS = 2e-5  # walking one node of the tree (rdp.rdp_curve's recursion, this walk)
 MAX_NODES = 10_000  # nodes of the mechanism tree walked; far beyond any plan a person writes
@@ -452,11 +453,12 @@ class Guard:
     slack: float = SLACK
     admitted: float = 0.0
     leaves: set[str] = field(default_factory=set)
+    allowed: float = 0.0  # work that runs but that no price counts (allow)
 
     def allowance(self) -> float:
         if self.seconds is not None:
             return self.seconds
-        return min(GUARD_SECONDS, OVERRUN * self.admitted + self.slack)
+        return min(GUARD_SECONDS, OVERRUN * (self.admitted + self.allowed) + self.slack)
 
 
 _GUARDS: ContextVar[tuple[Guard, ...]] = ContextVar("dpledger_cost_guards", default=())
@@ -497,6 +499,13 @@ def admit(seconds: float, *, leaves: dict[str, float] | None = None) -> None:
         open_guard.admitted += seconds
         if leaves:
             open_guard.leaves.update(leaves)
+
+
+def allow(seconds: float) -> None:
+    """Widens every guard open on this thread by work that runs but that no price counts (a filter's
+    allocation): never counted against what a request may price, nor against its optional reports."""
+    for open_guard in _active():
+        open_guard.allowed += seconds
 
 
 def _admitted_seconds() -> float:

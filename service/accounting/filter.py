@@ -47,7 +47,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from dpledger.service.accounting import conversion, rdp
+from dpledger.service.accounting import conversion, cost, rdp
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd, children
 
 # The path allocation (see allocate): REST_WEIGHT of δ is spread evenly over every order the path
@@ -311,6 +311,9 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     The bounds hold up to the rounding of the shares (each rounded down, so that they never sum past
     1). Only the budget, δ, the horizon and the offset enter, never an output, so the filter is
     fixed before the silo's first charge and the gate stays the union bound above."""
+    # Work no mechanism's price counts (a registration's, a first charge's, a refit's): the request's
+    # CPU bound widens by it as it starts, so that a busy machine's slower allocation is no overrun.
+    cost.allow(cost.FIRST_FILTER_SECONDS)
     path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset, hold=hold)
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
     # it is bracketed by doubling from 1 (it is rarely above 4) before the bisection.

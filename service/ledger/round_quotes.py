@@ -53,10 +53,10 @@ def quote_rounds(db: Database, body: RoundsQuoteRequest) -> RoundsQuote:
     # The first charged round: where the job's first rounds charge nothing, the first one that does.
     first_index = next((n for n, key in enumerate(rounds, start=1) if key is not None), None)
     # A pending (or refittable) silo's filter is the one its first round would leave (gate.open_to_first), computed once here
-    # (its allocation costs ~0.01–0.5 s, and gate.reading would redo it at every reading).
+    # (its allocation costs ~0.01–0.5 s, allowed to the request's bound as it runs; gate.reading would
+    # redo it at every reading).
     fixed = None
     if first_index is not None and gate.open_to_first(silo):
-        cost.admit(cost.FIRST_FILTER_SECONDS)
         first_key = rounds[first_index - 1]
         fixed = gate.spec(silo, first=gate.first_charge(silo, curves[first_key], declared_by_key[first_key]))
 

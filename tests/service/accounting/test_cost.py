@@ -39,3 +39,21 @@ def test_a_gaussian_near_the_float_range_is_priced_not_a_crash() -> None:
     # dp-accounting squares σ in its privacy loss: at 1.5e307 that overflowed into a 500 (found by the fuzz test).
     assert cost.gaussian_loss_range(1.5e307) == pytest.approx(cost.gaussian_loss_range(1.0) / 1.5e307, rel=0.06)
     assert cost.check(Gaussian(noise_multiplier=1.5e307)) is None
+
+
+def test_a_filter_allocation_widens_the_bound_of_the_request_it_runs_in_without_being_priced() -> None:
+    """A first charge's, a refit's or a registration's allocation is work no mechanism's price counts
+    (0.01–0.5 s): under the bare slack a busy CI machine stopped a search that fixed its silo's filter
+    (a 422). It widens the request's CPU bound as it runs, and takes nothing from what the request
+    may price or from its optional PLD reports."""
+    from dpledger.service.accounting import filter as rdp_filter
+    from dpledger.service.accounting import rdp
+
+    step = rdp.certified_curve(DpSgd(noise_multiplier=1.0, steps=1, sampling_rate=0.01))
+    with cost.guard("mechanism") as guard:
+        bare = guard.allowance()
+        rdp_filter.allocate(step, epsilon=3.0, delta=1e-5)
+        assert guard.allowance() == pytest.approx(bare + cost.OVERRUN * cost.FIRST_FILTER_SECONDS)
+        assert guard.admitted == 0.0 and cost._admitted_seconds() == 0.0
+        rdp_filter.allocate(step, epsilon=3.0, delta=1e-5)  # a refit's second allocation: never past the cap
+        assert guard.allowance() == cost.GUARD_SECONDS

@@ -29,7 +29,7 @@ class World:
             json={"mechanism": STEP, "idempotency_key": f"setup-{self.counter}"},
             headers=self.keys["own_silo"],
         )
-        assert response.status_code == 201
+        assert response.status_code == 201, response.text
         return int(response.json()["charge_id"])
 
     def search(self) -> int:
@@ -45,7 +45,7 @@ class World:
             },
             headers=self.keys["own_silo"],
         )
-        assert response.status_code == 201
+        assert response.status_code == 201, response.text
         return int(response.json()["search_id"])
 
     def fresh_silo(self) -> tuple[int, dict[str, str]]:
@@ -85,7 +85,7 @@ def world(client, make_silo) -> World:  # type: ignore[no-untyped-def]
 
     def key(role: str) -> dict[str, str]:
         response = client.post("/v1/keys", json={"role": role}, headers=ADMIN)
-        assert response.status_code == 201
+        assert response.status_code == 201, response.text
         return bearer(response.json()["api_key"])
 
     revoked = client.post("/v1/keys", json={"role": "admin"}, headers=ADMIN).json()
