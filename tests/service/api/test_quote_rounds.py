@@ -77,7 +77,7 @@ def test_calibrate_is_the_silos_calibration(client: TestClient, make_silo: Any) 
                  calibrate=True).json()
     calibrated = client.post(f"/v1/silos/{silo.id}/calibrate", headers=silo.headers,
                              json={"batch_size": 10, "steps_per_round": 3, "rounds": 20}).json()
-    assert body["noise_multiplier"] == calibrated["noise_multiplier"] and body["noise_note"] is None
+    assert body.get("noise_multiplier") == calibrated.get("noise_multiplier") and body["noise_note"] is None, (body, calibrated)
     mixed = quote(client, silo.headers, silo_id=silo.id, rounds=2, calibrate=True,
                   runs=[{"mechanism": STEP, "count": 1}, {"mechanism": SELECT, "count": 1}]).json()
     assert mixed["noise_multiplier"] is None and "same plain DP-SGD" in mixed["noise_note"]
