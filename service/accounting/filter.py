@@ -248,7 +248,8 @@ def path_prefixes(units: float) -> np.ndarray:
 
 def goal_excess(prefixes: np.ndarray, units: float) -> np.ndarray:
     """The goal profile's excess at each prefix (see GOAL_FIRST), as the goals read: 0.5 from one
-    unit, 0.25 from three, 0.15 from a tenth of the horizon, END_EXCESS within END_SPAN of its end."""
+    unit, 0.25 from three, 0.15 from a tenth of the horizon, END_EXCESS within END_SPAN of its end;
+    on a short horizon a later goal that starts sooner (a tenth of 20 units is 2) holds from its start."""
     knots = [(3.0, GOAL_THIRD), (units / 10, GOAL_TENTH), (units / END_SPAN, END_EXCESS)]
     profile = np.full(np.shape(prefixes), GOAL_FIRST)
     for start, excess in knots:
@@ -323,7 +324,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     lo, hi = 1.0, 1.0
     while hi < MAX_SCALE and not fits(hi):  # fits(MAX_SCALE) holds: _Path.of checked it
         lo, hi = hi, min(2 * hi, MAX_SCALE)
-    caps = path.goals(_least(fits, lo, hi) if hi > lo else hi) - 1
+    caps = path.goals(_least(fits, lo, hi)) - 1  # lo = hi = 1 where the goals fit
     rho = _least(lambda r: path.cover(1 + np.minimum(r, caps))[0] <= path.budget, 0.0, float(caps.max()),
                  tolerance=RHO_TOLERANCE)
     bounds = 1 + np.minimum(rho, caps)
