@@ -29,9 +29,11 @@ from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
-from dpledger.service.ledger import audit, chain, charges, curves, gate, silos, transparency
-from dpledger.service.ledger.db import Database, make_engine, migrate
-from dpledger.service.ledger.models import (
+from dpledger.service.ledger import audit, chain, charges, gate, silos, transparency
+from dpledger.service.ledger.signer import TreeHeadSigner
+from dpledger.service.store import curves
+from dpledger.service.store.db import Database, make_engine, migrate
+from dpledger.service.store.models import (
     Charge,
     ChargeRecord,
     ChargeStatus,
@@ -42,7 +44,6 @@ from dpledger.service.ledger.models import (
     LogPending,
     Silo,
 )
-from dpledger.service.ledger.signer import TreeHeadSigner
 from dpledger.wire import merkle
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd
 

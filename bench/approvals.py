@@ -56,8 +56,8 @@ from sqlalchemy import create_engine, text
 from dpledger.harness import free_port, running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.ledger import audit, silos
-from dpledger.service.ledger.db import Database, make_engine, migrate
-from dpledger.service.ledger.models import (
+from dpledger.service.store.db import Database, make_engine, migrate
+from dpledger.service.store.models import (
     Silo,
 )
 from dpledger.wire.mechanisms import DpSgd
@@ -347,7 +347,7 @@ def _start_server(site: str | None, url: str, cwd: str) -> tuple[subprocess.Pope
     env = {**os.environ, "DATABASE_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY}
     if site is not None:
         env["PYTHONPATH"] = site
-    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.ledger.db import migrate; migrate(sys.argv[1])",
+    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.store.db import migrate; migrate(sys.argv[1])",
                     url], env=env, cwd=cwd, check=True)
     port = free_port()
     process = subprocess.Popen(

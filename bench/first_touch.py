@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fastapi.testclient import TestClient
 
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import migrate
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef0123"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

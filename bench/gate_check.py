@@ -37,7 +37,7 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges
-from dpledger.service.ledger.models import Silo
+from dpledger.service.store.models import Silo
 from dpledger.wire.mechanisms import DpSgd
 
 DELTA = 1e-5

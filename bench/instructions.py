@@ -52,7 +52,7 @@ def _server_instructions(site: str | None, approvals: int, args: argparse.Namesp
            "DPLEDGER_LOG_SEQUENCE_INTERVAL_MS": str(args.sequence_interval_ms)}
     if site is not None:
         env["PYTHONPATH"] = site
-    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.ledger.db import migrate; migrate(sys.argv[1])",
+    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.store.db import migrate; migrate(sys.argv[1])",
                     url], env=env, cwd=tmp, check=True)
     port = free_port()
     report = f"{tmp}/valgrind.log"

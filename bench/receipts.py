@@ -53,10 +53,10 @@ from dpledger.audit import transparency as log_check
 from dpledger.harness import running_server
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import silos, transparency
-from dpledger.service.ledger.db import Database, migrate
-from dpledger.service.ledger.models import LedgerEntry, LogLeaf
 from dpledger.service.ledger.signer import TreeHeadSigner
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import Database, migrate
+from dpledger.service.store.models import LedgerEntry, LogLeaf
 from dpledger.wire import merkle
 from dpledger.wire.mechanisms import Mechanism
 from dpledger.wire.receipts import Receipt, verify_head

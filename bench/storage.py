@@ -32,9 +32,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, create_engine, text
 
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
-from dpledger.service.ledger.models import Base
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import migrate
+from dpledger.service.store.models import Base
 
 from _harness import json_safe, log, postgres_answers, reset_postgres, wait_sequenced
 

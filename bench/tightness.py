@@ -39,8 +39,8 @@ from fastapi.testclient import TestClient
 
 from dpledger.service.accounting import rdp
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import migrate
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 
 DELTA = 1e-5

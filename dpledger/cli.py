@@ -185,6 +185,7 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
 
         from dpledger.service.api.ledger_file import LedgerInUse
         from dpledger.service.ledger.errors import LedgerError
+        from dpledger.service.store.db import UnknownRevision
 
         try:
             return int(command(args) or 0)
@@ -197,7 +198,7 @@ def _one_line(command: Callable[[argparse.Namespace], int | None]) -> Callable[[
             message = f"DATABASE_URL is not a database URL SQLAlchemy understands: {error}"
         except SQLAlchemyError as error:
             message = f"the database (DATABASE_URL) refused: {str(error).splitlines()[0]}"
-        except (StartupError, LedgerError, LedgerInUse, OSError) as error:
+        except (StartupError, LedgerError, UnknownRevision, LedgerInUse, OSError) as error:
             message = str(error)
         print(f"dpledger {args.command}: {message}", file=sys.stderr)
         return 2
@@ -236,8 +237,8 @@ def database_url_hint(url: str) -> str | None:
 @_one_line
 def _serve(args: argparse.Namespace) -> None:
     from dpledger.service.api.ledger_file import hold_ledger
-    from dpledger.service.ledger.db import migrate
     from dpledger.service.serving import serve
+    from dpledger.service.store.db import migrate
 
     settings = _settings()  # first: a settings error is said before anything is logged
     hold_ledger(settings.database_url)  # before the port: a second server on this ledger is the mistake to name
@@ -263,7 +264,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 @_one_line
 def _migrate(_: argparse.Namespace) -> None:
-    from dpledger.service.ledger.db import migrate
+    from dpledger.service.store.db import migrate
 
     migrate(_settings().database_url)
 
@@ -272,9 +273,9 @@ def _migrate(_: argparse.Namespace) -> None:
 def _init(args: argparse.Namespace) -> None:
     from sqlalchemy import select
 
-    from dpledger.service.ledger.db import Database, migrate
     from dpledger.service.ledger.keys import create_key
-    from dpledger.service.ledger.models import ApiKey, Role
+    from dpledger.service.store.db import Database, migrate
+    from dpledger.service.store.models import ApiKey, Role
 
     url = _settings().database_url
     migrate(url)
@@ -297,9 +298,9 @@ def _init(args: argparse.Namespace) -> None:
 
 @_one_line
 def _create_key(args: argparse.Namespace) -> None:
-    from dpledger.service.ledger.db import Database, migrate
     from dpledger.service.ledger.keys import issue
-    from dpledger.service.ledger.models import Role
+    from dpledger.service.store.db import Database, migrate
+    from dpledger.service.store.models import Role
 
     url = _settings().database_url
     migrate(url)

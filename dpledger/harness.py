@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from dpledger.service.ledger.db import migrate
+from dpledger.service.store.db import migrate
 
 # How long a server may take to answer /healthz: 4 workers importing the app on a machine ~10×
 # oversubscribed took over 60 s once (a CI run); a server that answers returns at once.

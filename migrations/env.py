@@ -1,9 +1,9 @@
-"""Alembic environment: the URL comes from the Config that dpledger.service.ledger.db builds."""
+"""Alembic environment: the URL comes from the Config that dpledger.service.store.db builds."""
 
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from dpledger.service.ledger.models import Base
+from dpledger.service.store.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -12,7 +12,7 @@ target_metadata = Base.metadata
 def _database_url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url is None:
-        raise RuntimeError("alembic: no sqlalchemy.url in the Config (dpledger.service.ledger.db sets it)")
+        raise RuntimeError("alembic: no sqlalchemy.url in the Config (dpledger.service.store.db sets it)")
     return url
 
 

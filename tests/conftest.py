@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, make_url, text
 
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import migrate
 
 ADMIN_KEY = "test-admin-key-0123456789abcdef"
 POSTGRES_URL = os.environ.get("DPLEDGER_TEST_POSTGRES_URL")

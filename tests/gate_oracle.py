@@ -166,8 +166,8 @@ def probe_budget(
     from fastapi.testclient import TestClient
 
     from dpledger.service.api.app import create_app
-    from dpledger.service.ledger.db import migrate
     from dpledger.service.settings import Settings
+    from dpledger.service.store.db import migrate
     from dpledger.wire.client import LedgerClient
 
     key = "gate-oracle-probe-admin-key-0123456789"

@@ -27,9 +27,9 @@ from dpledger.service.api.errors import disk_full
 from dpledger.service.api.ledger_file import LedgerInUse, hold_ledger
 from dpledger.service.dashboard import pages, svg
 from dpledger.service.dashboard.pages import SiloRow
-from dpledger.service.ledger.db import migrate
 from dpledger.service.serving import why_it_died
 from dpledger.service.settings import Settings, get_settings
+from dpledger.service.store.db import migrate
 from dpledger.trainer import report
 from dpledger.trainer.loop import JobRun, Refusal, RoundRecord
 from dpledger.trainer.report import DemoSettings, epsilon_panels, plot_epsilon, refusal_point

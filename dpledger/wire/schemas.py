@@ -1,4 +1,4 @@
-"""Wire models (pydantic v2) of the HTTP API; separate from the service's tables (`dpledger.service.ledger.models`)."""
+"""Wire models (pydantic v2) of the HTTP API; separate from the service's tables (`dpledger.service.store.models`)."""
 
 from __future__ import annotations
 

@@ -28,10 +28,10 @@ from dpledger.service.api.routes import (
     silos,
 )
 from dpledger.service.ledger import keys as ledger_keys
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.sequencer import Sequencer
 from dpledger.service.ledger.signer import load_signer
 from dpledger.service.settings import Settings, get_settings
+from dpledger.service.store.db import Database
 
 DOCS_ASSETS = "/docs-assets"
 

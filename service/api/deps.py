@@ -10,9 +10,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import keys
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import NotFound
-from dpledger.service.ledger.models import Role
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Role
 from dpledger.wire.schemas import MAX_ID
 
 READERS = (Role.admin, Role.auditor)  # they see every silo

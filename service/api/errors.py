@@ -14,7 +14,6 @@ from fastapi.types import DecoratedCallable
 from sqlalchemy.exc import OperationalError
 
 from dpledger.service.accounting.events import MechanismError
-from dpledger.service.ledger.db import CommitFailed
 from dpledger.service.ledger.errors import (
     Conflict,
     InvalidRequest,
@@ -24,6 +23,7 @@ from dpledger.service.ledger.errors import (
     Unauthorized,
 )
 from dpledger.service.ledger.seals import Tampered
+from dpledger.service.store.db import CommitFailed
 from dpledger.wire.schemas import OverBudgetResponse, finite_or_none
 
 

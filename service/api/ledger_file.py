@@ -19,7 +19,7 @@ from typing import IO
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dpledger.service.ledger.sqlite_url import sqlite_file
+from dpledger.service.store.sqlite_url import sqlite_file
 
 log = logging.getLogger("dpledger.ledger")
 

@@ -37,8 +37,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dpledger.service.api.deps import DbDep, Principal
 from dpledger.service.ledger import keys, silos
-from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.models import Role
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Role
 
 RESERVE_ROUTE = "reserve_charge"
 DECISIONS = "dpledger_charge_decisions"

@@ -13,8 +13,9 @@ from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
-from dpledger.service.ledger import chain, curves, seals
-from dpledger.service.ledger.models import (
+from dpledger.service.ledger import chain, seals
+from dpledger.service.store import curves
+from dpledger.service.store.models import (
     Charge,
     ChargeStatus,
     EntryEvent,

@@ -11,7 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from dpledger.service.ledger.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Silo
+from dpledger.service.store.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Silo
 from dpledger.wire import chain_replay
 from dpledger.wire.enums import Relation
 

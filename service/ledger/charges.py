@@ -32,8 +32,7 @@ from dpledger.service.accounting.running_sum import (
     curve_from_json,
     curve_to_json,
 )
-from dpledger.service.ledger import chain, curves, gate, keys, seals, silos, transparency
-from dpledger.service.ledger.db import Database
+from dpledger.service.ledger import chain, gate, keys, seals, silos, transparency
 from dpledger.service.ledger.errors import (
     Conflict,
     InvalidRequest,
@@ -42,7 +41,9 @@ from dpledger.service.ledger.errors import (
     SettledAlready,
     Unauthorized,
 )
-from dpledger.service.ledger.models import (
+from dpledger.service.store import curves
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import (
     Charge,
     ChargeRecord,
     ChargeStatus,

@@ -25,7 +25,7 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger.errors import Conflict
-from dpledger.service.ledger.models import Silo
+from dpledger.service.store.models import Silo
 from dpledger.wire.mechanisms import AnyMechanism
 
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import silos
-from dpledger.service.ledger.models import Charge, EntryEvent, LedgerEntry, Silo
+from dpledger.service.store.models import Charge, EntryEvent, LedgerEntry, Silo
 
 
 @dataclass(frozen=True)

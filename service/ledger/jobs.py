@@ -13,9 +13,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import charges, keys, silos
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
-from dpledger.service.ledger.models import Job, JobSilo, NormReport, PrivacyLevel, Silo
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Job, JobSilo, NormReport, PrivacyLevel, Silo
 
 
 def create_job(db: Database, *, name: str, silo_ids: list[int]) -> Job:

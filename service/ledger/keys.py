@@ -11,9 +11,9 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import InvalidRequest, NotFound, Unauthorized
-from dpledger.service.ledger.models import ApiKey, Role, Silo
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import ApiKey, Role, Silo
 
 KEY_PREFIX = "dpl_"
 

@@ -21,7 +21,7 @@ import numpy as np
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import chain
-from dpledger.service.ledger.models import ChargeRecord, EntryEvent, Silo
+from dpledger.service.store.models import ChargeRecord, EntryEvent, Silo
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 
 # The charge's columns an entry's hash covers (chain.charge_fields), read with the entry: "rdp" is its curve's

@@ -13,9 +13,9 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges, gate, silos
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, InvalidRequest
-from dpledger.service.ledger.models import Silo
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Silo
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd
 from dpledger.wire.schemas import RoundsQuote, RoundsQuoteRequest, finite_or_none
 

@@ -33,9 +33,9 @@ from sqlalchemy.orm import Session
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans
 from dpledger.service.ledger import chain, gate, replayed
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict
-from dpledger.service.ledger.models import Charge, Curve, EntryEvent, LedgerEntry, Silo
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Charge, Curve, EntryEvent, LedgerEntry, Silo
 
 # The events whose entries cover the silo's record rather than a charge.
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)

@@ -20,9 +20,9 @@ from dpledger.service.accounting import cost, rdp
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.trial_counts import TrialDistribution, distribution, draw_trials
 from dpledger.service.ledger import charges, keys, silos, transparency
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import Conflict, NotFound, SettledAlready
-from dpledger.service.ledger.models import Charge, ChargeRecord, ChargeStatus, Search, SearchStatus
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Charge, ChargeRecord, ChargeStatus, Search, SearchStatus
 from dpledger.wire.mechanisms import AnyMechanism, RepeatAndSelect
 
 

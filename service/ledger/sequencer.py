@@ -34,11 +34,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from dpledger.service.ledger import transparency
-from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.models import LogPending
 from dpledger.service.ledger.signer import TreeHeadSigner
-from dpledger.service.ledger.sqlite_url import sqlite_file
-from dpledger.service.ledger.wakeup import LINGER_S, Wakeups, _Fifo, _Notifications, fifo_path
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import LogPending
+from dpledger.service.store.sqlite_url import sqlite_file
+from dpledger.service.store.wakeup import LINGER_S, Wakeups, _Fifo, _Notifications, fifo_path
 from dpledger.wire.receipts import SignedTreeHead
 
 log = logging.getLogger("dpledger.sequencer")

@@ -18,11 +18,12 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp, reports
 from dpledger.service.accounting.events import MechanismError, resolve
 from dpledger.service.accounting.running_sum import RunningSum
-from dpledger.service.ledger import chain, curves, gate, replayed, seals, transparency
-from dpledger.service.ledger.db import Database
+from dpledger.service.ledger import chain, gate, replayed, seals, transparency
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.ledger.models import (
+from dpledger.service.store import curves
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import (
     Charge,
     ChargeRecord,
     EntryEvent,

@@ -36,9 +36,9 @@ from sqlalchemy import Table, and_, bindparam, delete, func, insert, select, upd
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
-from dpledger.service.ledger.db import leaf_written
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
-from dpledger.service.ledger.models import (
+from dpledger.service.store.db import leaf_written
+from dpledger.service.store.models import (
     Charge,
     EntryRecord,
     LedgerEntry,

@@ -21,8 +21,8 @@ from schemathesis import GenerationMode
 from schemathesis.python import asgi
 
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import migrate
 from tests.conftest import ADMIN_KEY
 from tests.reliability.loadgen import ADMIN
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine
 
-from dpledger.service.ledger.db import migrate
+from dpledger.service.store.db import migrate
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import migrate
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import migrate
 from tests.conftest import ADMIN, ADMIN_KEY, bearer
 from tests.service import hostile
 

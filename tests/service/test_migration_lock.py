@@ -15,7 +15,7 @@ import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, text
 
-from dpledger.service.ledger.db import alembic_config
+from dpledger.service.store.db import alembic_config
 from tests.conftest import reset_postgres
 
 # Each child imports everything first, says it is ready, then waits for the starting gun, so both
@@ -23,7 +23,7 @@ from tests.conftest import reset_postgres
 _CHILD = """
 import sys, time
 from pathlib import Path
-from dpledger.service.ledger.db import migrate
+from dpledger.service.store.db import migrate
 gun = Path(sys.argv[2])
 Path(sys.argv[3]).touch()
 while not gun.exists():

@@ -15,9 +15,9 @@ from sqlalchemy import create_engine, inspect, text
 
 from dpledger.cli import openapi_document
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger.db import alembic_config
-from dpledger.service.ledger.models import Base
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import alembic_config
+from dpledger.service.store.models import Base
 from tests.conftest import ADMIN, ADMIN_KEY
 
 ROOT = Path(__file__).resolve().parents[2]

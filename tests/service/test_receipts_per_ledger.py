@@ -45,7 +45,7 @@ def ledgers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[l
     made, apps = [], []
     for n in range(2):
         database = f"sqlite:///{tmp_path}/ledger{n}.db"
-        from dpledger.service.ledger.db import migrate
+        from dpledger.service.store.db import migrate
 
         migrate(database)
         app = create_app(Settings(database_url=database, admin_key=ADMIN_KEY,

@@ -22,8 +22,8 @@ from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import seals
-from dpledger.service.ledger.models import Silo
 from dpledger.service.settings import Settings
+from dpledger.service.store.models import Silo
 from dpledger.wire import merkle
 from dpledger.wire.receipts import SignedTreeHead, is_fork
 from tests.conftest import ADMIN, ADMIN_KEY, bearer

@@ -17,8 +17,8 @@ from sqlalchemy import Engine, create_engine, inspect
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain, seals
-from dpledger.service.ledger.db import migrate
-from dpledger.service.ledger.models import Silo
+from dpledger.service.store.db import migrate
+from dpledger.service.store.models import Silo
 from dpledger.wire.enums import Relation
 from tests.conftest import ADMIN, bearer
 from tests.service.rows import charge_curve, entries, repoint_curve, sql

@@ -1,4 +1,4 @@
-"""One rule says which database URLs name a SQLite file (service/ledger/sqlite_url.py): the writers'
+"""One rule says which database URLs name a SQLite file (service/store/sqlite_url.py): the writers'
 flock, the migration lock, the wake-up FIFO, the sequencer and the deleted-file guard all follow it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import pytest
 
 from dpledger.service.api.ledger_file import ledger_path
-from dpledger.service.ledger.db import SqliteWriters, make_engine
-from dpledger.service.ledger.sqlite_url import sqlite_file
+from dpledger.service.store.db import SqliteWriters, make_engine
+from dpledger.service.store.sqlite_url import sqlite_file
 
 IN_MEMORY = ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:",
              "sqlite:///file:ledger?mode=memory&cache=shared&uri=true"]

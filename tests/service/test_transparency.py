@@ -37,11 +37,12 @@ from dpledger.harness import running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json, curve_to_json
 from dpledger.service.api.app import create_app
-from dpledger.service.ledger import chain, curves, gate, transparency
-from dpledger.service.ledger.db import alembic_config
-from dpledger.service.ledger.models import Charge, Curve, LedgerEntry, LogLeaf, LogNode, LogState, Silo
+from dpledger.service.ledger import chain, gate, transparency
 from dpledger.service.ledger.signer import SigningKeyError
 from dpledger.service.settings import Settings
+from dpledger.service.store import curves
+from dpledger.service.store.db import alembic_config
+from dpledger.service.store.models import Charge, Curve, LedgerEntry, LogLeaf, LogNode, LogState, Silo
 from dpledger.wire import merkle, receipt_store
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import EntryEvent

@@ -34,7 +34,7 @@ ODD: list[Any] = [None, -1, 0, 1e308, -1e308, "x", "", [], {}, True, 2**70, "NaN
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("fuzz")
-    from dpledger.service.ledger.db import migrate
+    from dpledger.service.store.db import migrate
 
     url = f"sqlite:///{folder}/ledger.db"
     migrate(url)

@@ -17,9 +17,9 @@ from dpledger.service.api.metrics import Decision, note_decision
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.api.refusals import Refusal
 from dpledger.service.ledger import charges
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import OverBudget, Unauthorized
-from dpledger.service.ledger.models import Role
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Role
 from dpledger.wire.enums import ChargeStatus
 from dpledger.wire.schemas import (
     ChargeRequest,

@@ -18,7 +18,7 @@ from dpledger.service.dashboard.parameters import parameters
 from dpledger.service.ledger import audit, gate, keys, seals, silos, transparency
 from dpledger.service.ledger import history as ledger_history
 from dpledger.service.ledger.errors import NotFound
-from dpledger.service.ledger.models import Role, Silo
+from dpledger.service.store.models import Role, Silo
 from dpledger.wire.schemas import finite_or_none
 
 router = APIRouter(prefix="/dashboard", include_in_schema=False)

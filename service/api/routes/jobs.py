@@ -9,7 +9,7 @@ from fastapi import APIRouter, Path, status
 from dpledger.service.accounting.clustering import cluster_norms
 from dpledger.service.api.deps import DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import jobs
-from dpledger.service.ledger.models import Role
+from dpledger.service.store.models import Role
 from dpledger.wire.schemas import (
     GroupComponent,
     GroupsResponse,

@@ -4,7 +4,7 @@ from fastapi import APIRouter, Response, status
 
 from dpledger.service.api.deps import DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import keys
-from dpledger.service.ledger.models import Role
+from dpledger.service.store.models import Role
 from dpledger.wire.schemas import KeyCreated, KeyCreateRequest, KeyInfo
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])

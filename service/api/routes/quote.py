@@ -12,9 +12,9 @@ from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.admission import TOO_MANY, AdmittedDep
 from dpledger.service.api.deps import READERS, DbDep, Principal
 from dpledger.service.ledger import charges, gate, round_quotes
-from dpledger.service.ledger.db import Database
 from dpledger.service.ledger.errors import InvalidRequest
-from dpledger.service.ledger.models import Role
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Role
 from dpledger.wire.mechanisms import AnyMechanism
 from dpledger.wire.schemas import (
     CalibrateRequest,

@@ -22,7 +22,7 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.api.errors import spend_route
 from dpledger.service.api.receipts import SignerDep, receipt
 from dpledger.service.ledger import searches
-from dpledger.service.ledger.models import Role, Search, SearchStatus
+from dpledger.service.store.models import Role, Search, SearchStatus
 from dpledger.wire.mechanisms import Mechanism, check_nesting
 from dpledger.wire.schemas import Delta, Text, finite_or_none
 from dpledger.wire.searches import DistributionKind, SearchDetail, SearchStarted, TrialReport

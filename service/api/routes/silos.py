@@ -19,7 +19,7 @@ from dpledger.service.api.deps import READERS, DbDep, IdPath, PrincipalDep
 from dpledger.service.ledger import charges, gate, jobs, seals, silos
 from dpledger.service.ledger import history as ledger_history
 from dpledger.service.ledger.errors import InvalidRequest
-from dpledger.service.ledger.models import EntryEvent, Role, Silo
+from dpledger.service.store.models import EntryEvent, Role, Silo
 from dpledger.wire.mechanisms import DpSgd
 from dpledger.wire.safe_text import safe_cell
 from dpledger.wire.schemas import (

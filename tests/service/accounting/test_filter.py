@@ -27,7 +27,7 @@ from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.events import resolve
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import charges, gate
-from dpledger.service.ledger.models import Silo
+from dpledger.service.store.models import Silo
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd, Mechanism
 from tests.service.accounting import anchors
 

@@ -1,4 +1,4 @@
-"""Curves stored once per ledger (service/ledger/curves.py): keyed by their text's SHA-256, written once,
+"""Curves stored once per ledger (service/store/curves.py): keyed by their text's SHA-256, written once,
 and known to the process (so not written again) only once the transaction that wrote them committed."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import hashlib
 import pytest
 from sqlalchemy import func, select
 
-from dpledger.service.ledger import curves
-from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.models import Curve
+from dpledger.service.store import curves
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Curve
 
 TEXT = "[0.25,0.5,Infinity]"
 

@@ -19,8 +19,8 @@ from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import chain, transparency
-from dpledger.service.ledger.db import alembic_config
 from dpledger.service.settings import Settings
+from dpledger.service.store.db import alembic_config
 from dpledger.wire.mechanisms import DpSgd
 from tests.conftest import ADMIN, ADMIN_KEY
 from tests.gate_oracle import dpsgd_curve, filter_of, proven_epsilon

@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import IntegrityError
 
-from dpledger.service.ledger import db as ledger_db
-from dpledger.service.ledger.db import CommitFailed, Database
+from dpledger.service.store import db as ledger_db
+from dpledger.service.store.db import CommitFailed, Database
 
 
 @pytest.fixture

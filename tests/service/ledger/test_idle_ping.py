@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from dpledger.service.ledger import db
+from dpledger.service.store import db
 
 
 def _backend(engine: Any) -> int:

@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 
 from dpledger.service.ledger import charges, silos
-from dpledger.service.ledger.db import Database
-from dpledger.service.ledger.models import Charge
+from dpledger.service.store.db import Database
+from dpledger.service.store.models import Charge
 from dpledger.wire.mechanisms import DpSgd
 
 STEP = DpSgd(type="dpsgd", batch_size=10, noise_multiplier=1.1, steps=1)

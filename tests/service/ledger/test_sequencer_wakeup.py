@@ -17,10 +17,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import create_engine, event, text
 
-from dpledger.service.ledger import sequencer, silos, wakeup
-from dpledger.service.ledger.db import Database
+from dpledger.service.ledger import sequencer, silos
 from dpledger.service.ledger.sequencer import Sequencer
 from dpledger.service.ledger.signer import TreeHeadSigner
+from dpledger.service.store import wakeup
+from dpledger.service.store.db import Database
 
 WOKEN_WITHIN_S = 3.0  # a ring's batch comes after `interval`; the rest is room for a loaded machine
 

@@ -22,10 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool
 
 import dpledger.migrations
-from dpledger.service.ledger import curves
-from dpledger.service.ledger.errors import LedgerError
-from dpledger.service.ledger.sqlite_url import sqlite_file
-from dpledger.service.ledger.wakeup import Doorbell
+from dpledger.service.store import curves
+from dpledger.service.store.sqlite_url import sqlite_file
+from dpledger.service.store.wakeup import Doorbell
 
 MIGRATIONS_DIR = Path(dpledger.migrations.__file__).resolve().parent
 _IMMEDIATE = "dpledger_immediate"
@@ -341,7 +340,7 @@ def migrate(url: str) -> None:
                                   "version, or point DATABASE_URL at another database") from None
 
 
-class UnknownRevision(LedgerError):
+class UnknownRevision(RuntimeError):
     """The database's schema revision is not one of this version's migrations."""
 
 

@@ -25,7 +25,7 @@ from sqlalchemy import Insert, Table, bindparam
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from dpledger.service.ledger.models import Curve
+from dpledger.service.store.models import Curve
 
 _CURVES = cast(Table, Curve.__table__)
 # Where a write transaction keeps what it knows of curves (Database.write sets and reads these).

@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.pool import NullPool
 
-from dpledger.service.ledger.sqlite_url import sqlite_file
+from dpledger.service.store.sqlite_url import sqlite_file
 
 log = logging.getLogger("dpledger.sequencer")
 
