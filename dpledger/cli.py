@@ -271,11 +271,10 @@ def _migrate(_: argparse.Namespace) -> None:
 
 @_one_line
 def _init(args: argparse.Namespace) -> None:
-    from sqlalchemy import select
-
     from dpledger.service.ledger.keys import create_key
+    from dpledger.service.store import records
     from dpledger.service.store.db import Database, migrate
-    from dpledger.service.store.models import ApiKey, Role
+    from dpledger.service.store.models import Role
 
     url = _settings().database_url
     migrate(url)
@@ -283,8 +282,7 @@ def _init(args: argparse.Namespace) -> None:
     engine = db.engine
     try:
         with db.write() as session:
-            admins = select(ApiKey.id).where(ApiKey.role == Role.admin, ApiKey.revoked_at.is_(None))
-            if session.scalars(admins).first() is not None:
+            if records.live_admin_key_id(session) is not None:
                 raise StartupError(
                     f"{engine.url.render_as_string(hide_password=True)} has an admin key already; "
                     "`dpledger keys create --role admin` makes another"

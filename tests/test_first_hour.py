@@ -23,13 +23,13 @@ from dpledger.harness import ServerProcess, free_port
 from dpledger.people import commands as people_commands
 from dpledger.service.api import ledger_file
 from dpledger.service.api.app import create_app
-from dpledger.service.api.errors import disk_full
 from dpledger.service.api.ledger_file import LedgerInUse, hold_ledger
 from dpledger.service.dashboard import pages, svg
 from dpledger.service.dashboard.pages import SiloRow
 from dpledger.service.serving import why_it_died
 from dpledger.service.settings import Settings, get_settings
 from dpledger.service.store.db import migrate
+from dpledger.service.store.errors import disk_full
 from dpledger.trainer import report
 from dpledger.trainer.loop import JobRun, Refusal, RoundRecord
 from dpledger.trainer.report import DemoSettings, epsilon_panels, plot_epsilon, refusal_point

@@ -3,8 +3,6 @@ its context (MechanismError, a 422 naming the field), and validation errors kept
 
 from __future__ import annotations
 
-import errno
-import sqlite3
 from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI, Request, status
@@ -24,6 +22,7 @@ from dpledger.service.ledger.errors import (
 )
 from dpledger.service.ledger.seals import Tampered
 from dpledger.service.store.db import CommitFailed
+from dpledger.service.store.errors import disk_full
 from dpledger.wire.schemas import OverBudgetResponse, finite_or_none
 
 
@@ -31,28 +30,8 @@ def _field_error(loc: list[str | int], msg: str, kind: str) -> dict[str, object]
     return {"loc": loc, "msg": msg, "type": kind}
 
 
-# PostgreSQL's SQLSTATE for "disk full" (class 53, insufficient resources).
-_PG_DISK_FULL = "53100"
 DISK_FULL = ("the ledger's disk is full: nothing of this request was written (its transaction rolled back); "
              "free space where the database lives, then retry")
-
-
-def disk_full(error: BaseException | None) -> bool:
-    """Whether a failed write failed for want of disk space, however the database's driver said it:
-    SQLite's SQLITE_FULL ("database or disk is full"), an OSError ENOSPC, PostgreSQL's 53100."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-            return True
-        if isinstance(error, sqlite3.Error) and (
-            getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "database or disk is full" in str(error)
-        ):
-            return True
-        if getattr(error, "sqlstate", None) == _PG_DISK_FULL:
-            return True
-        error = error.__cause__ or error.__context__ or getattr(error, "orig", None)
-    return False
 
 
 def install(app: FastAPI) -> None:

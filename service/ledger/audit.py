@@ -8,18 +8,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import chain, seals
-from dpledger.service.store import curves
+from dpledger.service.store import curves, records
 from dpledger.service.store.models import (
     Charge,
     ChargeStatus,
     EntryEvent,
-    LedgerEntry,
     Silo,
 )
 from dpledger.wire.chain_replay import ChainReplay, Link
@@ -50,10 +48,7 @@ class Report:
 
 def verify(session: Session, silo_ids: list[int] | None = None) -> Report:
     report = Report()
-    query = select(Silo).order_by(Silo.id)
-    if silo_ids is not None:
-        query = query.where(Silo.id.in_(silo_ids))
-    for silo in session.scalars(query):
+    for silo in records.silos_in_order(session, silo_ids):
         _verify_silo(session, silo, report)
     return report
 
@@ -62,8 +57,8 @@ def _verify_silo(session: Session, silo: Silo, report: Report) -> None:
     """The chain's own rules (`ChainReplay`, the replay an auditor's check of the signed log runs too),
     then what only the stored rows can show: each entry's hash over the record or charge it covers, and
     the silo's columns that the chain decides."""
-    charges = {c.id: c for c in session.scalars(select(Charge).where(Charge.silo_id == silo.id))}
-    entries = session.scalars(select(LedgerEntry).where(LedgerEntry.silo_id == silo.id).order_by(LedgerEntry.seq))
+    charges = {c.id: c for c in records.charges_of(session, silo.id)}
+    entries = records.entries_of(session, silo.id)
     replay = ChainReplay()
     filter_entries: list[int] = []
     for entry in entries:

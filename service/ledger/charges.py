@@ -18,10 +18,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Table, bindparam, func, insert, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
@@ -41,41 +40,18 @@ from dpledger.service.ledger.errors import (
     SettledAlready,
     Unauthorized,
 )
-from dpledger.service.store import curves
+from dpledger.service.store import charges as store_charges
+from dpledger.service.store import curves, reserving
 from dpledger.service.store.db import Database
 from dpledger.service.store.models import (
     Charge,
     ChargeRecord,
     ChargeStatus,
     EntryEvent,
-    LedgerEntry,
-    Search,
     Silo,
 )
 from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
-
-_CHARGES = cast(Table, Charge.__table__)
-# Every approval runs these two: built once, so an execution skips building and keying a statement.
-_INSERT_CHARGE = insert(_CHARGES).returning(_CHARGES.c.id)
-_CHARGE_BY_KEY = select(_CHARGES.c.id).where(
-    _CHARGES.c.silo_id == bindparam("silo_id"), _CHARGES.c.idempotency_key == bindparam("idempotency_key")
-)
-# A reservation's lock in one statement: the silo locked, and the caller's key live (share-locked on
-# PostgreSQL, as keys.require_live does, so a revocation waits for this transaction).
-_LOCK_AND_KEY = select(
-    Silo, keys.LIVE.with_for_update(read=True).scalar_subquery().label("key_live"),
-).where(Silo.id == bindparam("silo_id")).with_for_update(of=Silo)
-# PostgreSQL: and the id a new charge would take, from the charges' sequence, so that the charge is
-# inserted in its entry's statement (silos.append_entry; the entry's hash names the id). A lock that
-# approves nothing leaves a gap in the ids, as a rolled-back insert does.
-_LOCK_WITH_NEXT_ID = _LOCK_AND_KEY.add_columns(
-    func.nextval(func.pg_get_serial_sequence("charges", "id")).label("next_id"))
-# The charge the idempotency key already names, read with the entries that cover the silo's record
-# (seals.check), in the statement after the lock: a PostgreSQL statement that waited for the lock
-# reads everything but the locked row as it was when it started, and would miss a retry of the same
-# key that committed meanwhile; the next statement sees it.
-_EARLIER = _CHARGE_BY_KEY.scalar_subquery().label("earlier")
 
 
 @dataclass(frozen=True)
@@ -224,9 +200,8 @@ def spent_reference(silo: Silo, running: RunningSum | None = None) -> float:
 
 
 def reserve_position(session: Session, charge_id: int) -> transparency.Position:
-    entry = session.scalars(
-        select(LedgerEntry).where(LedgerEntry.charge_id == charge_id, LedgerEntry.event == EntryEvent.reserve)
-    ).one()
+    entry = store_charges.reserve_entry(session, charge_id)
+    assert entry is not None  # a charge is written with its reserve entry, and neither is ever deleted
     return transparency.position_of(session, entry)
 
 
@@ -337,7 +312,9 @@ def reserve_locked(
     caller's key `key_id` read live first: a key revoked meanwhile writes nothing).
     `repricing`: the request and the terms `priced` was computed under, priced again here if the
     locked record's differ (a seal since: the pair is then priced under the lock, once)."""
-    silo, earlier, next_id = _lock(session, silo_id, key_id=key_id, idempotency_key=idempotency_key)
+    store = reserving.of(session)
+    locked, earlier = _lock(session, store, silo_id, key_id=key_id, idempotency_key=idempotency_key)
+    silo = locked.silo
     if earlier is not None:  # a replay, or a concurrent retry that landed before this lock
         _same_request(earlier, digest)
         return view(session, silo, earlier, replayed=True)
@@ -371,21 +348,13 @@ def reserve_locked(
         "job_id": job_id, "round": round, "epsilon_spent_after": decision.epsilon_if_approved, "created_at": now,
         "touched_at": None, "attempt_id": attempt_id,
     }
-    # Core, not the unit of work's flush of a new object: the row is not read back in this
-    # transaction, and the answer needs only these values and the id. SQLite: one INSERT … RETURNING
-    # (after its curve's, where new); PostgreSQL: with the entry (and a new curve), under the id the
-    # lock's statement took.
-    if next_id is None:
-        if new_curve:
-            session.connection().execute(curves.INSERT["sqlite"], {"curve_hash": curve_hash, "curve_rdp": curve_text})
-        charge_id, new_charge = session.connection().execute(_INSERT_CHARGE, values).scalar_one(), None
-    else:
-        charge_id, new_charge = next_id, {"id": next_id, **values}
-    charge = ChargeRecord(id=charge_id, rdp=curve_text, **values)
+    # Core, not the unit of work's flush of a new object: the row is not read back in this transaction,
+    # and the answer needs only these values and the id (the store writes it now or with its entry).
+    new = store.insert_charge(session, values, locked=locked, curve=(curve_hash, curve_text) if new_curve else None)
+    charge = ChargeRecord(id=new.id, rdp=curve_text, **values)
     position = silos.append_entry(
         session, silo, event=EntryEvent.reserve, charge=charge, epsilon_spent=decision.epsilon_if_approved, now=now,
-        rdp_spent=decision.candidate.to_json(), new_charge=new_charge,
-        new_curve=curve_text if new_charge is not None and new_curve else None,
+        rdp_spent=decision.candidate.to_json(), new_charge=new,
     )
     # dp-accounting's conversion, vectorised (as view): the charge's own ε, and the reference of the sum after it.
     own, reference = (float(e) for e in rdp.epsilons(np.vstack([priced.curve, decision.candidate.curve()]), delta=silo.delta))
@@ -393,31 +362,25 @@ def reserve_locked(
 
 
 def _lock(
-    session: Session, silo_id: int, *, key_id: int | None, idempotency_key: str
-) -> tuple[Silo, Charge | None, int | None]:
-    """keys.require_live, silos.lock and by_key, in that order of refusals, in two statements; and,
-    on PostgreSQL, the id a new charge takes (None on SQLite: its insert returns it)."""
-    sequenced = session.connection().dialect.name == "postgresql"
-    found = session.execute(
-        _LOCK_WITH_NEXT_ID if sequenced else _LOCK_AND_KEY, {"silo_id": silo_id, "key_id": key_id},
-    ).one_or_none()
-    if found is None:
+    session: Session, store: reserving.Reserving, silo_id: int, *, key_id: int | None, idempotency_key: str
+) -> tuple[reserving.Locked, Charge | None]:
+    """keys.require_live, silos.lock and by_key, in that order of refusals, in two statements: the lock
+    with the key's liveness, then the record's check with the charge the key names (store/reserving.py
+    says why that read comes after the lock)."""
+    locked = store.lock(session, silo_id=silo_id, key_id=key_id)
+    if locked is None:
         keys.require_live(session, key_id)  # a revoked key learns nothing about the silo
         raise NotFound(f"silo {silo_id} not found")
-    silo, live = found[:2]
-    next_id = found[2] if sequenced else None
-    if key_id is not None and live is None:
+    if not locked.key_live:
         raise Unauthorized("unknown or revoked API key")
-    earlier = seals.check(session, silo, also=(_EARLIER, {"idempotency_key": idempotency_key}))
-    return silo, None if earlier is None else session.get(Charge, earlier), next_id
+    earlier = seals.check(session, locked.silo, idempotency_key=idempotency_key)
+    return locked, None if earlier is None else session.get(Charge, earlier)
 
 
 def by_key(session: Session, silo_id: int, idempotency_key: str) -> Charge | None:
     # A fresh key (every approval) costs one Core read of the unique index, no ORM load; a replay
     # then loads its charge.
-    found = session.connection().execute(
-        _CHARGE_BY_KEY, {"silo_id": silo_id, "idempotency_key": idempotency_key}
-    ).scalar_one_or_none()
+    found = reserving.charge_by_key(session, silo_id=silo_id, idempotency_key=idempotency_key)
     return None if found is None else session.get(Charge, found)
 
 
@@ -444,12 +407,7 @@ def list_for_silo(
     with db.read() as session:
         silo = silos.get(session, silo_id)
         spent, reference = silos.epsilon_spent(silo), spent_reference(silo)  # the silo's, once for all its charges
-        query = select(Charge).where(Charge.silo_id == silo_id)
-        if status is not None:
-            query = query.where(Charge.status == status)
-        if job_id is not None:
-            query = query.where(Charge.job_id == job_id)
-        found = session.scalars(query.order_by(Charge.id).limit(limit))
+        found = store_charges.of_silo(session, silo_id, status=status, job_id=job_id, limit=limit)
         return [view(session, silo, charge, replayed=False, spent=spent, reference=reference) for charge in found]
 
 
@@ -505,8 +463,7 @@ def _check_as_reserved(session: Session, charge: Charge) -> None:
     sum, which the silo's record check then derives from the chain (ledger/replayed.py), so a curve edited
     upward would otherwise lower the sum by more than was reserved, and an edit that no longer parses
     would answer a 500."""
-    entry = session.scalars(select(LedgerEntry).where(
-        LedgerEntry.charge_id == charge.id, LedgerEntry.event == EntryEvent.reserve)).first()
+    entry = store_charges.reserve_entry(session, charge.id)
     if entry is None or chain.entry_hash(entry, subject=chain.charge_fields(charge)) != entry.hash:
         where = "has no reserve entry" if entry is None else f"no longer matches its reserve entry (seq {entry.seq})'s hash"
         raise Conflict(f"charge {charge.id} {where}: it is settled only as it was reserved; GET /v1/audit/verify names "
@@ -514,7 +471,7 @@ def _check_as_reserved(session: Session, charge: Charge) -> None:
 
 
 def _check_untouched(session: Session, charge: Charge) -> None:
-    if session.scalars(select(Search.id).where(Search.charge_id == charge.id)).first() is not None:
+    if store_charges.pays_for_search(session, charge.id):
         # A search's trials query the data as soon as K is known: its charge settles only by
         # reporting them, never by a release that would hand the budget back.
         raise Conflict(f"charge {charge.id} pays for a hyperparameter search; it is committed by the search's last trial")
@@ -538,10 +495,5 @@ def mark_touched(session: Session, *, silo_id: int, charge_id: int | None = None
         if charge.touched_at is None:
             charge.touched_at = now
     if round is not None:
-        for charge in session.scalars(
-            select(Charge).where(
-                Charge.silo_id == silo_id, Charge.round == round, Charge.status == ChargeStatus.reserved,
-                Charge.touched_at.is_(None),
-            )
-        ):
+        for charge in store_charges.reserved_untouched(session, silo_id=silo_id, round=round):
             charge.touched_at = now

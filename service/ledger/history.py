@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import silos
+from dpledger.service.store import records
 from dpledger.service.store.models import Charge, EntryEvent, LedgerEntry, Silo
 
 
@@ -60,21 +60,9 @@ def history(session: Session, silo_id: int, *, after_seq: int = 0, limit: int = 
     silo = silos.get(session, silo_id, checked=False)  # readable while tampered: it is how an admin inspects one
     replay = _Replay()
     if after_seq > 0:
-        for event, curve_json in session.execute(
-            select(LedgerEntry.event, Charge.rdp)
-            .join(Charge, Charge.id == LedgerEntry.charge_id)
-            .where(LedgerEntry.silo_id == silo_id, LedgerEntry.seq <= after_seq,
-                   LedgerEntry.event.in_((EntryEvent.reserve, EntryEvent.release)))
-            .order_by(LedgerEntry.seq)
-        ):
+        for event, curve_json in records.reserve_release_curves(session, silo_id, through_seq=after_seq):
             replay.step(event, curve_json)
-    rows = session.execute(
-        select(LedgerEntry, Charge)
-        .outerjoin(Charge, Charge.id == LedgerEntry.charge_id)
-        .where(LedgerEntry.silo_id == silo_id, LedgerEntry.seq > after_seq)
-        .order_by(LedgerEntry.seq)
-        .limit(limit)
-    ).all()
+    rows = records.entries_after(session, silo_id, after_seq=after_seq, limit=limit)
     out: list[HistoryRow] = []
     for start in range(0, len(rows), _BLOCK):  # a block of sums converted at once, so memory stays bounded
         block = rows[start:start + _BLOCK]

@@ -8,21 +8,21 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import charges, keys, silos
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
+from dpledger.service.store import records
 from dpledger.service.store.db import Database
-from dpledger.service.store.models import Job, JobSilo, NormReport, PrivacyLevel, Silo
+from dpledger.service.store.models import Job, JobSilo, NormReport, PrivacyLevel
 
 
 def create_job(db: Database, *, name: str, silo_ids: list[int]) -> Job:
     if len(set(silo_ids)) != len(silo_ids):
         raise InvalidRequest("silo_ids", "must not repeat a silo")
     with db.write() as session:
-        known = set(session.scalars(select(Silo.id).where(Silo.id.in_(silo_ids))))
+        known = records.known_silo_ids(session, silo_ids)
         if len(known) != len(silo_ids):
             # Which ids exist is not said: the coordinator, who creates jobs, may not learn it.
             raise InvalidRequest("silo_ids", "must all name registered silos")
@@ -53,18 +53,12 @@ def report_norm(
             raise NotFound(f"job {job_id} not found")  # a job the silo is not part of is not its to see
         silos.lock(session, silo_id)
         charges.mark_touched(session, silo_id=silo_id, charge_id=charge_id, round=round)
-        earlier = _report(session, job_id, round, silo_id)
+        earlier = records.norm_report(session, job_id=job_id, round=round, silo_id=silo_id)
         if earlier is not None:
             return _same_or_conflict(earlier, l2_norm)
         report = NormReport(job_id=job_id, round=round, silo_id=silo_id, l2_norm=l2_norm, created_at=datetime.now(UTC))
         session.add(report)
         return report
-
-
-def _report(session: Session, job_id: int, round: int, silo_id: int) -> NormReport | None:
-    return session.scalars(
-        select(NormReport).where(NormReport.job_id == job_id, NormReport.round == round, NormReport.silo_id == silo_id)
-    ).one_or_none()
 
 
 def _same_or_conflict(earlier: NormReport, l2_norm: float) -> NormReport:
@@ -76,10 +70,7 @@ def _same_or_conflict(earlier: NormReport, l2_norm: float) -> NormReport:
 def round_norms(db: Database, *, job_id: int, round: int) -> dict[int, float]:
     with db.read() as session:
         get_job(session, job_id)
-        rows = session.execute(
-            select(NormReport.silo_id, NormReport.l2_norm).where(NormReport.job_id == job_id, NormReport.round == round)
-        )
-        return {silo_id: norm for silo_id, norm in rows}
+        return records.round_norms(session, job_id=job_id, round=round)
 
 
 def publish_level(db: Database, *, name: str, epsilon: float, delta: float) -> PrivacyLevel:
@@ -94,12 +85,12 @@ def publish_level(db: Database, *, name: str, epsilon: float, delta: float) -> P
 
 def list_levels(db: Database) -> list[PrivacyLevel]:
     with db.read() as session:
-        return list(session.scalars(select(PrivacyLevel).order_by(PrivacyLevel.epsilon)))
+        return records.privacy_levels(session)
 
 
 def level_by_name(db: Database, name: str) -> PrivacyLevel:
     with db.read() as session:
-        level = session.scalars(select(PrivacyLevel).where(PrivacyLevel.name == name)).one_or_none()
+        level = records.privacy_level(session, name)
     if level is None:
         raise InvalidRequest("level", f"no privacy level named {name!r}")
     return level

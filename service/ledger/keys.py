@@ -7,11 +7,11 @@ import hashlib
 import secrets
 from datetime import UTC, datetime
 
-from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger.errors import InvalidRequest, NotFound, Unauthorized
+from dpledger.service.store import records, reserving
 from dpledger.service.store.db import Database
 from dpledger.service.store.models import ApiKey, Role, Silo
 
@@ -46,7 +46,7 @@ def create_key(session: Session, *, role: Role, silo_id: int | None, raw: str | 
 
 
 def authenticate(session: Session, raw: str) -> ApiKey | None:
-    key = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(raw))).one_or_none()
+    key = records.key_by_hash(session, hash_key(raw))
     if key is None or key.revoked_at is not None:
         return None
     return key
@@ -60,12 +60,6 @@ def revoke(db: Database, key_id: int) -> None:
         key.revoked_at = datetime.now(UTC)
 
 
-_KEYS = ApiKey.__table__
-_REVOKED_AT = select(_KEYS.c.revoked_at).where(_KEYS.c.id == bindparam("key_id")).with_for_update(read=True)
-# The key `key_id` if it is live (a reservation reads it in its lock's statement, charges._lock).
-LIVE = select(_KEYS.c.id).where(_KEYS.c.id == bindparam("key_id"), _KEYS.c.revoked_at.is_(None))
-
-
 def require_live(session: Session, key_id: int | None) -> None:
     """Inside a write transaction: the caller's key is still live. A key revoked while its request
     was in flight writes nothing. On PostgreSQL the row is share-locked, so a revocation waits for
@@ -73,8 +67,7 @@ def require_live(session: Session, key_id: int | None) -> None:
     if key_id is None:
         return
     # Core, the one row: every approval makes this read, and needs no key object from it.
-    found = session.connection().execute(_REVOKED_AT, {"key_id": key_id}).one_or_none()
-    if found is None or found.revoked_at is not None:
+    if not reserving.key_live(session, key_id):
         raise Unauthorized("unknown or revoked API key")
 
 
@@ -85,7 +78,7 @@ def ensure_admin_key(db: Database, raw: str) -> None:
     # the write lock up front makes the racers wait and then find the key.
     try:
         with db.write() as session:
-            if session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(raw))).one_or_none():
+            if records.key_by_hash(session, hash_key(raw)):
                 return
             create_key(session, role=Role.admin, silo_id=None, raw=raw)
     except IntegrityError:

@@ -22,13 +22,9 @@ from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import chain
 from dpledger.service.store.models import ChargeRecord, EntryEvent, Silo
+from dpledger.service.store.reserving import CHARGE_COLUMNS
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 
-# The charge's columns an entry's hash covers (chain.charge_fields), read with the entry: "rdp" is its curve's
-# text, read through "curve_hash" from the curves table (ledger/curves.py).
-CHARGE_COLUMNS = ("id", "silo_id", "idempotency_key", "request_hash", "mechanism", "curve_hash", "rdp", "order_grid",
-                  "conversion", "status", "job_id", "round", "epsilon_spent_after", "created_at", "touched_at",
-                  "attempt_id")
 # A plan text progress was derived under: NO_PLAN where nothing tracked the reserves for a plan.
 NO_PLAN = "\x00no plan"
 

@@ -20,22 +20,21 @@ never sealed: it is restored (its right value is in the 409).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, CompoundSelect, Connection, Label, Select, Table, bindparam, select, union_all
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans
 from dpledger.service.ledger import chain, gate, replayed
 from dpledger.service.ledger.errors import Conflict
-from dpledger.service.store.db import Database
-from dpledger.service.store.models import Charge, Curve, EntryEvent, LedgerEntry, Silo
+from dpledger.service.store import reserving
+from dpledger.service.store.db import Database, database_url
+from dpledger.service.store.models import EntryEvent, LedgerEntry, Silo
 
 # The events whose entries cover the silo's record rather than a charge.
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
@@ -70,35 +69,6 @@ RECOMPUTED: dict[str, str] = {
 # UNREAD: columns that decide no approval, each with why (none today).
 UNREAD: dict[str, str] = {}
 
-_TABLE = cast(Table, LedgerEntry.__table__)
-_CHARGES = cast(Table, Charge.__table__)
-_CURVES = cast(Table, Curve.__table__)
-# A record is covered by at most four entries (its create or seal entry, its filter entry, its retire
-# entry, its plan entry); the list is fixed, not expanding (which would be rendered again at each
-# execution), and a shorter one repeats its first.
-_COVERING_AT_MOST = 4
-_PAGE = 2000  # entries a cold replay reads at a time
-
-
-def _entries(where: ColumnElement[bool]) -> Select[Any]:
-    """The silo's entries where `where` holds, each with the charge it names (`c_*`: what its hash covers,
-    its curve's text read through its key)."""
-    columns = (_CURVES.c.rdp if name == "rdp" else _CHARGES.c[name] for name in replayed.CHARGE_COLUMNS)
-    return select(*_TABLE.c, *(column.label(f"c_{name}") for name, column in zip(
-        replayed.CHARGE_COLUMNS, columns, strict=True))).select_from(
-        _TABLE.outerjoin(_CHARGES, _CHARGES.c.id == _TABLE.c.charge_id)
-        .outerjoin(_CURVES, _CURVES.c.hash == _CHARGES.c.curve_hash)
-    ).where(_TABLE.c.silo_id == bindparam("silo_id"), where)
-
-
-# Every load runs it: the entries that cover the record, and those past `since` (the end of the chain
-# this process replayed; none where it holds the record's own end). A UNION ALL of two index ranges,
-# where an OR of them would scan the silo's whole chain on SQLite.
-_COVERING = _entries(_TABLE.c.seq.in_([bindparam(f"seq{i}") for i in range(_COVERING_AT_MOST)]))
-_AFTER = _entries(_TABLE.c.seq > bindparam("since"))
-_PAGE_AFTER = _AFTER.order_by(_TABLE.c.seq).limit(_PAGE)
-
-
 class Tampered(Conflict):
     """The silo's row no longer recomputes to the hash of the entry that covers it, or no longer reads
     as its chain makes it (`recomputed`: a column that no hash covers as stored, replayed.py)."""
@@ -118,13 +88,6 @@ class Tampered(Conflict):
         self.recomputed = recomputed
 
 
-@functools.cache
-def _statement(column: Label[Any] | None) -> CompoundSelect[Any]:
-    if column is None:
-        return union_all(_COVERING, _AFTER)
-    return union_all(_COVERING.add_columns(column), _AFTER.add_columns(column))
-
-
 # What this process derived of each silo's chain (replayed.State), by engine and silo: any process's
 # write moves the chain's end, and an edit of the row is compared against it, never adopted.
 _DERIVED_LIMIT = 4096
@@ -132,10 +95,8 @@ _DERIVED: dict[tuple[object, int], replayed.State] = {}
 
 
 def _key(session: Session, silo_id: int) -> tuple[object, int]:
-    # By the database's URL: a write session may be bound to a connection, a read one to an engine
-    # with options; the chain's end validates what is kept in any case.
-    bind = session.get_bind()
-    return (bind.engine if isinstance(bind, Connection) else bind).url, silo_id
+    # By the database's URL; the chain's end validates what is kept in any case.
+    return database_url(session), silo_id
 
 
 def derived(session: Session, silo: Silo) -> replayed.State | None:
@@ -174,24 +135,24 @@ def _replay(session: Session, silo: Silo, rows: Sequence[Any]) -> tuple[replayed
                 return state, {}
     state, seen = replayed.genesis(track_plan=silo.plan is not None), {}
     while True:
-        page = session.connection().execute(_PAGE_AFTER, {"silo_id": silo.id, "since": state.seq}).all()
+        page = reserving.entries_after(session, silo_id=silo.id, since=state.seq)
         try:
             state = replayed.advance(state, page, silo_id=silo.id)
         except replayed.Broken as broken:
             raise Tampered(silo_id=silo.id, seq=broken.seq, event=_event(broken.event),
                            why=f"is not what its chain makes it: the chain {broken.why}", recomputed=True) from None
         seen.update({row.seq: row for row in page if row.event in RECORD_EVENTS})
-        if len(page) < _PAGE:
+        if len(page) < reserving.PAGE:
             return state, seen
 
 
 def covering(
-    session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any]] | None = None,
-) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], Any, replayed.State]:
+    session: Session, silo: Silo, *, idempotency_key: str | None = None,
+) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], int | None, replayed.State]:
     """The entries that cover the silo's record now, as (event, seq, the entry or None if gone), the
-    value of `also` (a scalar column and its parameters) read in the same statement (None where no
-    entry was read, which `check` refuses before anyone reads it), and the chain's state through its
-    end (replayed.py). One statement where this process holds the chain's end or a recent one."""
+    charge `idempotency_key` names, read in the same statement (store/reserving.py says why there; None
+    where no entry was read, which `check` refuses before anyone reads it), and the chain's state through
+    its end (replayed.py). One statement where this process holds the chain's end or a recent one."""
     wanted: dict[int, EntryEvent] = {}
     if silo.sealed_seq is not None:
         wanted[silo.sealed_seq] = EntryEvent.seal
@@ -206,12 +167,8 @@ def covering(
     kept = _DERIVED.get(_key(session, silo.id))
     since = kept.seq if kept is not None and kept.seq <= silo.chain_seq else silo.chain_seq
     seqs = [*wanted, *([kept.plan_seq] if kept is not None and kept.plan_seq is not None else [])]
-    column, extra = also if also is not None else (None, {})
-    rows = session.connection().execute(_statement(column), {
-        **extra, "silo_id": silo.id, "since": since,
-        **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(_COVERING_AT_MOST)},
-    }).all()
-    value = rows[0][-1] if column is not None and rows else None
+    rows, earlier = reserving.covering_entries(
+        session, silo_id=silo.id, seqs=seqs, since=since, idempotency_key=idempotency_key)
     state, seen = _replay(session, silo, rows)
     if (state.seq, state.head) != (silo.chain_seq, silo.chain_head):
         why = (f"ends its chain at entry {silo.chain_seq}, but its chain's last entry is entry {state.seq}"
@@ -228,7 +185,7 @@ def covering(
             out.append((EntryEvent.plan, state.plan_seq, found.get(state.plan_seq)))
         elif state.plan_seq is None and silo.sealed_seq is None:
             out.append((EntryEvent.plan, 0, None))
-    return out, value, state
+    return out, earlier, state
 
 
 # What `check` found sound, by every value its hash reads (the entry's columns, the record's fields):
@@ -244,12 +201,12 @@ def _exactly(*values: object) -> tuple[object, ...]:
     return tuple((type(v), v.hex() if isinstance(v, float) else v) for v in values)
 
 
-def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any]] | None = None) -> Any:
+def check(session: Session, silo: Silo, *, idempotency_key: str | None = None) -> int | None:
     """Raises Tampered unless every column of the silo's record that an approval reads is sound: each
     stored field recomputes to the hash of the entry that covers it, and each column its chain decides
-    is what the chain makes it (replayed.py; COVERAGE says which is which). Returns the value of `also`,
-    read with the entries (see `covering`), once the record is sound."""
-    entries, value, state = covering(session, silo, also=also)
+    is what the chain makes it (replayed.py; COVERAGE says which is which). Returns the id of the charge
+    `idempotency_key` names, read with the entries (see `covering`), once the record is sound."""
+    entries, earlier, state = covering(session, silo, idempotency_key=idempotency_key)
     differs = replayed.first_difference(state, silo)
     if differs is not None:
         why, seq, event = differs
@@ -274,7 +231,7 @@ def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any
     folded = replayed.fold_plan(state, silo.plan)
     if folded is None:  # the reserves a plan that came with a seal places were not kept: from the start
         keep(session, silo.id, None)
-        _, value, state = covering(session, silo, also=also)
+        _, earlier, state = covering(session, silo, idempotency_key=idempotency_key)
         folded = replayed.fold_plan(state, silo.plan)
         assert folded is not None, "a replay from the start keeps every reserve of a silo with a plan"
     state = folded
@@ -288,7 +245,7 @@ def check(session: Session, silo: Silo, *, also: tuple[Label[Any], dict[str, Any
                        why=f"holds {' and '.join(differ)} that the charges of its chain through entry {state.seq} "
                            "do not add up to")
     keep(session, silo.id, replace(state, texts=(silo.rdp_spent, silo.rdp_committed)))
-    return value
+    return earlier
 
 
 def sealable(silo: Silo) -> None:

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import cost, rdp
@@ -21,6 +20,7 @@ from dpledger.service.accounting.events import MechanismError
 from dpledger.service.accounting.trial_counts import TrialDistribution, distribution, draw_trials
 from dpledger.service.ledger import charges, keys, silos, transparency
 from dpledger.service.ledger.errors import Conflict, NotFound, SettledAlready
+from dpledger.service.store import records
 from dpledger.service.store.db import Database
 from dpledger.service.store.models import Charge, ChargeRecord, ChargeStatus, Search, SearchStatus
 from dpledger.wire.mechanisms import AnyMechanism, RepeatAndSelect
@@ -88,7 +88,7 @@ def start(
 
 def _replay(session: Session, earlier: Charge | ChargeRecord, digest: str) -> StartedSearch:
     charges._same_request(earlier, digest)
-    search = _by_charge(session, earlier.id)
+    search = records.search_by_charge(session, earlier.id)
     if search is None:
         # The key names a plain charge (perhaps released): starting a search on it would run K
         # trials that no approval paid for.
@@ -175,6 +175,3 @@ def _commit(db: Database, charge_id: int) -> None:
     except SettledAlready:
         pass  # committed by an earlier attempt: nothing left to settle
 
-
-def _by_charge(session: Session, charge_id: int) -> Search | None:
-    return session.scalars(select(Search).where(Search.charge_id == charge_id)).one_or_none()

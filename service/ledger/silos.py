@@ -3,13 +3,11 @@ retirement (an admin stops a mis-registered silo for good: `retire`, `refuse_if_
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Insert, Table, Update, bindparam, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
@@ -21,15 +19,14 @@ from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger import chain, gate, replayed, seals, transparency
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound, OverBudget
 from dpledger.service.ledger.keys import create_key
-from dpledger.service.store import curves
+from dpledger.service.store import reserving
+from dpledger.service.store import silos as store_silos
 from dpledger.service.store.db import Database
 from dpledger.service.store.models import (
     Charge,
     ChargeRecord,
     EntryEvent,
     EntryRecord,
-    LedgerEntry,
-    LogPending,
     Role,
     Silo,
 )
@@ -46,60 +43,9 @@ class BudgetStatus:
     order: float
 
 
-_ENTRIES = cast(Table, LedgerEntry.__table__)
-_SILOS = cast(Table, Silo.__table__)
-# Every approval runs these: built once, so an execution skips building and keying a statement.
-_INSERT_ENTRY = insert(_ENTRIES).returning(_ENTRIES.c.id)
-_LOCK_SILO = select(Silo).where(Silo.id == bindparam("silo_id")).with_for_update()
-
-
-@functools.cache
-def _store_statement(columns: tuple[str, ...]) -> Update:
-    # One per set of columns an entry writes (its chain fields, and a running sum or none): a handful.
-    return update(_SILOS).where(_SILOS.c.id == bindparam("silo_id")).values(
-        {column: bindparam(f"new_{column}") for column in columns}
-    )
-
-
-_PENDING = cast(Table, LogPending.__table__)
-_CHARGES = cast(Table, Charge.__table__)
-_ENTRY_COLUMNS = ("silo_id", "seq", "event", "charge_id", "epsilon_spent", "created_at", "prev_hash", "hash")
-_LEAF_COLUMNS = ("salt", "leaf_hash", "promised_by")
-
-
-@functools.cache
-def _append_statement(columns: tuple[str, ...], *, with_charge: bool, with_curve: bool = False) -> Insert:
-    """PostgreSQL: the silo's new columns, its entry and the entry's pending leaf (and, `with_charge`,
-    the charge it names, first; `with_curve`, before it, the charge's curve where this process does not
-    know it stored, ledger/curves.py) in one statement (data-modifying CTEs), where each would cost a
-    round trip, about 0.1 ms of the server's CPU. (The charge's foreign key to its curve is checked at
-    the statement's end, when the curve's CTE has run.)"""
-    stored = _store_statement(columns).cte("stored")
-    ctes = [stored]
-    if with_charge:
-        ctes.insert(0, insert(_CHARGES).values(
-            {column.name: bindparam(f"charge_{column.name}", type_=column.type) for column in _CHARGES.c}
-        ).cte("charge"))
-    if with_curve:
-        ctes.insert(0, curves.INSERT["postgresql"].cte("curve"))
-    entry = insert(_ENTRIES).values(
-        {column: bindparam(f"entry_{column}", type_=_ENTRIES.c[column].type) for column in _ENTRY_COLUMNS}
-    ).returning(_ENTRIES.c.id).cte("entry")
-    leaf = select(entry.c.id, *(bindparam(column, type_=_PENDING.c[column].type) for column in _LEAF_COLUMNS))
-    return insert(_PENDING).from_select(["entry_id", *_LEAF_COLUMNS], leaf).add_cte(*ctes)
-
-
-def _store(session: Session, silo: Silo, **columns: Any) -> None:
-    """Writes these columns of a locked, stored silo in one UPDATE and sets them on the object as
-    stored, so the unit of work does not write them again: its flush of the row cost an approval as
-    much as the entry's and the charge's inserts together."""
-    session.connection().execute(
-        _store_statement(tuple(columns)), {"silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()}}
-    )
-    _stored(silo, columns)
-
-
 def _stored(silo: Silo, columns: dict[str, Any]) -> None:
+    """Sets columns the store wrote on the object as stored, so the unit of work does not write them
+    again: its flush of the row cost an approval as much as the entry's and the charge's inserts together."""
     for column, value in columns.items():
         set_committed_value(silo, column, value)
 
@@ -157,7 +103,7 @@ def _name_taken(db: Database, name: str) -> str:
     """Why a name is refused: a retired silo keeps its name for good (in its entries and the log, a name
     names one record for auditors), so the admin who retired a mis-registered silo is told to pick another."""
     with db.read() as session:
-        holder = session.scalars(select(Silo).where(Silo.name == name)).one_or_none()
+        holder = store_silos.by_name(session, name)
     if holder is None or holder.retired_seq is None:
         return f"a silo named {name!r} exists already"
     return (f"a silo named {name!r} exists already (silo {holder.id}, retired: {holder.retired_reason}); "
@@ -220,14 +166,14 @@ def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, n
 def append_entry(
     session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | ChargeRecord | None, epsilon_spent: float,
     now: datetime, rdp_spent: str | None = None, rdp_committed: str | None = None,
-    new_charge: dict[str, Any] | None = None, new_curve: str | None = None,
+    new_charge: reserving.NewCharge | None = None,
 ) -> transparency.Position:
     """Appends one entry to the silo's chain and, in the same transaction, its leaf to the
     transparency log's pending leaves (sequenced within the promised delay, transparency.py); the
     caller holds the silo's lock. `rdp_spent`, `rdp_committed`: the silo's running sums after the
-    entry's event, written with its chain fields. `new_charge`: PostgreSQL only, the row of `charge`
-    (its id taken from the sequence), inserted first in the same statement; `new_curve`, with it, its
-    curve's text, inserted before it unless stored already. Returns the entry's leaf and its promise."""
+    entry's event, written with its chain fields. `new_charge`: `charge` as the store gave it its id,
+    with its row where the store writes it with the entry (store/reserving.py). Returns the entry's leaf
+    and its promise."""
     # What this process derived of the chain through the previous entry (seals.check, under this lock),
     # and the sums as they read then: extended by this entry below (replayed.extend).
     derived = replayed.genesis(track_plan=False) if silo.chain_seq == 0 else seals.derived(session, silo)
@@ -245,21 +191,9 @@ def append_entry(
     columns = {"chain_seq": entry.seq, "chain_head": entry.hash,
                **{column: text for column, text in (("rdp_spent", rdp_spent), ("rdp_committed", rdp_committed))
                   if text is not None}}
-    connection = session.connection()
-    if connection.dialect.name != "postgresql":  # SQLite runs a statement in-process: three cost little
-        assert new_charge is None and new_curve is None, "a charge is inserted with its entry only on PostgreSQL"
-        _store(session, silo, **columns)
-        entry.id = connection.execute(_INSERT_ENTRY, {column: getattr(entry, column) for column in _ENTRY_COLUMNS}
-                                      ).scalar_one()
-        _derive(session, silo, derived, event=event, before=before)
-        return transparency.enqueue(session, entry, subject_text=subject_text)
     leaf, position = transparency.pending_leaf(entry, subject_text=subject_text)
-    curve = {} if new_curve is None or new_charge is None else {"curve_hash": new_charge["curve_hash"], "curve_rdp": new_curve}
-    connection.execute(_append_statement(tuple(columns), with_charge=new_charge is not None, with_curve=bool(curve)), {
-        "silo_id": silo.id, **{f"new_{k}": v for k, v in columns.items()},
-        **{f"entry_{column}": getattr(entry, column) for column in _ENTRY_COLUMNS}, **leaf,
-        **{f"charge_{column}": value for column, value in (new_charge or {}).items()}, **curve,
-    })
+    reserving.of(session).append(session, reserving.Appended(
+        silo.id, columns, {column: getattr(entry, column) for column in reserving.ENTRY_COLUMNS}, leaf, new_charge))
     _stored(silo, columns)
     _derive(session, silo, derived, event=event, before=before)
     return position
@@ -290,7 +224,7 @@ def get(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
 def lock(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
     """The silo row, locked until the transaction ends (FOR UPDATE; SQLite's IMMEDIATE lock already
     serialises writers); `checked` as in `get`, under the lock, so no approval reads an edited record."""
-    silo = session.scalars(_LOCK_SILO, {"silo_id": silo_id}).one_or_none()
+    silo = reserving.lock_silo(session, silo_id)
     if silo is None:
         raise NotFound(f"silo {silo_id} not found")
     if checked:
@@ -299,7 +233,7 @@ def lock(session: Session, silo_id: int, *, checked: bool = True) -> Silo:
 
 
 def list_all(session: Session) -> list[Silo]:
-    return list(session.scalars(select(Silo).order_by(Silo.id)))
+    return store_silos.all_silos(session)
 
 
 def status(silo: Silo) -> BudgetStatus:
@@ -332,7 +266,7 @@ def plan_closed(session: Session, silo: Silo) -> str | None:
         return f"silo {silo.id} has declared its plan already; a plan is fixed once"
     if silo.sealed_seq is not None:  # the seal's hash covers the record with no plan (seals.sealable)
         return f"silo {silo.id}'s record is sealed as it stood, with no plan; a plan is declared before a seal"
-    if session.scalars(select(Charge.id).where(Charge.silo_id == silo.id)).first() is not None:
+    if store_silos.holds_charges(session, silo.id):
         return f"silo {silo.id} holds charges already; a plan must be declared before the first charge"
     return None
 

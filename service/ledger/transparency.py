@@ -7,10 +7,10 @@ holds an earlier head, can then prove any rewrite, cut or fork (the tests in
 tests/service/test_transparency.py do each by SQL).
 
 Two steps, as production logs do it (Trillian's sequencer, Sigstore's Rekor, CT's merge delay):
-- `enqueue`, inside the approval's own transaction (after the silo's lock): the leaf's hash and salt
-  in one `log_pending` row. No row is shared by silos, so approvals of different silos commit side
-  by side; the receipt carries the log key's signed promise that the leaf is in the log by a
-  deadline (`MERGE_DELAY_MS` after the entry).
+- `pending_leaf`, inside the approval's own transaction (after the silo's lock): the leaf's hash and
+  salt, written with the entry as one `log_pending` row (store/reserving.py `append`). No row is
+  shared by silos, so approvals of different silos commit side by side; the receipt carries the
+  log key's signed promise that the leaf is in the log by a deadline (`MERGE_DELAY_MS` after the entry).
 - `sequence`, run by the one elected sequencer of the database (sequencer.py) every ≤ 100 ms:
   pending leaves in `id` order get the next log indices, the subtrees they complete are stored
   (`log_nodes`), the `log_state` row (size, frontier) is updated, and one head per batch is signed
@@ -20,6 +20,10 @@ Two steps, as production logs do it (Trillian's sequencer, Sigstore's Rekor, CT'
 Costs: an approval, one insert and one SHA-256 of its record; a batch of n leaves, O(n) hashes, on
 average one node row per leaf, and one signature. A proof for any entry or size reads O(log n) rows in
 two queries.
+
+This module holds the log's logic: the leaf records, the Merkle math over them, promises and proofs.
+Every statement on the log's tables (and the reads of the entries, charges and silos behind a page of
+leaves) is in store/log.py, called with the caller's session.
 """
 
 from __future__ import annotations
@@ -32,21 +36,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from dpledger.service.ledger import chain
 from dpledger.service.ledger.errors import Conflict, InvalidRequest, NotFound
+from dpledger.service.store import log
 from dpledger.service.store.db import leaf_written
 from dpledger.service.store.models import (
     Charge,
     EntryRecord,
     LedgerEntry,
-    LogHead,
     LogLeaf,
-    LogNode,
-    LogPending,
-    LogState,
     Silo,
     VerifiedHead,
 )
@@ -54,7 +54,7 @@ from dpledger.wire import merkle
 from dpledger.wire.enums import EntryEvent
 from dpledger.wire.receipts import SignedTreeHead
 
-STATE_ID = 1
+STATE_ID = log.STATE_ID  # the log's one state row (migration 0006 writes it)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # How long after its entry a leaf is promised to be in the log. The sequencer runs every ≤ 100 ms;
 # the rest is room for a restart (a crashed sequencer's successor is elected within a second or
@@ -123,21 +123,6 @@ def new_salt() -> str:
     return os.urandom(16).hex()
 
 
-_INSERT_PENDING = insert(cast(Table, LogPending.__table__))  # every approval: built once
-# A batch's statements, built once and run as Core executemany: the ORM's bulk path and an IN list
-# built from literals cost the sequencer about a third of its time.
-_PENDING = cast(Table, LogPending.__table__)
-_INSERT_LEAVES = insert(cast(Table, LogLeaf.__table__))
-_INSERT_NODES = insert(cast(Table, LogNode.__table__))
-_DELETE_PENDING = delete(_PENDING).where(_PENDING.c.id.in_(bindparam("ids", expanding=True)))
-_STATE = cast(Table, LogState.__table__)
-_LOCK_STATE = select(_STATE.c.size, _STATE.c.frontier).where(_STATE.c.id == STATE_ID).with_for_update()
-_NEXT_PENDING = select(_PENDING.c.id, _PENDING.c.entry_id, _PENDING.c.salt, _PENDING.c.leaf_hash,
-                       _PENDING.c.promised_by).order_by(_PENDING.c.id).limit(bindparam("limit"))
-_UPDATE_STATE = update(_STATE).where(_STATE.c.id == STATE_ID)
-_INSERT_HEAD = insert(cast(Table, LogHead.__table__))
-
-
 def pending_leaf(entry: LedgerEntry | EntryRecord, *, subject_text: str) -> tuple[dict[str, Any], Position]:
     """`entry`'s pending leaf (the row's values but its `entry_id`) and the receipt's position;
     writes nothing. `subject_text`: canonical(what the entry's hash covers), as its chain hash read it.
@@ -151,22 +136,12 @@ def pending_leaf(entry: LedgerEntry | EntryRecord, *, subject_text: str) -> tupl
     return row, Position(entry.silo_id, entry.seq, leaf, timestamp, deadline, None)
 
 
-def enqueue(session: Session, entry: LedgerEntry | EntryRecord, *, subject_text: str) -> Position:
-    """Writes `entry`'s (flushed, so it has an id) leaf as pending, in the caller's transaction (which
-    holds the entry's silo lock): no lock of the log's own, the sequencer gives it its index."""
-    row, position = pending_leaf(entry, subject_text=subject_text)
-    # Core, not the ORM's bulk path: nothing reads the row back in this transaction.
-    session.connection().execute(_INSERT_PENDING, {"entry_id": entry.id, **row})
-    return position
-
-
 def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, limit: int = BATCH) -> int:
     """Gives up to `limit` pending leaves, in `id` order, the next log indices, and signs one head
     (`sign(size, root)`) over the tree they end; returns how many. One transaction, the caller's:
     the state row is locked first (one sequencer at a time even if two were started by hand)."""
-    connection = session.connection()
-    size, stored = connection.execute(_LOCK_STATE).one()
-    pending = connection.execute(_NEXT_PENDING, {"limit": limit}).all()
+    size, stored = log.lock_state(session)
+    pending = log.next_pending(session, limit)
     if not pending:
         return 0
     frontier = [bytes.fromhex(h) for h in json.loads(stored)]
@@ -177,16 +152,12 @@ def sequence(session: Session, sign: Callable[[int, str], SignedTreeHead], *, li
         leaf_rows.append({"idx": index, "entry_id": row.entry_id, "salt": row.salt, "leaf_hash": row.leaf_hash,
                           "promised_by": row.promised_by})
         node_rows += [{"level": w.bit_length() - 1, "idx": start // w, "hash": h.hex()} for start, w, h in completed]
-    connection.execute(_INSERT_LEAVES, leaf_rows)
-    if node_rows:
-        connection.execute(_INSERT_NODES, node_rows)
-    connection.execute(_DELETE_PENDING, {"ids": [row.id for row in pending]})
     new_size = size + len(pending)
     root = merkle.frontier_root(frontier).hex()
-    connection.execute(_UPDATE_STATE, {"size": new_size, "frontier": json.dumps([h.hex() for h in frontier])})
+    log.store_batch(session, leaves=leaf_rows, nodes=node_rows, sequenced=[row.id for row in pending],
+                    size=new_size, frontier=json.dumps([h.hex() for h in frontier]))
     head = sign(new_size, root)
-    connection.execute(_INSERT_HEAD, {"tree_size": new_size, "root_hash": root, "timestamp": head.timestamp,
-                                      "key_id": head.key_id, "signature": head.signature})
+    log.store_head(session, size=new_size, root=root, head=head)
     return len(pending)
 
 
@@ -194,25 +165,21 @@ def append(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> 
     """Appends `entry` as the log's next leaf at once, under the state row's lock, and returns its
     index. Only for migrations written before the sequencer (0005 appends filter entries to a log
     that has no pending leaves yet); every request enqueues instead."""
-    size, stored = session.execute(
-        select(LogState.size, LogState.frontier).where(LogState.id == STATE_ID).with_for_update()
-    ).one()
+    size, stored = log.state(session, for_update=True)
     salt = new_salt()
     leaf = merkle.leaf_hash(leaf_record(entry, subject=subject, salt=salt).encode())
     frontier, completed, _ = merkle.append([bytes.fromhex(h) for h in json.loads(stored)], size, leaf)
-    session.execute(insert(LogLeaf).values(idx=size, entry_id=entry.id, salt=salt, leaf_hash=leaf.hex()))
+    log.add_leaf(session, idx=size, entry_id=entry.id, salt=salt, leaf_hash=leaf.hex())
     if completed:
-        session.execute(insert(LogNode), [
+        log.add_nodes(session, [
             {"level": width.bit_length() - 1, "idx": start // width, "hash": digest.hex()} for start, width, digest in completed
         ])
-    session.execute(update(LogState).where(LogState.id == STATE_ID).values(
-        size=size + 1, frontier=json.dumps([h.hex() for h in frontier])
-    ))
+    log.set_state(session, size=size + 1, frontier=json.dumps([h.hex() for h in frontier]))
     return int(size)
 
 
 def pending_count(session: Session) -> int:
-    return int(session.execute(select(func.count()).select_from(LogPending)).scalar_one())
+    return log.pending_count(session)
 
 
 def milliseconds(moment: datetime) -> int:
@@ -222,17 +189,14 @@ def milliseconds(moment: datetime) -> int:
 
 
 def size_and_root(session: Session) -> tuple[int, str]:
-    # Core, like `append`'s update: an ORM copy of the row in this session could be stale.
-    size, frontier = session.execute(select(LogState.size, LogState.frontier).where(LogState.id == STATE_ID)).one()
+    # The row's columns, not its ORM object: an ORM copy of the row in this session could be stale.
+    size, frontier = log.state(session)
     return size, merkle.frontier_root([bytes.fromhex(h) for h in json.loads(frontier)]).hex()
 
 
 def _subtrees(session: Session, build: Callable[[merkle.Subtree], Any]) -> Any:
     """Runs `build` over stored subtree hashes, fetched in two queries (leaves, inner nodes)."""
     return _subtrees_many(session, [build])[0]
-
-
-_CHUNK = 500  # rows asked per IN list: inside every database's limit on bound parameters
 
 
 def _subtrees_many(session: Session, builds: list[Callable[[merkle.Subtree], Any]]) -> list[Any]:
@@ -245,15 +209,11 @@ def _subtrees_many(session: Session, builds: list[Callable[[merkle.Subtree], Any
         if width > 1:
             nodes.setdefault(width.bit_length() - 1, []).append(start // width)
     found: dict[tuple[int, int], bytes] = {}
-    for i in range(0, len(leaves), _CHUNK):
-        chunk = leaves[i:i + _CHUNK]
-        for idx, digest in session.execute(select(LogLeaf.idx, LogLeaf.leaf_hash).where(LogLeaf.idx.in_(chunk))):
-            found[(idx, 1)] = bytes.fromhex(digest)
+    for idx, digest in log.leaf_hashes(session, leaves):
+        found[(idx, 1)] = bytes.fromhex(digest)
     for level, indices in nodes.items():
-        for i in range(0, len(indices), _CHUNK):
-            condition = and_(LogNode.level == level, LogNode.idx.in_(indices[i:i + _CHUNK]))
-            for idx, digest in session.execute(select(LogNode.idx, LogNode.hash).where(condition)):
-                found[(idx << level, 1 << level)] = bytes.fromhex(digest)
+        for idx, digest in log.node_hashes(session, level, indices):
+            found[(idx << level, 1 << level)] = bytes.fromhex(digest)
 
     def subtree(start: int, width: int) -> bytes:
         digest = found.get((start, width))
@@ -330,19 +290,12 @@ def proofs(
 
 def leaves_at(session: Session, indices: list[int]) -> list[LogLeaf]:
     """The leaf rows at these indices (any missing is left out: `proofs` refuses an index past the size)."""
-    rows: list[LogLeaf] = []
-    unique = sorted(set(indices))
-    for i in range(0, len(unique), _CHUNK):
-        rows += session.scalars(select(LogLeaf).where(LogLeaf.idx.in_(unique[i:i + _CHUNK])))
-    return rows
+    return log.leaves_at(session, indices)
 
 
 def silo_leaves(session: Session, silo_id: int, *, start: int, limit: int) -> list[LogLeaf]:
     """The leaves of one silo's entries, in log order (a silo checks its own without paging the log)."""
-    return list(session.scalars(
-        select(LogLeaf).join(LedgerEntry, LedgerEntry.id == LogLeaf.entry_id)
-        .where(LedgerEntry.silo_id == silo_id, LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit)
-    ))
+    return log.silo_leaves(session, silo_id, start=start, limit=limit)
 
 
 def position_of(session: Session, entry: LedgerEntry) -> Position:
@@ -353,12 +306,10 @@ def position_of(session: Session, entry: LedgerEntry) -> Position:
     # Pending first, then sequenced: the order in which the sequencer moves a leaf (in one
     # transaction), so that a write's READ COMMITTED statements, each on its own snapshot, cannot
     # miss one moved between the two reads.
-    waiting = session.execute(select(LogPending.leaf_hash, LogPending.promised_by)
-                              .where(LogPending.entry_id == entry.id)).one_or_none()
+    waiting = log.pending_of(session, entry.id)
     if waiting is not None:
         return Position(entry.silo_id, entry.seq, waiting.leaf_hash, timestamp, waiting.promised_by, None)
-    row = session.execute(select(LogLeaf.idx, LogLeaf.leaf_hash, LogLeaf.promised_by)
-                          .where(LogLeaf.entry_id == entry.id)).one_or_none()
+    row = log.sequenced_of(session, entry.id)
     if row is None:
         raise NotFound(f"entry {entry.seq} of silo {entry.silo_id} is not in the transparency log")
     return Position(entry.silo_id, entry.seq, row.leaf_hash, timestamp, row.promised_by,
@@ -369,8 +320,7 @@ def inclusion_in_batch(session: Session, index: int, *, timestamp: int) -> Inclu
     """Leaf `index` proven into the head its batch's sequencer signed; a leaf from before batches
     (or a log whose heads were cut) into the tree just after it, stamped `timestamp`."""
     current, _ = size_and_root(session)
-    head = session.execute(select(LogHead).where(LogHead.tree_size > index).order_by(LogHead.tree_size).limit(1)
-                           ).scalars().one_or_none()
+    head = log.first_head_over(session, index)
     if head is not None and head.tree_size <= current:
         _, path = inclusion(session, index, head.tree_size)
         signed = SignedTreeHead(tree_size=head.tree_size, root_hash=head.root_hash, timestamp=head.timestamp,
@@ -383,11 +333,11 @@ def inclusion_in_batch(session: Session, index: int, *, timestamp: int) -> Inclu
 
 def index_of_leaf(session: Session, leaf_hash: str) -> LogLeaf | None:
     """The sequenced leaf with this hash (salted: one entry's), or None while it is pending or unknown."""
-    return session.scalars(select(LogLeaf).where(LogLeaf.leaf_hash == leaf_hash).limit(1)).one_or_none()
+    return log.leaf_by_hash(session, leaf_hash)
 
 
 def is_pending(session: Session, leaf_hash: str) -> bool:
-    return session.scalars(select(LogPending.id).where(LogPending.leaf_hash == leaf_hash).limit(1)).first() is not None
+    return log.is_pending(session, leaf_hash)
 
 
 def record_of(session: Session, row: LogLeaf) -> tuple[LedgerEntry | None, str | None]:
@@ -398,30 +348,11 @@ def record_of(session: Session, row: LogLeaf) -> tuple[LedgerEntry | None, str |
 def records_of(session: Session, rows: list[LogLeaf]) -> list[tuple[LedgerEntry | None, str | None]]:
     """`record_of` for a page of leaves, in three reads whatever its length. Core rows, not ORM
     objects (they carry the same attributes, which is all a record reads): building two ORM instances
-    per leaf was most of the time of a 10,000-leaf page."""
+    per leaf was most of the time of a 10,000-leaf page (store/log.py `entries_and_charges`)."""
     if not rows:
         return []
-    low, high = min(r.idx for r in rows), max(r.idx for r in rows)
-    # A charge's curve is its text in the curves table, read through its key (ledger/curves.py).
-    entry_columns, charge_columns = LedgerEntry.__table__.columns, (*Charge.__table__.columns, Charge.rdp.label("rdp"))
-    if high - low < 2 * len(rows):  # a page of the log: a range of the index, no list of ids to bind
-        in_page = LogLeaf.idx.between(low, high)
-        # On the session's connection: Core rows without the ORM's loading pass over 10,000 of them.
-        connection = session.connection()
-        entry_rows = connection.execute(select(*entry_columns).join(LogLeaf, LogLeaf.entry_id == LedgerEntry.id).where(in_page))
-        charge_rows = connection.execute(select(*charge_columns).join(LedgerEntry, LedgerEntry.charge_id == Charge.id)
-                                         .join(LogLeaf, LogLeaf.entry_id == LedgerEntry.id).where(in_page))
-        entries = {e.id: e for e in entry_rows}
-        charges = {c.id: c for c in charge_rows}
-    else:  # one silo's leaves, spread over the log
-        ids = [r.entry_id for r in rows]
-        entries = {e.id: e for i in range(0, len(ids), _CHUNK)
-                   for e in session.execute(select(*entry_columns).where(LedgerEntry.id.in_(ids[i:i + _CHUNK])))}
-        charge_ids = sorted({e.charge_id for e in entries.values() if e.charge_id is not None})
-        charges = {c.id: c for i in range(0, len(charge_ids), _CHUNK)
-                   for c in session.execute(select(*charge_columns).where(Charge.id.in_(charge_ids[i:i + _CHUNK])))}
-    silo_ids = {e.silo_id for e in entries.values() if e.charge_id is None}
-    silos = {s.id: s for s in session.scalars(select(Silo).where(Silo.id.in_(silo_ids)))} if silo_ids else {}
+    entries, charges = log.entries_and_charges(session, rows)
+    silos = log.silos(session, {e.silo_id for e in entries.values() if e.charge_id is None})
     out: list[tuple[LedgerEntry | None, str | None]] = []
     charge_texts: dict[int, str] = {}  # a charge's reserve and commit cover the same subject
     for row in rows:
@@ -454,9 +385,7 @@ def _silo_subject(entry: LedgerEntry, silo: Silo) -> dict[str, Any]:
 
 def leaves(session: Session, *, start: int, limit: int) -> list[LogLeaf]:
     # Core rows with the leaf's columns (read-only here): an audit reads the log in pages of 10,000.
-    found = session.connection().execute(
-        select(*LogLeaf.__table__.columns).where(LogLeaf.idx >= start).order_by(LogLeaf.idx).limit(limit))
-    return cast(list[LogLeaf], list(found))
+    return log.leaves(session, start=start, limit=limit)
 
 
 def record_verified(session: Session, head: SignedTreeHead, *, api_key_id: int) -> VerifiedHead:
@@ -481,7 +410,7 @@ class LogSummary:
 
 def summary(session: Session) -> LogSummary:
     size, root = size_and_root(session)
-    last = session.scalars(select(VerifiedHead).order_by(VerifiedHead.id.desc()).limit(1)).one_or_none()
+    last = log.last_verified(session)
     extends = None
     if last is not None:
         try:

@@ -8,7 +8,7 @@ column (chain.charge_fields). An edited curve row therefore breaks the entries o
 names it; a row whose text no longer hashes to its key is named as such by the audit (`mismatched`).
 
 An approval writes its curve in the statements it runs anyway: on PostgreSQL an INSERT … ON CONFLICT
-DO NOTHING in the charge's own statement (ledger/silos.py `_append_statement`), on SQLite one more
+DO NOTHING in the charge's own statement (store/postgres.py), on SQLite one more
 in-process statement. A curve this process has seen committed (`Known`) is not written again, so the
 common path (a pair repeated) runs exactly the statements it ran before. The set only ever saves a
 write: a charge naming a curve the table lacks is refused by the foreign key, never stored.
@@ -19,15 +19,12 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import cast
 
-from sqlalchemy import Insert, Table, bindparam
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from dpledger.service.store.models import Curve
+from dpledger.service.store import postgres, sqlite
 
-_CURVES = cast(Table, Curve.__table__)
 # Where a write transaction keeps what it knows of curves (Database.write sets and reads these).
 KNOWN = "dpledger.known_curves"  # the process's Known for this database
 WRITTEN = "dpledger.written_curves"  # the keys this transaction wrote, known once it commits
@@ -82,17 +79,8 @@ def committed(session: Session) -> None:
         cast(Known, known).add(written)
 
 
-def insert_statement(dialect: str) -> Insert:
-    """INSERT of one curve row (`curve_hash`, `curve_rdp`) that does nothing where the key is stored already."""
-    values: dict[str, Any] = {"hash": bindparam("curve_hash", type_=_CURVES.c.hash.type),
-                              "rdp": bindparam("curve_rdp", type_=_CURVES.c.rdp.type)}
-    if dialect == "postgresql":
-        return postgresql.insert(_CURVES).values(values).on_conflict_do_nothing(index_elements=["hash"])
-    return sqlite.insert(_CURVES).values(values).on_conflict_do_nothing(index_elements=["hash"])
-
-
-# Built once, per dialect (an approval runs the SQLite one; PostgreSQL's goes in its CTE, silos.py).
-INSERT = {dialect: insert_statement(dialect) for dialect in ("sqlite", "postgresql")}
+# Built once, per database (an approval runs the SQLite one; PostgreSQL's goes in its CTE, store/postgres.py).
+INSERT = {"sqlite": sqlite.INSERT_CURVE, "postgresql": postgres.INSERT_CURVE}
 
 
 def store(session: Session, text: str) -> str:

@@ -189,6 +189,13 @@ class GroupCommit:
             member.settle(error)
 
 
+def database_url(session: Session) -> object:
+    """The URL of the database `session` reads: a write session may be bound to a connection, a read one
+    to an engine with options."""
+    bind = session.get_bind()
+    return (bind.engine if isinstance(bind, Connection) else bind).url
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # A pool as large as the threads that may hold a session at once (anyio's threadpool is 40

@@ -18,7 +18,7 @@ STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
 # and silo this process has approved for (service/api/known.py) and a fresh idempotency key: one write
 # transaction (the silo locked with its caller's key read live and the idempotency key's earlier
 # charge, its record checked, the charge, the silo's new state, its entry and the log's pending leaf:
-# on PostgreSQL those four in one statement, ledger/silos.py `_append_statement`). Its
+# on PostgreSQL those four in one statement, store/postgres.py `append`). Its
 # transaction's control is counted apart: SQLite's BEGIN IMMEDIATE, or a savepoint pair where the
 # approval joined a group of writers that another opened (ledger/db.py GroupCommit: the sequencer's
 # batch, say); none on PostgreSQL.
