@@ -373,7 +373,7 @@ def _lock(
         raise NotFound(f"silo {silo_id} not found")
     if not locked.key_live:
         raise Unauthorized("unknown or revoked API key")
-    earlier = seals.check(session, locked.silo, idempotency_key=idempotency_key)
+    earlier = seals.check(session, locked.silo, key=reserving.AfterLock(locked, idempotency_key))
     return locked, None if earlier is None else session.get(Charge, earlier)
 
 

@@ -147,10 +147,10 @@ def _replay(session: Session, silo: Silo, rows: Sequence[Any]) -> tuple[replayed
 
 
 def covering(
-    session: Session, silo: Silo, *, idempotency_key: str | None = None,
+    session: Session, silo: Silo, *, key: reserving.AfterLock | None = None,
 ) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], int | None, replayed.State]:
     """The entries that cover the silo's record now, as (event, seq, the entry or None if gone), the
-    charge `idempotency_key` names, read in the same statement (store/reserving.py says why there; None
+    charge `key` names, read in the same statement (store/reserving.py says why there; None
     where no entry was read, which `check` refuses before anyone reads it), and the chain's state through
     its end (replayed.py). One statement where this process holds the chain's end or a recent one."""
     wanted: dict[int, EntryEvent] = {}
@@ -168,7 +168,7 @@ def covering(
     since = kept.seq if kept is not None and kept.seq <= silo.chain_seq else silo.chain_seq
     seqs = [*wanted, *([kept.plan_seq] if kept is not None and kept.plan_seq is not None else [])]
     rows, earlier = reserving.covering_entries(
-        session, silo_id=silo.id, seqs=seqs, since=since, idempotency_key=idempotency_key)
+        session, silo_id=silo.id, seqs=seqs, since=since, key=key)
     state, seen = _replay(session, silo, rows)
     if (state.seq, state.head) != (silo.chain_seq, silo.chain_head):
         why = (f"ends its chain at entry {silo.chain_seq}, but its chain's last entry is entry {state.seq}"
@@ -201,12 +201,12 @@ def _exactly(*values: object) -> tuple[object, ...]:
     return tuple((type(v), v.hex() if isinstance(v, float) else v) for v in values)
 
 
-def check(session: Session, silo: Silo, *, idempotency_key: str | None = None) -> int | None:
+def check(session: Session, silo: Silo, *, key: reserving.AfterLock | None = None) -> int | None:
     """Raises Tampered unless every column of the silo's record that an approval reads is sound: each
     stored field recomputes to the hash of the entry that covers it, and each column its chain decides
     is what the chain makes it (replayed.py; COVERAGE says which is which). Returns the id of the charge
-    `idempotency_key` names, read with the entries (see `covering`), once the record is sound."""
-    entries, earlier, state = covering(session, silo, idempotency_key=idempotency_key)
+    `key` names, read with the entries (see `covering`), once the record is sound."""
+    entries, earlier, state = covering(session, silo, key=key)
     differs = replayed.first_difference(state, silo)
     if differs is not None:
         why, seq, event = differs
@@ -231,7 +231,7 @@ def check(session: Session, silo: Silo, *, idempotency_key: str | None = None) -
     folded = replayed.fold_plan(state, silo.plan)
     if folded is None:  # the reserves a plan that came with a seal places were not kept: from the start
         keep(session, silo.id, None)
-        _, earlier, state = covering(session, silo, idempotency_key=idempotency_key)
+        _, earlier, state = covering(session, silo, key=key)
         folded = replayed.fold_plan(state, silo.plan)
         assert folded is not None, "a replay from the start keeps every reserve of a silo with a plan"
     state = folded

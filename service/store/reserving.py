@@ -9,11 +9,12 @@ A reservation is check-then-append in one write transaction (ledger/charges.py):
    read in that statement *after* the lock's: a PostgreSQL statement that waited for the lock reads
    everything but the locked row as it was when it started, and would miss a retry of the same key
    that committed meanwhile (READ COMMITTED); the next statement sees it. Exactly-once rests on this
-   order, which is why the key is read here and nowhere earlier on the write path;
+   order, so the read is asked for only with the lock in hand (`AfterLock`), nowhere earlier on the
+   write path;
 3. `Reserving.insert_charge`, then `Reserving.append`: the charge, the chain's entry (whose hash names
    the charge's id), its pending leaf of the transparency log and the silo's new columns.
 
-Each database implements the two steps that differ (`sqlite.SqliteReserving`,
+Each database implements the three steps that differ (`sqlite.SqliteReserving`,
 `postgres.PostgresReserving`); `of(session)` picks the one for the session's database. The statements
 both run as written are here.
 """
@@ -107,15 +108,16 @@ def _covering_statement(with_key: bool) -> CompoundSelect[Any]:
 
 
 def covering_entries(
-    session: Session, *, silo_id: int, seqs: Sequence[int], since: int, idempotency_key: str | None = None,
+    session: Session, *, silo_id: int, seqs: Sequence[int], since: int, key: AfterLock | None = None,
 ) -> tuple[Sequence[Row[Any]], int | None]:
     """The silo's entries at `seqs` (at most COVERING_AT_MOST) and after `since`, each with its charge's
-    columns; and, given `idempotency_key`, the id of the silo's charge under that key, read in the same
+    columns; and, given `key`, the id of the silo's charge under its idempotency key, read in the same
     statement (None where there is none, or where no entry was read)."""
     assert 0 < len(seqs) <= COVERING_AT_MOST
-    with_key = idempotency_key is not None
+    assert key is None or key.locked.silo.id == silo_id, "the key's charge is read under its own silo's lock"
+    with_key = key is not None
     rows = session.connection().execute(_covering_statement(with_key), {
-        "silo_id": silo_id, "since": since, **({"idempotency_key": idempotency_key} if with_key else {}),
+        "silo_id": silo_id, "since": since, **({"idempotency_key": key.idempotency_key} if key is not None else {}),
         **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(COVERING_AT_MOST)},
     }).all()
     earlier = rows[0][-1] if with_key and rows else None
@@ -156,6 +158,16 @@ class Locked:
     silo: Silo
     key_live: bool
     next_id: int | None
+
+
+@dataclass(frozen=True)
+class AfterLock:
+    """An idempotency key whose charge is to be read with the covering entries, and the lock held when it
+    is: the only way to ask for that read (module docstring, step 2: it must come after the lock's
+    statement, or a retry that committed while the lock was awaited goes unseen)."""
+
+    locked: Locked
+    idempotency_key: str
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def _approve(session: Any, silo_id: int, key_id: int | None, idempotency_key: st
     after("lock")
     silo = locked.silo
     _, earlier = reserving.covering_entries(
-        session, silo_id=silo_id, seqs=[1], since=silo.chain_seq, idempotency_key=idempotency_key)
+        session, silo_id=silo_id, seqs=[1], since=silo.chain_seq, key=reserving.AfterLock(locked, idempotency_key))
     after("covering")
     if earlier is not None:
         return earlier
