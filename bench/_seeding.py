@@ -24,14 +24,14 @@ from typing import Any, cast
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Table, func, insert, select, text, update
+from sqlalchemy import Table, select
 from sqlalchemy.orm import Session
 
 from dpledger.service.accounting import rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_to_json
 from dpledger.service.ledger import audit, chain, charges, gate, silos, transparency
 from dpledger.service.ledger.signer import TreeHeadSigner
-from dpledger.service.store import curves
+from dpledger.service.store import curves, reserving
 from dpledger.service.store.db import Database, make_engine, migrate
 from dpledger.service.store.models import (
     Charge,
@@ -41,7 +41,6 @@ from dpledger.service.store.models import (
     EntryRecord,
     LedgerEntry,
     LogLeaf,
-    LogPending,
     Silo,
 )
 from dpledger.wire import merkle
@@ -50,9 +49,6 @@ from dpledger.wire.mechanisms import AnyMechanism, DpSgd
 _CHARGES = cast(Table, Charge.__table__)
 _ENTRIES = cast(Table, LedgerEntry.__table__)
 _SILOS = cast(Table, Silo.__table__)
-_INSERT_CHARGES = insert(_CHARGES)
-_INSERT_ENTRIES = insert(_ENTRIES)
-_INSERT_PENDING = insert(cast(Table, LogPending.__table__))
 _ENTRY_COLUMNS = ("id", "silo_id", "seq", "event", "charge_id", "epsilon_spent", "created_at", "prev_hash", "hash")
 BATCH = 2000  # charges per transaction
 
@@ -65,19 +61,6 @@ class _Pair:
     mechanism_json: str
     curve_json: str
     curve_hash: str  # its row's key in the curves table (ledger/curves.py)
-
-
-def _ids(session: Session, table: Table, count: int) -> list[int]:
-    """The ids the next `count` inserts would get: the serial's next values (PostgreSQL), or max + 1
-    onwards (SQLite; the caller holds the write lock, so nobody else inserts meanwhile)."""
-    if count == 0:
-        return []
-    if session.get_bind().dialect.name == "postgresql":
-        rows = session.scalars(text(f"SELECT nextval(pg_get_serial_sequence('{table.name}', 'id')) "
-                                    "FROM generate_series(1, :n)"), {"n": count})
-        return sorted(int(r) for r in rows)
-    start = (session.scalar(select(func.max(table.c.id))) or 0) + 1
-    return list(range(start, start + count))
 
 
 def seed(db: Database, silo_id: int, count: int, *, mechanism: Callable[[int], AnyMechanism], start: int = 0,
@@ -113,8 +96,9 @@ def _append_batch(session: Session, silo: Silo, rounds: range, *, mechanism: Cal
     spent = RunningSum.from_json(silo.rdp_spent)
     committed = RunningSum.from_json(silo.rdp_committed)
     seq, head = silo.chain_seq, silo.chain_head
-    charge_ids = _ids(session, _CHARGES, len(rounds))
-    entry_ids = iter(_ids(session, _ENTRIES, len(rounds) * (2 if commit else 1)))
+    store = reserving.of(session)
+    charge_ids = store.next_ids(session, _CHARGES, len(rounds))
+    entry_ids = iter(store.next_ids(session, _ENTRIES, len(rounds) * (2 if commit else 1)))
     charge_rows: list[dict[str, Any]] = []
     entry_rows: list[dict[str, Any]] = []
     leaf_rows: list[dict[str, Any]] = []
@@ -160,12 +144,8 @@ def _append_batch(session: Session, silo: Silo, rounds: range, *, mechanism: Cal
             entry(EntryEvent.commit, charge, subject_text, eps)
     for text in used.values():  # each once, unless this process knows it stored, as reserve() writes it
         curves.store(session, text)
-    connection = session.connection()
-    connection.execute(_INSERT_CHARGES, charge_rows)  # before the entries that name them (foreign keys)
-    connection.execute(_INSERT_ENTRIES, entry_rows)
-    connection.execute(_INSERT_PENDING, leaf_rows)
-    connection.execute(update(_SILOS).where(_SILOS.c.id == silo.id).values(
-        chain_seq=seq, chain_head=head, rdp_spent=spent.to_json(), rdp_committed=committed.to_json()))
+    reserving.append_many(session, silo_id=silo.id, charges=charge_rows, entries=entry_rows, leaves=leaf_rows, columns={
+        "chain_seq": seq, "chain_head": head, "rdp_spent": spent.to_json(), "rdp_committed": committed.to_json()})
 
 
 def check_mechanism(i: int) -> DpSgd:

@@ -341,14 +341,22 @@ def bench_database(kind: str, url: str, workers_list: list[int], args: argparse.
 # Server CPU per approval, this tree beside another install (`--cpu-compare SITE`), interleaved
 
 
+# Either tree's migrations: the store's, or the ledger's before the store had a package of its own.
+_MIGRATE = """import sys
+try:
+    from dpledger.service.store.db import migrate
+except ImportError:
+    from dpledger.service.ledger.db import migrate
+migrate(sys.argv[1])"""
+
+
 def _start_server(site: str | None, url: str, cwd: str) -> tuple[subprocess.Popen[bytes], str]:
     """A one-worker server of the install at `site` (PYTHONPATH; None: this tree), run from `cwd`
     (outside the repository, whose `dpledger/` would shadow `site`), on a database it migrated itself."""
     env = {**os.environ, "DATABASE_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY}
     if site is not None:
         env["PYTHONPATH"] = site
-    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.store.db import migrate; migrate(sys.argv[1])",
-                    url], env=env, cwd=cwd, check=True)
+    subprocess.run([sys.executable, "-c", _MIGRATE, url], env=env, cwd=cwd, check=True)
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "dpledger.service.serving", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

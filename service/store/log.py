@@ -49,9 +49,10 @@ _INSERT_HEAD = insert(cast(Table, LogHead.__table__))
 
 # --- an approval -------------------------------------------------------------------------------
 
-def insert_pending(session: Session, row: dict[str, Any]) -> None:
-    """One `log_pending` row (entry_id, salt, leaf_hash, promised_by), in the caller's transaction.
-    Core, not the ORM's bulk path: nothing reads the row back in this transaction."""
+def insert_pending(session: Session, row: dict[str, Any] | list[dict[str, Any]]) -> None:
+    """`log_pending` rows (entry_id, salt, leaf_hash, promised_by), in the caller's transaction: one,
+    or a list as one executemany. Core, not the ORM's bulk path: nothing reads them back in this
+    transaction."""
     session.connection().execute(_INSERT_PENDING, row)
 
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol, cast
 from sqlalchemy import ColumnElement, CompoundSelect, Row, Select, Table, Update, bindparam, insert, select, union_all, update
 from sqlalchemy.orm import Session
 
+from dpledger.service.store import log
 from dpledger.service.store.models import ApiKey, Charge, Curve, LedgerEntry, Silo
 
 _ENTRIES = cast(Table, LedgerEntry.__table__)
@@ -204,6 +205,28 @@ class Reserving(Protocol):
 
     def append(self, session: Session, appended: Appended) -> None:
         """Writes the entry, its pending leaf, the silo's columns and any charge still to write."""
+
+    def next_ids(self, session: Session, table: Table, count: int) -> list[int]:
+        """The ids the next `count` inserts into `table` get (`append_many` inserts under them); the
+        caller holds the write lock."""
+
+
+_INSERT_MANY_CHARGES = insert(_CHARGES)
+_INSERT_MANY_ENTRIES = insert(_ENTRIES)
+
+
+def append_many(session: Session, *, silo_id: int, columns: dict[str, Any], charges: list[dict[str, Any]],
+                entries: list[dict[str, Any]], leaves: list[dict[str, Any]]) -> None:
+    """A batch of charges and their entries appended at once, as a loop of approvals would write them
+    (bulk seeding, bench/_seeding.py, which checks the two equal): the charges before the entries that
+    name them (foreign keys), the entries under the ids `Reserving.next_ids` gave, their pending leaves
+    (`entry_id`, salt, leaf_hash, promised_by), then the silo's columns once. Curves are written apart
+    (store/curves.py `store`). One executemany a table."""
+    connection = session.connection()
+    connection.execute(_INSERT_MANY_CHARGES, charges)
+    connection.execute(_INSERT_MANY_ENTRIES, entries)
+    log.insert_pending(session, leaves)
+    store_columns(session, silo_id, columns)
 
 
 def of(session: Session) -> Reserving:

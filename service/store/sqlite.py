@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, insert
+from sqlalchemy import Table, bindparam, func, insert, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
@@ -43,6 +43,12 @@ class SqliteReserving:
         store_columns(session, appended.silo_id, appended.columns)
         entry_id = session.connection().execute(_INSERT_ENTRY, appended.entry).scalar_one()
         log.insert_pending(session, {"entry_id": entry_id, **appended.leaf})
+
+
+    def next_ids(self, session: Session, table: Table, count: int) -> list[int]:
+        # max + 1 onwards: the caller holds SQLite's one write lock, so nobody else inserts meanwhile.
+        start = int(session.scalar(select(func.max(table.c.id))) or 0) + 1
+        return list(range(start, start + count))
 
 
 RESERVING = SqliteReserving()
