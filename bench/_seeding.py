@@ -60,7 +60,7 @@ class _Pair:
     curve: np.ndarray
     mechanism_json: str
     curve_json: str
-    curve_hash: str  # its row's key in the curves table (ledger/curves.py)
+    curve_hash: str  # its row's key in the curves table (store/curves.py)
 
 
 def seed(db: Database, silo_id: int, count: int, *, mechanism: Callable[[int], AnyMechanism], start: int = 0,

@@ -338,7 +338,7 @@ def reserve_locked(
         silos.fix_filter(session, silo, first, now=now)
     gate.take(silo, step, seq=silo.chain_seq + 1)  # its units of the plan, or the plan's branch ends at its entry
     curve_text = curve_to_json(priced.curve)
-    # The curve is stored once per ledger (ledger/curves.py): the charge names it by key, and a curve this
+    # The curve is stored once per ledger (store/curves.py): the charge names it by key, and a curve this
     # process knows committed (a repeated pair: the common path) is not written again.
     curve_hash, new_curve = curves.reference(session, curve_text)
     values: dict[str, Any] = {

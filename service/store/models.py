@@ -103,7 +103,7 @@ class Silo(Base):
 
 
 class Curve(Base):
-    """An RDP curve at the order grid, stored once per ledger (ledger/curves.py): its exact text, keyed by
+    """An RDP curve at the order grid, stored once per ledger (store/curves.py): its exact text, keyed by
     the text's SHA-256. Rows are only ever added; the charges that name a curve share it."""
 
     __tablename__ = "curves"

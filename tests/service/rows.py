@@ -23,7 +23,7 @@ def entries(engine: Engine) -> int:
 
 
 def charge_curve(connection: Connection, charge_id: int) -> str:
-    """The curve text a charge reads, through its key into the curves table (ledger/curves.py)."""
+    """The curve text a charge reads, through its key into the curves table (store/curves.py)."""
     return str(connection.execute(text("SELECT curves.rdp FROM charges JOIN curves ON curves.hash = charges.curve_hash "
                                        "WHERE charges.id = :id"), {"id": charge_id}).scalar_one())
 

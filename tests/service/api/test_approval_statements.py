@@ -20,7 +20,7 @@ STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
 # charge, its record checked, the charge, the silo's new state, its entry and the log's pending leaf:
 # on PostgreSQL those four in one statement, store/postgres.py `append`). Its
 # transaction's control is counted apart: SQLite's BEGIN IMMEDIATE, or a savepoint pair where the
-# approval joined a group of writers that another opened (ledger/db.py GroupCommit: the sequencer's
+# approval joined a group of writers that another opened (store/db.py GroupCommit: the sequencer's
 # batch, say); none on PostgreSQL.
 APPROVAL_STATEMENTS = {"sqlite": 6, "postgresql": 3}
 CONTROL = {"sqlite": (["BEGIN IMMEDIATE"], ["SAVEPOINT", "RELEASE"]), "postgresql": ([],)}

@@ -80,7 +80,7 @@ def test_an_edited_charge_is_named(client, ledger, database_url, column, forge) 
 
 
 def test_an_edited_curve_row_names_every_charge_that_shares_it(client, ledger, database_url) -> None:
-    """A curve is stored once (ledger/curves.py): its row edited in place changes what every charge of the
+    """A curve is stored once (store/curves.py): its row edited in place changes what every charge of the
     pair reads, so each one's entries break, and the row is named as not hashing to its key."""
     _, ids = ledger
     engine = create_engine(database_url)

@@ -1,4 +1,4 @@
-"""SQLite group commit (ledger/db.py `GroupCommit`): writers that queue behind one another share one
+"""SQLite group commit (store/db.py `GroupCommit`): writers that queue behind one another share one
 transaction and one COMMIT, each in a savepoint of its own. On a real SQLite file: a writer's error
 undoes its own changes only; a writer returns only once its changes are durable; a COMMIT that fails
 fails every writer of its group, and none of their changes is in the database."""

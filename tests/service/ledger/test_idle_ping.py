@@ -1,4 +1,4 @@
-"""A pooled PostgreSQL connection is pinged only after sitting idle (ledger/db.py `_ping_when_idle`):
+"""A pooled PostgreSQL connection is pinged only after sitting idle (store/db.py `_ping_when_idle`):
 a busy pool pays no round trip per checkout, and a connection the server dropped while it was idle is
 replaced before any request uses it."""
 

@@ -1,4 +1,4 @@
-"""The log's sequencer at rest: its leader runs nothing until a commit rings it (ledger/wakeup.py),
+"""The log's sequencer at rest: its leader runs nothing until a commit rings it (store/wakeup.py),
 a ring from another process wakes it too (a FIFO on SQLite, NOTIFY on PostgreSQL), a lost ring is
 made up by the fallback look, and a PostgreSQL standby waits for the lock on one connection and
 takes over the moment the leader's session ends.
