@@ -27,14 +27,15 @@ at < 2 s of CPU and < 256 MB on one request.
 
 The guard: `guard()` opens a request's (or a part's) CPU bound on its thread; `tick()`, called
 between the steps of every computation (leaf by leaf, PLD node by PLD node, σ search step by step),
-stops the computation (a 422, or a skipped report) once its thread's CPU outruns what was priced:
-OVERRUN × the admitted price + SLACK, never past GUARD_SECONDS. It is the σ searches' CPU bound of
-issue 26, made general.
+stops the computation (a 422, or a skipped report) once its thread's CPU (less its garbage
+collections) outruns what was priced: OVERRUN × the admitted price + SLACK, never past
+GUARD_SECONDS. It is the σ searches' CPU bound of issue 26, made general.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import threading
 import time
@@ -462,6 +463,26 @@ class Guard:
 
 
 _GUARDS: ContextVar[tuple[Guard, ...]] = ContextVar("dpledger_cost_guards", default=())
+# The CPU a guard counts is its thread's less the garbage collections run on it: a collection is the
+# process's housekeeping, as long as the whole heap and triggered by whichever thread allocates next
+# (a full one over a large process took ~1 s on CI, stopping a 0.1 s request as an overrun).
+_COLLECTING = threading.local()
+
+
+def _collection(phase: str, _info: dict[str, int]) -> None:
+    if phase == "start":
+        _COLLECTING.started = time.thread_time()
+    elif (started := getattr(_COLLECTING, "started", None)) is not None:
+        _COLLECTING.seconds = getattr(_COLLECTING, "seconds", 0.0) + time.thread_time() - started
+        _COLLECTING.started = None
+
+
+gc.callbacks.append(_collection)
+
+
+def _working() -> float:
+    """This thread's CPU seconds, less those its garbage collections took."""
+    return time.thread_time() - getattr(_COLLECTING, "seconds", 0.0)
 PART_SLACK = 0.1  # a part (a PLD report, a plan's price) is timed alone: only its own steps
 
 
@@ -479,7 +500,7 @@ def guard(
     GUARD_SECONDS. Either is admitted to the guards around it. An overrun of this guard leaves it as
     Stopped (a 422 naming `field`; `message` says why); an overrun of an enclosing one passes through."""
     admit(seconds if seconds is not None else price)
-    made = Guard(field, time.thread_time(), threading.get_ident(), seconds, slack, admitted=price)
+    made = Guard(field, _working(), threading.get_ident(), seconds, slack, admitted=price)
     token = _GUARDS.set((*_GUARDS.get(), made))
     try:
         yield made
@@ -525,7 +546,7 @@ def tick() -> None:
     found = _active()
     if not found:
         return
-    now = time.thread_time()
+    now = _working()
     for open_guard in reversed(found):
         spent = now - open_guard.started
         if spent > open_guard.allowance():

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select, text
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from dpledger.audit.transparency import verify_receipts
@@ -23,6 +23,7 @@ from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.api.app import create_app
 from dpledger.service.ledger import seals
 from dpledger.service.settings import Settings
+from dpledger.service.store import reserving
 from dpledger.service.store.models import Silo
 from dpledger.wire import merkle
 from dpledger.wire.receipts import SignedTreeHead, is_fork
@@ -67,9 +68,9 @@ def test_an_honest_run_raises_no_alarm_and_checks_every_head(ledger: Ledger) -> 
         assert out.notes[0].startswith(f"{len(party.receipts)} receipts, {heads} distinct heads and {entries} entries")
 
 
-def unchecked(session: Session, silo: Silo, *, also: tuple[Any, dict[str, Any]] | None = None) -> Any:
-    """seals.check as a patched server would run it: the record is never checked, `also` still read."""
-    return None if also is None else session.execute(select(also[0]), {**also[1], "silo_id": silo.id}).scalar()
+def unchecked(session: Session, silo: Silo, *, key: reserving.AfterLock | None = None) -> int | None:
+    """seals.check as a patched server would run it: the record is never checked, the key's charge still read."""
+    return None if key is None else reserving.charge_by_key(session, silo_id=silo.id, idempotency_key=key.idempotency_key)
 
 
 def test_a_lowered_running_sum_is_found_by_recomposing_the_entries_that_followed(

@@ -57,3 +57,24 @@ def test_a_filter_allocation_widens_the_bound_of_the_request_it_runs_in_without_
         assert guard.admitted == 0.0 and cost._admitted_seconds() == 0.0
         rdp_filter.allocate(step, epsilon=3.0, delta=1e-5)  # a refit's second allocation: never past the cap
         assert guard.allowance() == cost.GUARD_SECONDS
+
+
+def test_a_garbage_collection_on_the_requests_thread_is_not_its_work() -> None:
+    """A full collection runs on whichever thread allocates when it is due and lasts as long as the whole
+    heap: on a large CI process one stopped a 0.1 s calibration as an overrun (a 422). A guard counts the
+    thread's CPU less its collections; the request's own work still counts."""
+    import gc
+    import time
+
+    heap = [[i] for i in range(2_000_000)]  # a large process's heap: a full collection walks all of it
+    with cost.guard("mechanism", seconds=10.0) as guard:
+        before = time.thread_time()
+        gc.collect()
+        collected = time.thread_time() - before
+        assert collected > 0.05  # the collection took real CPU on this thread…
+        assert cost._working() - guard.started < collected / 5  # …which the guard does not count
+        busy = time.thread_time()
+        while time.thread_time() - busy < 0.2:  # the request's own work
+            pass
+        assert cost._working() - guard.started >= 0.2
+    del heap
