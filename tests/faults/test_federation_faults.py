@@ -314,6 +314,10 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
     assert result["reason"] == line
     said = log.read_text(errors="replace") + (fed.folder / "superlink.log").read_text(errors="replace")
     assert line in said and "Traceback" not in said[said.index(line):], said[-3000:]
+    # A ClientApp handed its round's message before the stop may still be starting on a busy machine, and
+    # reserves once it runs: the ledger is read after the last one ended (each message starts its own).
+    wait_for(lambda: not any(named(pid, "flwr-clientapp") for process in fed.processes for pid in descendants(process.pid)),
+             timeout=ROUND_TIMEOUT, interval=0.5, what="the ClientApps the stopped run had started to end")
     # Each silo settled the round it was in by itself: the ServerApp's end leaves no charge of the job open.
     for silo in (faulty.steady, faulty.victim):
         name = job_name(faulty, silo, result)
