@@ -23,6 +23,7 @@ small history, `_seeding.check`; the seeded chain is verified with `audit.verify
     python bench/approvals.py              # full run (~9 min on 2 cores)
     python bench/approvals.py --quick      # smoke test (~1 min): history 2000, SQLite w1, PostgreSQL w2
     python bench/approvals.py --cpu-compare /path/to/older/site   # server CPU per approval, before/after
+    python bench/approvals.py --floor      # server CPU per approval beside the stack's floor app (bench/_floor.py)
 
 Prints a table, then one JSON line with every figure. Progress goes to stderr.
 """
@@ -350,17 +351,27 @@ except ImportError:
 migrate(sys.argv[1])"""
 
 
+FLOOR = "floor"  # the stack's floor app (bench/_floor.py) in place of a dpledger install
+BENCH = str(Path(__file__).resolve().parent)
+
+
 def _start_server(site: str | None, url: str, cwd: str) -> tuple[subprocess.Popen[bytes], str]:
-    """A one-worker server of the install at `site` (PYTHONPATH; None: this tree), run from `cwd`
-    (outside the repository, whose `dpledger/` would shadow `site`), on a database it migrated itself."""
-    env = {**os.environ, "DATABASE_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY}
-    if site is not None:
-        env["PYTHONPATH"] = site
-    subprocess.run([sys.executable, "-c", _MIGRATE, url], env=env, cwd=cwd, check=True)
+    """A one-worker server of the install at `site` (PYTHONPATH; None: this tree; FLOOR: the floor app),
+    run from `cwd` (outside the repository, whose `dpledger/` would shadow `site`), on a database it
+    migrated itself (the floor makes its one table)."""
+    env = {**os.environ, "DATABASE_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY, "FLOOR_DATABASE_URL": url}
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "dpledger.service.serving", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--log-level", "warning"], env=env, cwd=cwd, start_new_session=True)
+    if site == FLOOR:
+        env["PYTHONPATH"] = BENCH
+        command = [sys.executable, "-m", "uvicorn", "--factory", "_floor:make_app", "--host", "127.0.0.1", "--port",
+                   str(port), "--workers", "1", "--log-level", "warning"]
+    else:
+        if site is not None:
+            env["PYTHONPATH"] = site
+        subprocess.run([sys.executable, "-c", _MIGRATE, url], env=env, cwd=cwd, check=True)
+        command = [sys.executable, "-m", "dpledger.service.serving", "--host", "127.0.0.1", "--port", str(port),
+                   "--workers", "1", "--log-level", "warning"]
+    process = subprocess.Popen(command, env=env, cwd=cwd, start_new_session=True)
     server_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -374,23 +385,44 @@ def _start_server(site: str | None, url: str, cwd: str) -> tuple[subprocess.Pope
             time.sleep(0.1)
 
 
-async def _cpu_cell(server_url: str, pid: int, n: int, concurrency: int) -> Tally:
+async def _cpu_cell(server_url: str, pid: int, n: int, concurrency: int, *, floor: bool = False,
+                    paced: tuple[float, float] | None = None) -> tuple[Tally, dict[str, float]]:
+    """`n` approvals by `concurrency` clients, after a warm-up; with `paced` (rate a second, seconds):
+    then the server's CPU at rest and at that paced rate, each per second and per approval."""
     async with httpx.AsyncClient(base_url=server_url, timeout=60.0) as admin:
         loader = RawClient(server_url, concurrency)
-        silo = await create_small_silo(admin, loader, "cpu")
+        silo = {"id": 1, "api_key": "floor"} if floor else await create_small_silo(admin, loader, "cpu")
         await fire(loader, silo, 4 * concurrency, concurrency, sigma_of=lambda: REPEATED_SIGMA, tag="warm", tally=None,
                    server_root=None)
         tally = Tally()
         await fire(loader, silo, n, concurrency, sigma_of=lambda: REPEATED_SIGMA, tag="cpu", tally=tally, server_root=pid)
         await loader.aclose()
-    return tally
+        extra: dict[str, float] = {}
+        if paced is not None:
+            rate, seconds = paced
+            await asyncio.sleep(1.0)  # the burst's tail (a sequencer's batch) settles first
+            before = cpu_snapshot(pid)
+            await asyncio.sleep(seconds)
+            extra["idle_ms_per_s"] = grown(before.server, cpu_snapshot(pid).server) / seconds * 1e3
+            one = RawClient(server_url, 1)
+            count, started = int(rate * seconds), time.perf_counter()
+            before = cpu_snapshot(pid)
+            for i in range(count):
+                await fire(one, silo, 1, 1, sigma_of=lambda: REPEATED_SIGMA, tag=f"paced{i}", tally=tally, server_root=None)
+                await asyncio.sleep(max(0.0, started + (i + 1) / rate - time.perf_counter()))
+            spent = grown(before.server, cpu_snapshot(pid).server)
+            await one.aclose()
+            extra["paced_ms_per_s"] = spent / (time.perf_counter() - started) * 1e3
+            extra["paced_ms_per_approval"] = spent / count * 1e3
+    return tally, extra
 
 
 def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
     """Server CPU per approval (repeated pair, one worker, a fresh silo) of this tree and of the
     install at `args.cpu_compare`, alternating (before, after) `args.rounds` times on each database,
     each cell on a fresh database: the medians compare code, not the machine's drift."""
-    trees: dict[str, str | None] = {"before": args.cpu_compare, "after": None}
+    trees: dict[str, str | None] = {"before": FLOOR if args.floor else args.cpu_compare, "after": None}
+    paced = (args.paced_rate, args.paced_seconds) if args.floor else None
     databases = ["sqlite"] + ([] if args.no_postgres or postgres_answers(args.pg_url) is None else ["postgres"])
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dpledger-cpu-") as tmp:
@@ -405,7 +437,9 @@ def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
                         reset_postgres(url)
                     process, server_url = _start_server(trees[name], url, tmp)
                     try:
-                        row = summarize(asyncio.run(_cpu_cell(server_url, process.pid, args.requests, args.concurrency)))
+                        tally, extra = asyncio.run(_cpu_cell(server_url, process.pid, args.requests, args.concurrency,
+                                                             floor=trees[name] == FLOOR, paced=paced))
+                        row = {**summarize(tally), **extra}
                     finally:
                         os.killpg(process.pid, signal.SIGTERM)
                         process.wait()
@@ -420,6 +454,8 @@ def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
                     "approvals_per_s_median": statistics.median(r["approvals_per_s"] for r in rows),
                     "server_cpu_ms": [r["server_cpu_ms_per_req"] for r in rows],
                     "non_201": sum(r["non_201"] for r in rows),
+                    **{f"{key}_median": statistics.median(r[key] for r in rows)
+                       for key in ("idle_ms_per_s", "paced_ms_per_s", "paced_ms_per_approval") if key in rows[0]},
                 }
                 for name, rows in cells.items()
             }
@@ -427,9 +463,10 @@ def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_cpu_compare(results: dict[str, Any], args: argparse.Namespace) -> None:
+    before = "the stack's floor (bench/_floor.py)" if args.floor else args.cpu_compare
     print(f"server CPU per approval, repeated (q, σ) pair, 1 uvicorn worker, {args.concurrency} clients, "
           f"{args.requests} approvals x {args.rounds} rounds per tree and database, alternating; "
-          f"before = {args.cpu_compare}, after = this tree; {os.cpu_count()} cores")
+          f"before = {before}, after = this tree; {os.cpu_count()} cores")
     print(f"{'db':8} {'tree':7} {'srv ms median':>13} {'pg ms median':>12} {'appr/s':>7}  server ms per round")
     for kind, cell in results.items():
         for name in ("before", "after"):
@@ -437,6 +474,16 @@ def print_cpu_compare(results: dict[str, Any], args: argparse.Namespace) -> None
             rounds = " ".join(f"{v:.2f}" for v in r["server_cpu_ms"])
             print(f"{kind:8} {name:7} {r['server_cpu_ms_median']:>13.2f} {r['postgres_cpu_ms_median']:>12.2f} "
                   f"{r['approvals_per_s_median']:>7.0f}  {rounds}")
+    if not args.floor:
+        return
+    print(f"\nthis tree ÷ the floor (medians; at rest: ms of server CPU a second; paced: {args.paced_rate:g} approvals/s "
+          f"for {args.paced_seconds:g} s, the server's CPU over that time per approval)")
+    for kind, cell in results.items():
+        floor, ours = cell["before"], cell["after"]
+        print(f"{kind:8} full rate {ours['server_cpu_ms_median'] / floor['server_cpu_ms_median']:5.2f}x   "
+              f"paced {ours['paced_ms_per_approval_median']:.2f} / {floor['paced_ms_per_approval_median']:.2f} ms = "
+              f"{ours['paced_ms_per_approval_median'] / floor['paced_ms_per_approval_median']:5.2f}x   "
+              f"at rest {ours['idle_ms_per_s_median']:.1f} / {floor['idle_ms_per_s_median']:.1f} ms/s")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -577,8 +624,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-compare", metavar="SITE",
                         help="only server CPU per approval: the install at SITE (a PYTHONPATH) beside this tree, "
                              "alternating (--requests per cell, default 1000; --rounds, default 5)")
+    parser.add_argument("--floor", action="store_true",
+                        help="only server CPU per approval: the stack's floor app (bench/_floor.py) beside this tree, "
+                             "at full rate, paced and at rest, alternating (--rounds, default 5)")
+    parser.add_argument("--paced-rate", type=float, default=5.0, help="--floor: approvals a second, paced (default 5)")
+    parser.add_argument("--paced-seconds", type=float, default=12.0, help="--floor: seconds paced, and at rest (default 12)")
     args = parser.parse_args(argv)
-    if args.cpu_compare:
+    if args.cpu_compare or args.floor:
         args.requests = args.requests or 1000
         args.rounds = args.rounds or 5
         results = {"config": dict(vars(args)), "cpu": cpu_compare(args)}
