@@ -10,6 +10,7 @@ of every module and the silo's registration cost the same whatever the count, so
 build twice, with `--small` and `--large` approvals, and reports the difference over the difference.
 
     python bench/instructions.py --compare /path/to/older/site     # ~8 min on 2 cores
+    python bench/instructions.py --floor      # this tree beside the stack's floor app (bench/_floor.py)
 
 valgrind runs the server ~10× slower than it runs alone (about 16 approvals/s against 160 here), and
 the log's sequencer wakes every 100 ms of wall time: the bench runs it every `--sequence-interval-ms`
@@ -36,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
-from approvals import ADMIN_KEY, REPEATED_SIGMA, create_small_silo, fire
+from approvals import _MIGRATE, ADMIN_KEY, BENCH, FLOOR, REPEATED_SIGMA, create_small_silo, fire
 
 from dpledger.harness import free_port
 
@@ -50,16 +51,19 @@ def _server_instructions(site: str | None, approvals: int, args: argparse.Namesp
     url = f"sqlite:///{tmp}/ledger.db"
     env = {**os.environ, "DATABASE_URL": url, "DPLEDGER_ADMIN_KEY": ADMIN_KEY,
            "DPLEDGER_LOG_SEQUENCE_INTERVAL_MS": str(args.sequence_interval_ms)}
-    if site is not None:
-        env["PYTHONPATH"] = site
-    subprocess.run([sys.executable, "-c", "import sys; from dpledger.service.store.db import migrate; migrate(sys.argv[1])",
-                    url], env=env, cwd=tmp, check=True)
     port = free_port()
+    if site == FLOOR:  # the stack's floor app (bench/_floor.py), on its own table of the same file
+        env.update(PYTHONPATH=BENCH, FLOOR_DATABASE_URL=url)
+        served = ["-m", "uvicorn", "--factory", "_floor:make_app", "--port", str(port), "--log-level", "warning"]
+    else:
+        if site is not None:
+            env["PYTHONPATH"] = site
+        subprocess.run([sys.executable, "-c", _MIGRATE, url], env=env, cwd=tmp, check=True)
+        served = ["-m", "dpledger.service.serving", "--port", str(port), "--log-level", "warning"]
     report = f"{tmp}/valgrind.log"
     process = subprocess.Popen(
         ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", f"--log-file={report}",
-         sys.executable, "-m", "dpledger.service.serving", "--port", str(port), "--log-level", "warning"],
-        env=env, cwd=tmp, start_new_session=True)
+         sys.executable, *served], env=env, cwd=tmp, start_new_session=True)
     server = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -71,7 +75,7 @@ def _server_instructions(site: str | None, approvals: int, args: argparse.Namesp
                     break
             except httpx.TransportError:
                 time.sleep(1.0)
-        asyncio.run(_approvals(server, approvals, args.concurrency))
+        asyncio.run(_approvals(server, approvals, args.concurrency, floor=site == FLOOR))
     finally:
         os.killpg(process.pid, signal.SIGTERM)  # valgrind writes its totals as the server exits
         process.wait()
@@ -81,10 +85,10 @@ def _server_instructions(site: str | None, approvals: int, args: argparse.Namesp
     return int(found.group(1).replace(",", ""))
 
 
-async def _approvals(server: str, n: int, concurrency: int) -> None:
+async def _approvals(server: str, n: int, concurrency: int, *, floor: bool) -> None:
     async with httpx.AsyncClient(base_url=server, timeout=600.0) as admin:
         loader = RawClient(server, concurrency)
-        silo = await create_small_silo(admin, loader, "instructions")
+        silo = {"id": 1, "api_key": "floor"} if floor else await create_small_silo(admin, loader, "instructions")
         await fire(loader, silo, n, concurrency, sigma_of=lambda: REPEATED_SIGMA, tag="counted", tally=None,
                    server_root=None)
         await loader.aclose()
@@ -102,6 +106,7 @@ def per_approval(site: str | None, args: argparse.Namespace) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", metavar="SITE", help="an older install (pip install --no-deps --target SITE)")
+    parser.add_argument("--floor", action="store_true", help="compare with the stack's floor app (bench/_floor.py)")
     parser.add_argument("--small", type=int, default=100)
     parser.add_argument("--large", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -110,15 +115,16 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed")
-    trees = {"before": args.compare, "after": None} if args.compare else {"this tree": None}
+    before = FLOOR if args.floor else args.compare
+    trees = {"before": before, "after": None} if before else {"this tree": None}
     results = {name: per_approval(site, args) for name, site in trees.items()}
     print(f"server instructions per approval (valgrind cachegrind, 1 worker, SQLite, {args.concurrency} clients, "
           f"repeated (q, σ) pair, sequencer every {args.sequence_interval_ms} ms; "
           f"({args.large} − {args.small} approvals) apart)")
     for name, value in results.items():
         print(f"{name:10} {value / 1e6:8.3f} M")
-    if args.compare:
-        print(f"after / before: {results['after'] / results['before']:.3f}")
+    if before:
+        print(f"after / before{' (the floor)' if args.floor else ''}: {results['after'] / results['before']:.3f}")
     print(json.dumps({"instructions_per_approval": results}))
 
 
