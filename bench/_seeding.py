@@ -49,7 +49,7 @@ from dpledger.wire.mechanisms import AnyMechanism, DpSgd
 _CHARGES = cast(Table, Charge.__table__)
 _ENTRIES = cast(Table, LedgerEntry.__table__)
 _SILOS = cast(Table, Silo.__table__)
-_ENTRY_COLUMNS = ("id", "silo_id", "seq", "event", "charge_id", "epsilon_spent", "created_at", "prev_hash", "hash")
+_ENTRY_COLUMNS = ("id", *reserving.ENTRY_COLUMNS)  # under the ids next_ids gave
 BATCH = 2000  # charges per transaction
 
 

@@ -404,16 +404,18 @@ async def _cpu_cell(server_url: str, pid: int, n: int, concurrency: int, *, floo
             before = cpu_snapshot(pid)
             await asyncio.sleep(seconds)
             extra["idle_ms_per_s"] = grown(before.server, cpu_snapshot(pid).server) / seconds * 1e3
-            one = RawClient(server_url, 1)
+            one, paced_tally = RawClient(server_url, 1), Tally()  # apart: the full-rate row divides by its own count
             count, started = int(rate * seconds), time.perf_counter()
             before = cpu_snapshot(pid)
             for i in range(count):
-                await fire(one, silo, 1, 1, sigma_of=lambda: REPEATED_SIGMA, tag=f"paced{i}", tally=tally, server_root=None)
+                await fire(one, silo, 1, 1, sigma_of=lambda: REPEATED_SIGMA, tag=f"paced{i}", tally=paced_tally,
+                           server_root=None)
                 await asyncio.sleep(max(0.0, started + (i + 1) / rate - time.perf_counter()))
             spent = grown(before.server, cpu_snapshot(pid).server)
             await one.aclose()
             extra["paced_ms_per_s"] = spent / (time.perf_counter() - started) * 1e3
             extra["paced_ms_per_approval"] = spent / count * 1e3
+            extra["paced_non_201"] = count - paced_tally.statuses.get(201, 0)
     return tally, extra
 
 
@@ -453,7 +455,7 @@ def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
                     "postgres_cpu_ms_median": statistics.median(r["postgres_cpu_ms_per_req"] for r in rows),
                     "approvals_per_s_median": statistics.median(r["approvals_per_s"] for r in rows),
                     "server_cpu_ms": [r["server_cpu_ms_per_req"] for r in rows],
-                    "non_201": sum(r["non_201"] for r in rows),
+                    "non_201": sum(r["non_201"] + r.get("paced_non_201", 0) for r in rows),
                     **{f"{key}_median": statistics.median(r[key] for r in rows)
                        for key in ("idle_ms_per_s", "paced_ms_per_s", "paced_ms_per_approval") if key in rows[0]},
                 }

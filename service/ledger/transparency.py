@@ -178,10 +178,6 @@ def append(session: Session, entry: LedgerEntry, *, subject: dict[str, Any]) -> 
     return int(size)
 
 
-def pending_count(session: Session) -> int:
-    return log.pending_count(session)
-
-
 def milliseconds(moment: datetime) -> int:
     # SQLite hands datetimes back naive (they are UTC); integer arithmetic, so a re-read row gives the same.
     aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from sqlalchemy import Row, Table, and_, bindparam, delete, func, insert, select, update
+from sqlalchemy import Row, Table, and_, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from dpledger.service.store.models import (
@@ -114,10 +114,6 @@ def add_nodes(session: Session, rows: list[dict[str, Any]]) -> None:
 
 def set_state(session: Session, *, size: int, frontier: str) -> None:
     session.execute(update(LogState).where(LogState.id == STATE_ID).values(size=size, frontier=frontier))
-
-
-def pending_count(session: Session) -> int:
-    return int(session.execute(select(func.count()).select_from(LogPending)).scalar_one())
 
 
 # --- proofs ------------------------------------------------------------------------------------
