@@ -72,13 +72,18 @@ GOAL_FIRST, GOAL_THIRD, GOAL_TENTH, END_EXCESS = 0.5, 0.25, 0.15, 0.03
 END_SPAN = 1.1
 # A horizon that takes more units than this to spend the budget reads ~0 everywhere: refused.
 MAX_UNITS = 1e10
-# The share of the horizon's units the budget must still buy under the filter (see allocate).
+# horizon_units' bisection, this many steps to a conversion: the 2^levels − 1 mids they might ask.
+HORIZON_LEVELS = 3
+# The share of the horizon's whole units the budget must still buy under the filter (kept_units): the
+# goal's 0.95 and a margin (at 0.95 the ρ bisection spends it early on: central q = 256/60,000, σ 1
+# for 10,000 steps reads 1.152 at a tenth of the way, against 1.139 and the goal's 1.15).
 ROUNDS_KEPT = 0.96
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
 PATH_UNITS = 16
 PATH_POINTS = 48
 # The bisections on the scale s and on ρ: the scale's upper end (a reading within 1 + MAX_SCALE·0.5
-# after one unit), and when they stop. Each step is a cover (~1 ms); s only sets the caps, within
+# after one unit), and when they stop. Each step is a cover (~0.4 ms, or ~0.04 ms where _Path.fits
+# proves it from a cheaper cut: about half of them); s only sets the caps, within
 # 1e-3·excess of the least that fit, and ρ the reading along the path, within 1e-4 of its least.
 MAX_SCALE = 128.0
 SCALE_TOLERANCE = 1e-3
@@ -96,6 +101,14 @@ HORIZON_MAX_RATE = 0.01
 
 
 _GRID = frozenset(rdp.ORDERS)
+# The scale of each order's need (_Path._needs): α − 1, a column.
+_SLOPES = (np.array(rdp.ORDERS) - 1)[:, None]
+_SLOPES.flags.writeable = False
+# Above this exponent a need is above 1 (exp(x) rounds above 1 for every x ≥ 2^-52), so reads none.
+_NEED_CUT = 1e-12
+# _Path.fits' margin over the rounding of its sums (~1e-14 relative): a cut's sum this far within
+# the budget proves the cover fits.
+FITS_MARGIN = 1e-9
 
 
 @dataclass(frozen=True)
@@ -215,15 +228,32 @@ def horizon_units(horizon: np.ndarray, *, epsilon: float, delta: float, offset: 
     curve = np.where(finite, horizon, np.inf)
     base = np.zeros(len(curve)) if offset is None else offset
     lo, hi = 1e-9, 1e12
-    for _ in range(200):
-        mid = math.sqrt(lo * hi)
-        # rdp.epsilons: dp-accounting's conversion to the bit, ~30× faster than its loop over the orders.
-        if rdp.epsilons(base + curve * mid, delta=delta)[0] > epsilon:
-            hi = mid
-        else:
-            lo = mid
-        if hi / lo < 1 + 1e-9:
-            break
+    steps, done = 0, False
+    while not done:
+        # The bisection's next HORIZON_LEVELS steps at once: every mid they could ask for (the tree
+        # of its possible brackets, breadth first: node k's are 2k + 1 below its mid, 2k + 2 above)
+        # converted in one call, then walked a step at a time as before. The same mids in the same
+        # arithmetic, so the same lo: 12 calls of 7 curves, ~0.5 ms, where 36 of one were ~0.8 ms.
+        mids: list[float] = []
+        level = [(lo, hi)]
+        for _ in range(HORIZON_LEVELS):
+            split = [(a, math.sqrt(a * b), b) for a, b in level]
+            mids += [mid for _, mid, _ in split]
+            level = [bracket for a, mid, b in split for bracket in ((a, mid), (mid, b))]
+        # rdp.epsilons: dp-accounting's conversion to the bit, ~30× faster than its loop over the
+        # orders; row by row, each row's ε is the one its curve alone reads.
+        above = (rdp.epsilons(base + curve * np.array(mids)[:, None], delta=delta) > epsilon).tolist()
+        node = 0
+        for _ in range(HORIZON_LEVELS):
+            if above[node]:
+                hi = mids[node]
+            else:
+                lo = mids[node]
+            steps += 1
+            done = hi / lo < 1 + 1e-9 or steps == 200
+            if done:
+                break
+            node = 2 * node + (1 if above[node] else 2)
     if lo > MAX_UNITS:  # ~0 at every order (σ ~ 1e9): no path of it ever reaches the budget
         raise ValueError(f"the horizon spends less than the budget in {MAX_UNITS:.0e} units: declare the workload the silo runs")
     return lo
@@ -277,6 +307,20 @@ class Allocation:
         return self.bounds[-1]
 
 
+def kept_units(units: float) -> float | None:
+    """The whole units the filter fitted to a horizon of `units` (horizon_units: K, fractional) holds
+    to read at most the budget: ⌈ROUNDS_KEPT·⌊K⌋⌉ of dp-accounting's whole units, but at most ⌈K⌉ − 1
+    (at ⌊K⌋ = K, only the best order on the whole δ reads E(K): under 25 units, ⌈0.96·K⌉ is K itself,
+    and one unit is the least that is lost). None under 2 units. Whole, not ROUNDS_KEPT·K: the gate
+    approves units, and 0.96 × 30 = 28.8 held bought 28 of 30; under 25 units nothing was held, and a
+    13-round horizon bought 11 (bench/tightness.py), a 6-step one whose ε barely grows none."""
+    # horizon_units' bisection stops up to 1e-9 (relative) under the K it brackets: 39 units read 38.99999996.
+    whole = math.floor(units * (1 + 1e-8))
+    if whole < 2:
+        return None
+    return float(min(math.ceil(ROUNDS_KEPT * whole - 1e-9), math.ceil(units) - 1))
+
+
 def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None,
              hold: float | None = None) -> Allocation:
     """The filter of a silo whose workload is `horizon` (one unit's curve), after `offset` (a charge
@@ -298,7 +342,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     their shares scaled up to 1 − REST_WEIGHT, and REST_WEIGHT is spread evenly over every other
     order of the grid (less, down to REST_LEAST, where the end cannot be held with it). With an
     offset, the path starts with the offset alone (t = 0), at the first unit's goal. `hold` (units:
-    those a registered filter buys of the workload, refit_spec) is held as ROUNDS_KEPT's prefix is,
+    those a registered filter buys of the workload, refit_spec) is held as kept_units' prefix is,
     where it is the later of the two.
 
     The bound. At every prefix t of the path the filter reads at most r(t)·E(t) (Allocation.bounds).
@@ -319,14 +363,13 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
     # it is bracketed by doubling from 1 (it is rarely above 4) before the bisection.
     def fits(s: float) -> bool:
-        return path.cover(path.goals(s))[0] <= path.budget
+        return path.fits(path.goals(s))
 
     lo, hi = 1.0, 1.0
     while hi < MAX_SCALE and not fits(hi):  # fits(MAX_SCALE) holds: _Path.of checked it
         lo, hi = hi, min(2 * hi, MAX_SCALE)
     caps = path.goals(_least(fits, lo, hi)) - 1  # lo = hi = 1 where the goals fit
-    rho = _least(lambda r: path.cover(1 + np.minimum(r, caps))[0] <= path.budget, 0.0, float(caps.max()),
-                 tolerance=RHO_TOLERANCE)
+    rho = _least(lambda r: path.fits(1 + np.minimum(r, caps)), 0.0, float(caps.max()), tolerance=RHO_TOLERANCE)
     bounds = 1 + np.minimum(rho, caps)
     total, shares = path.cover(bounds)
     return Allocation(_spec_of(shares, total, rest=path.rest), path.units, tuple(path.prefixes.tolist()), tuple(bounds.tolist()))
@@ -335,8 +378,26 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
 def check_allocatable(horizon: np.ndarray, *, epsilon: float, delta: float) -> None:
     """Raises allocate's ValueError where no filter of the grid can read the horizon's path, without
     the two bisections that choose one (a registration with no horizon validates its budget so: its
-    first charge fixes the filter, ~20× the work)."""
+    first charge fixes the filter, ~4× the work)."""
     _Path.of(horizon, epsilon=epsilon, delta=delta, offset=None)
+
+
+@dataclass
+class _Covers:
+    """The covers of one path's targets, whatever its rest: each by its targets' bytes (allocate's
+    last cover is one of its bisections', and _Path.of asks each rest for the same goals), and the
+    cut of the latest one computed (_Path.fits)."""
+
+    by_targets: dict[bytes, tuple[float, dict[int, float]]] = dataclasses.field(default_factory=dict)
+    cut: _Cut | None = None
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A cut of the path into runs: the first prefix of each run, and the order that reads each prefix."""
+
+    starts: np.ndarray
+    orders: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -352,6 +413,7 @@ class _Path:
     at_end: np.ndarray
     held: bool
     rest: float = REST_WEIGHT
+    memo: _Covers = dataclasses.field(default_factory=_Covers, compare=False, repr=False)
 
     @property
     def budget(self) -> float:
@@ -364,14 +426,16 @@ class _Path:
         """The path, or a ValueError where no order reads it or no filter reads it within the largest ratio."""
         base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
         units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
-        # The rounds the budget buys: where the horizon is long enough to lose one, the prefix at
-        # ROUNDS_KEPT of it is held to read at most the budget itself (E(K)), so that the gate affords at
-        # least that share of dp-accounting's units however slowly ε grows there (sublinear growth turns
-        # an END_EXCESS in ε into several times that in rounds).
-        keep = ROUNDS_KEPT * units if units * (1 - ROUNDS_KEPT) >= 1 else None
+        # The rounds the budget buys: the prefix kept_units(K) is held to read at most the budget itself
+        # (E(K)), so that the gate affords that many of dp-accounting's units however slowly ε grows
+        # there (sublinear growth turns an END_EXCESS in ε into several times that in rounds).
+        keep, must = kept_units(units), 1.0
         if hold is not None and keep is not None and keep < hold < units:
-            keep = hold
-        prefixes = path_prefixes(units) if keep is None else np.unique(np.append(path_prefixes(units), keep))
+            keep, must = hold, MAX_SCALE  # a refit's: held whatever it costs the goals (refit_spec never buys fewer units)
+        # The kept prefix, then the one before it where the path cannot hold it (its ε barely below the
+        # budget's: 4 of 4.000004 units read 1 − 2e-6 of it), then none.
+        keeps = [] if keep is None else [keep, *([keep - 1] if keep >= 2 else [])]
+        prefixes = np.unique(np.append(path_prefixes(units), keeps))
         excess = goal_excess(prefixes, units)
         if offset is not None:
             prefixes, excess = np.concatenate([[0.0], prefixes]), np.concatenate([[GOAL_FIRST], excess])
@@ -388,25 +452,83 @@ class _Path:
             raise ValueError("the horizon reads ε = 0 or ∞ at every prefix of its path")
         conv, best, prefixes, excess = conv[:, kept], best[kept], prefixes[kept], excess[kept]
         at_end = prefixes >= units / END_SPAN
-        if keep is not None and keep in prefixes and best[-1] > best[prefixes == keep][0]:
-            held_at = prefixes == keep
-            excess = np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess)
-        for rest in (REST_WEIGHT, REST_WEIGHT / 10, REST_LEAST):
-            path = cls(units, prefixes, excess, conv, best, at_end, held=True, rest=rest)
-            if path.cover(path.goals(MAX_SCALE))[0] <= path.budget:
-                return path
-        path = cls(units, prefixes, excess, conv, best, at_end, held=False)  # the end scaled like every prefix
-        if path.cover(path.goals(MAX_SCALE))[0] > path.budget:
+        memo = _Covers()  # the variants below share conv and best: a cover of the same targets is the same
+        # Each kept prefix held like the end's, to read at most the budget itself (E(K)), where the path
+        # still meets its goals so (at scale 1: the rounds kept never cost the first units their goals;
+        # a refit's hold at any scale); then none held, the goals scaled where they must be.
+        variants: list[tuple[np.ndarray, np.ndarray, float]] = []
+        for whole in keeps:
+            held_at = prefixes == whole
+            if held_at.any() and best[-1] > best[held_at][0]:
+                variants.append((np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess),
+                                 at_end | held_at, must))
+        variants.append((excess, at_end, MAX_SCALE))
+        for goals, ends, scale in variants:
+            for rest in (REST_WEIGHT, REST_WEIGHT / 10, REST_LEAST):
+                path = cls(units, prefixes, goals, conv, best, ends, held=True, rest=rest, memo=memo)
+                if path.fits(path.goals(scale)):
+                    return path
+        path = cls(units, prefixes, excess, conv, best, at_end, held=False, memo=memo)  # the end scaled like every prefix
+        if not path.fits(path.goals(MAX_SCALE)):
             raise ValueError("no filter of the grid's orders reads this horizon's path within the largest ratio")
         return path
 
     def cover(self, targets: np.ndarray) -> tuple[float, dict[int, float]]:
         """The least total share that reads every prefix j within targets[j] × best[j] (_cheapest_cover)."""
-        orders = np.array(rdp.ORDERS)
+        key = targets.tobytes()
+        if key in self.memo.by_targets:
+            return self.memo.by_targets[key]
+        return self._cover(key, *self._needs(targets))
+
+    def fits(self, targets: np.ndarray) -> bool:
+        """Whether cover(targets)'s total is within the budget: proven from a cheaper cut where one can,
+        the same answer either way.
+
+        Any cut's runs, each read by one order, sum to at least the least cut's total (the dynamic
+        program's least: it is the least of the same sums, rounded as they are), and cover's total,
+        one share per order (the largest of its runs, so at most the sum of its cut's runs), is at
+        most that least; each up to the rounding of the sums, ~1e-14 relative for a few hundred
+        runs. So a cut whose sum is within the budget by FITS_MARGIN proves that the cover fits,
+        without its dynamic program: the latest computed cover's cut, its runs read by the orders
+        that read them then (it proves about half of a bisection's covers), or, until the path has
+        one, _short_cut's (the loosest covers and the dearest to compute). Where none does, the
+        cover decides (and its False is never proven so: a cut's sum bounds the total from above only)."""
+        key = targets.tobytes()
+        if key in self.memo.by_targets:
+            return self.memo.by_targets[key][0] <= self.budget
+        cut = self.memo.cut
+        if cut is not None:
+            columns = np.arange(len(cut.orders))
+            with np.errstate(over="ignore", invalid="ignore"):  # as _needs reads them
+                need = np.exp((self.conv[cut.orders, columns] - targets * self.best) * _SLOPES[cut.orders, 0])
+            runs = np.maximum.reduceat(np.where(need <= 1, need, np.inf), cut.starts)
+            if float(runs.sum()) * (1 + FITS_MARGIN) <= self.budget:
+                return True
+        live, rows = self._needs(targets)
+        if cut is None and len(rows) and _short_cut(live) * (1 + FITS_MARGIN) <= self.budget:
+            return True
+        return self._cover(key, live, rows)[0] <= self.budget
+
+    def _needs(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The need of every order that may read some prefix within its target (rows, ascending), ∞ where
+        it reads none; every order left out reads none."""
         with np.errstate(over="ignore", invalid="ignore"):
-            need = np.exp(-(targets[None, :] * self.best[None, :] - self.conv) * (orders[:, None] - 1))
-        need = np.where(np.isfinite(need) & (need <= 1), need, np.inf)
-        return _cheapest_cover(need)
+            # need_α(t) = exp(−(r·E − c_α)(α − 1)), with c_α − r·E for −(r·E − c_α): the same float
+            # (rounding to nearest is symmetric), and an exact 0 reads 1 either way.
+            exponent = (self.conv - targets * self.best) * _SLOPES
+        # An order whose exponent is above _NEED_CUT at every prefix needs more than 1 at each: it reads
+        # none (∞), and is left out before the exponentials (about half the orders, on a tight path).
+        rows = np.flatnonzero((exponent <= _NEED_CUT).any(axis=1))
+        with np.errstate(over="ignore"):
+            need = np.exp(exponent[rows])
+        return np.where(need <= 1, need, np.inf), rows
+
+    def _cover(self, key: bytes, live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, float]]:
+        total, shares, cut = _cheapest_cut(live, rows)
+        self.memo.by_targets[key] = total, shares
+        if cut is not None:
+            self.memo.cut = cut
+        return total, shares
 
     def goals(self, scale: float) -> np.ndarray:
         """The targets at scale s: 1 + s·excess, the end's prefixes at most 1 + excess where it is held."""
@@ -425,46 +547,122 @@ def _least(fits: Callable[[float], bool], lo: float, hi: float, *, tolerance: fl
     return hi
 
 
+def _short_cut(live: np.ndarray) -> float:
+    """The least sum of a cheap cut of the prefixes (for _Path.fits, until a path has a cut of its
+    own): one run per prefix, one run, or two, each read by its best order (five numpy passes,
+    where a loose path's cover costs ~1 ms)."""
+    with np.errstate(invalid="ignore"):
+        first = np.maximum.accumulate(live, axis=1).min(axis=0)  # the run from the first prefix to each
+        last = np.maximum.accumulate(live[:, ::-1], axis=1).min(axis=0)[::-1]  # from each to the last
+    return min(float(live.min(axis=0).sum()), float(first[-1]), float((first[:-1] + last[1:]).min(initial=np.inf)))
+
+
 def _cheapest_cover(need: np.ndarray) -> tuple[float, dict[int, float]]:
     """need[i, j]: the δ share order i needs to read prefix j within target (∞: none suffices).
     The least total share that reads every prefix, cutting them into runs of consecutive prefixes
-    each read by one order at the largest need of its run, and the share of each order it uses.
-
-    runs[d][a]: the least, over orders, of the largest need of prefixes a … a + d, built one d at a
-    time over the orders that read some prefix (the others never hold a run); then the dynamic
-    program over the cuts in plain Python. allocate calls this ~20 times: one numpy call per d,
-    rather than several per cut, made allocate 2.4× cheaper (78 → 32 ms)."""
-    n_prefixes = need.shape[1]
+    each read by one order at the largest need of its run, and the share of each order it uses."""
     rows = np.flatnonzero(np.isfinite(need).any(axis=1))
+    total, shares, _ = _cheapest_cut(need[rows], rows)
+    return total, shares
+
+
+def _cheapest_cut(live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, float], _Cut | None]:
+    """_cheapest_cover over the orders `rows` (ascending; their needs `live`, a row of which may read
+    none), every other order reading none; and its cut (None where no cut reads every prefix).
+
+    The dynamic program over the cuts: least[e], the least total of the prefixes before e, is the
+    least over a < e of least[a] + steps[a, e] (the run a … e − 1: _steps); then the cut follows
+    each e back to the first a of least total (the first of equal totals, as an argmin), and each
+    run goes to the first order of least need over it. The program's equations have one solution
+    (least[e] reads only least[a], a < e), so least is found by relaxing every e at once from the
+    one-run totals until nothing moves: a numpy pass per run of the longest least cut, and one more
+    (~4 passes on allocate's paths), each e the least of the same float sums as one e at a time in
+    plain Python, which cost ~0.2 ms a cover, and ~0.1 ms more to make its ~2,000 runs Python floats.
+    A cover costs ~0.4 ms so, where it cost ~1 ms; allocate computes ~7, and _Path.fits proves
+    about as many more without one."""
+    n_prefixes = live.shape[1]
     if n_prefixes == 0 or len(rows) == 0:
-        return math.inf, {}
-    live = need[rows]
-    largest = live.copy()  # largest[i, a]: order i's largest need over prefixes a … a + d
-    runs = [live.min(axis=0).tolist()]
-    for d in range(1, n_prefixes):
-        np.maximum(largest[:, : n_prefixes - d], live[:, d:], out=largest[:, : n_prefixes - d])
-        runs.append(largest[:, : n_prefixes - d].min(axis=0).tolist())
-    least = [0.0] + [math.inf] * n_prefixes
-    back = [0] * (n_prefixes + 1)
-    for end in range(1, n_prefixes + 1):
-        last = end - 1
-        start, best = 0, least[0] + runs[last][0]
-        for a in range(1, end):
-            total = least[a] + runs[last - a][a]
-            if total < best:  # the first of equal totals, as an argmin
-                start, best = a, total
-        least[end], back[end] = best, start
+        return math.inf, {}, None
+    steps = _steps(live)
+    steps[0, 0] = 0.0  # least[0] = 0 reads as a step from 0 to itself: every pass keeps it
+    least = steps[0].copy()
+    while True:
+        relaxed = (least[:, None] + steps).min(axis=0)
+        if relaxed.tobytes() == least.tobytes():
+            break
+        least = relaxed
+    if not math.isfinite(least[n_prefixes]):
+        return math.inf, {}, None
+    back = np.argmin(least[:, None] + steps, axis=0).tolist()  # the first of equal totals, as an argmin
+    starts = [n_prefixes]
+    while starts[-1] > 0:
+        starts.append(back[starts[-1]])
+    starts = starts[:0:-1]  # the cut's runs, first to last
+    largest = np.maximum.reduceat(live, starts, axis=1)  # each order's largest need over each run
+    chosen = np.argmin(largest, axis=0)  # the first order of least need, as each cut's total used
+    needed = largest[chosen, np.arange(len(starts))].tolist()
     shares: dict[int, float] = {}
-    end = n_prefixes
-    while end > 0 and math.isfinite(least[n_prefixes]):
-        start = back[end]
-        run = live[:, start:end].max(axis=1)
-        order = int(np.argmin(run))  # the first order of least need, as each cut's total used
-        order_index = int(rows[order])
-        share = float(run[order])
+    for order_index, share in zip(rows[chosen].tolist()[::-1], needed[::-1], strict=True):  # the last run first
         shares[order_index] = max(shares.get(order_index, 0.0), share)  # one order's share reads all its runs
-        end = start
-    return (math.fsum(shares.values()) if shares else math.inf), shares
+    cut = _Cut(np.array(starts), np.repeat(rows[chosen], np.diff([*starts, n_prefixes])))
+    return math.fsum(shares.values()), shares, cut
+
+
+def _steps(live: np.ndarray) -> np.ndarray:
+    """steps[a, e] (a < e; ∞ elsewhere): the least, over the rows of `live`, of the largest need of
+    prefixes a … e − 1, a fresh array.
+
+    By run length, doubling: a row's largest need over w < l ≤ 2w prefixes from a is the larger of
+    its largest over the w from a and over the w that end where the run does, so each doubling is
+    two numpy calls over all its lengths at once (one call per length cost ~6 µs each, 50 of them
+    on a tight path). The rows sit flat, each followed by one ∞, so that a window that spans two
+    rows reads ∞, and sorted by their count of finite needs: a row with at most w reads ∞ over every
+    run longer than w, so each doubling reads only the rows before it (on a tight path a few orders
+    read half the path, most others a few prefixes). Max and min pick one of their operands: the
+    same floats in whatever order the rows sit."""
+    n_rows, n_prefixes = live.shape
+    width = n_prefixes + 1
+    finite = np.count_nonzero(np.isfinite(live), axis=1)
+    by_count = np.argsort(-finite, kind="stable")
+    # longer[w]: how many rows have more than w finite needs (the first that many, sorted).
+    longer = np.searchsorted(-finite[by_count], -np.arange(n_prefixes), side="left").tolist()
+    size = n_rows * width
+    # window[p]: the row's largest need over the `length` prefixes from its prefix p, where that
+    # window is in one row (∞ where it is not); ∞ past the rows, as far as the next doubling reads.
+    window = np.full(size + width, np.inf)
+    window[:size].reshape(n_rows, width)[:, :n_prefixes] = live[by_count]
+    grid = np.full(n_prefixes * width + 1, np.inf)  # grid[d·width + a]: the run a … a + d; the last, ∞
+    table = grid[:-1].reshape(n_prefixes, width)
+    if longer[0]:
+        np.minimum.reduce(window[: longer[0] * width].reshape(-1, width), axis=0, out=table[0])
+    length = 1
+    while length < n_prefixes and longer[length]:
+        reading = longer[length]
+        lengths = min(length, n_prefixes - length)  # the lengths length + 1 … length + lengths
+        starts = n_prefixes - length  # a run longer than `length` starts before this
+        span = reading * width
+        # ahead[r, s − 1, a]: window[r·width + a + s], the window that ends s prefixes later.
+        ahead = np.ndarray((reading, lengths, starts), dtype=float, buffer=window, offset=window.itemsize,
+                           strides=(width * window.itemsize, window.itemsize, window.itemsize))
+        longest = np.maximum(window[:span].reshape(reading, 1, width)[:, :, :starts], ahead)
+        np.minimum.reduce(longest, axis=0, out=table[length:length + lengths, :starts])
+        if lengths < length:
+            break
+        window = np.full(span + width, np.inf)
+        window[:span].reshape(reading, width)[:, :starts] = longest[:, -1]
+        length *= 2
+    steps: np.ndarray = grid[_step_cells(n_prefixes)]
+    return steps
+
+
+@functools.lru_cache(maxsize=64)
+def _step_cells(n_prefixes: int) -> np.ndarray:
+    """_steps' gather: cell (a, e), a < e, is the run a … e − 1 (d = e − 1 − a) in its grid; the others, the ∞."""
+    width = n_prefixes + 1
+    start, end = np.divmod(np.arange(width * width), width)
+    index = np.where(start < end, (end - 1 - start) * width + start, n_prefixes * width).reshape(width, width)
+    index.flags.writeable = False
+    return index
 
 
 def _spec_of(shares: dict[int, float], total: float, *, rest: float) -> FilterSpec:
@@ -519,7 +717,7 @@ def horizon_parts(horizon: AnyMechanism) -> tuple[str, ...]:
 
 
 # The filters below are pure functions of a silo's terms (ε, δ, n, its first charge's curves) and
-# immutable, so silos that share them share one computation (~50–100 ms each: two bisections over
+# immutable, so silos that share them share one computation (~3–10 ms each: two bisections over
 # the path); bounded caches, so a stream of distinct terms costs what it did.
 SPEC_CACHE_SIZE = 1024
 
@@ -692,7 +890,7 @@ def pending_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSp
     grid, marked pending. The gate never reads it (its running sum is empty until that charge, which
     is read under first_charge_spec); it is kept so that the row always parses. The budget is still
     checked against the default horizon (a ValueError where no filter could read it: a tiny ε, a δ
-    near 1), without allocating that horizon's filter: ~65 ms at every registration of new terms,
+    near 1), without allocating that horizon's filter: ~6 ms at every registration of new terms,
     for a filter nothing read."""
     check_allocatable(rdp.certified_curve(default_horizon(dataset_size)), epsilon=epsilon, delta=delta)
     return _PENDING
