@@ -16,6 +16,7 @@ from typing import Any, cast
 from sqlalchemy import Row, Table, and_, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
 
+from dpledger.service.store import compiled
 from dpledger.service.store.models import (
     Charge,
     LedgerEntry,
@@ -50,10 +51,13 @@ _INSERT_HEAD = insert(cast(Table, LogHead.__table__))
 # --- an approval -------------------------------------------------------------------------------
 
 def insert_pending(session: Session, row: dict[str, Any] | list[dict[str, Any]]) -> None:
-    """`log_pending` rows (entry_id, salt, leaf_hash, promised_by), in the caller's transaction: one,
-    or a list as one executemany. Core, not the ORM's bulk path: nothing reads them back in this
-    transaction."""
-    session.connection().execute(_INSERT_PENDING, row)
+    """`log_pending` rows (entry_id, salt, leaf_hash, promised_by), in the caller's transaction: one
+    (an approval's, on the driver's cursor: store/compiled.py), or a list as one executemany. Not the
+    ORM's bulk path: nothing reads them back in this transaction."""
+    if isinstance(row, dict):
+        compiled.run(session, _INSERT_PENDING, row)
+    else:
+        session.connection().execute(_INSERT_PENDING, row)
 
 
 # --- the sequencer -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from sqlalchemy import Insert, Table, bindparam, func, insert, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
+from dpledger.service.store import compiled
 from dpledger.service.store.models import Charge, Curve, LedgerEntry, LogPending
 from dpledger.service.store.reserving import (
     ENTRY_COLUMNS,
@@ -74,8 +75,7 @@ class PostgresReserving:
         charge, columns = appended.charge, appended.columns
         row = None if charge is None else charge.row
         curve = charge.curve if charge is not None and row is not None else None
-        session.connection().execute(
-            _append_statement(tuple(columns), with_charge=row is not None, with_curve=curve is not None), {
+        compiled.run(session, _append_statement(tuple(columns), with_charge=row is not None, with_curve=curve is not None), {
                 "silo_id": appended.silo_id, **{f"new_{k}": v for k, v in columns.items()},
                 **{f"entry_{column}": value for column, value in appended.entry.items()}, **appended.leaf,
                 **{f"charge_{column}": value for column, value in (row or {}).items()},

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 from sqlalchemy import ColumnElement, CompoundSelect, Row, Select, Table, Update, bindparam, insert, select, union_all, update
 from sqlalchemy.orm import Session
 
-from dpledger.service.store import log
+from dpledger.service.store import compiled, log
 from dpledger.service.store.models import ApiKey, Charge, Curve, LedgerEntry, Silo
 
 _ENTRIES = cast(Table, LedgerEntry.__table__)
@@ -76,9 +76,7 @@ def store_statement(columns: tuple[str, ...]) -> Update:
 
 
 def store_columns(session: Session, silo_id: int, columns: dict[str, Any]) -> None:
-    session.connection().execute(
-        store_statement(tuple(columns)), {"silo_id": silo_id, **{f"new_{k}": v for k, v in columns.items()}}
-    )
+    compiled.run(session, store_statement(tuple(columns)), {"silo_id": silo_id, **{f"new_{k}": v for k, v in columns.items()}})
 
 
 def _entries(where: ColumnElement[bool]) -> Select[Any]:

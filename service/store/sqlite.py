@@ -13,7 +13,7 @@ from sqlalchemy import Table, bindparam, func, insert, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.orm import Session
 
-from dpledger.service.store import log
+from dpledger.service.store import compiled, log
 from dpledger.service.store.models import Curve, LedgerEntry
 from dpledger.service.store.reserving import INSERT_CHARGE, LOCK_AND_KEY, Appended, Locked, NewCharge, store_columns
 
@@ -33,15 +33,14 @@ class SqliteReserving:
 
     def insert_charge(self, session: Session, values: dict[str, Any], *, locked: Locked,
                       curve: tuple[str, str] | None) -> NewCharge:
-        connection = session.connection()
         if curve is not None:
-            connection.execute(INSERT_CURVE, {"curve_hash": curve[0], "curve_rdp": curve[1]})
-        return NewCharge(int(connection.execute(INSERT_CHARGE, values).scalar_one()), None, None)
+            compiled.run(session, INSERT_CURVE, {"curve_hash": curve[0], "curve_rdp": curve[1]})
+        return NewCharge(int(compiled.run(session, INSERT_CHARGE, values)), None, None)
 
     def append(self, session: Session, appended: Appended) -> None:
         assert appended.charge is None or appended.charge.row is None, "SQLite writes a charge before its entry"
         store_columns(session, appended.silo_id, appended.columns)
-        entry_id = session.connection().execute(_INSERT_ENTRY, appended.entry).scalar_one()
+        entry_id = compiled.run(session, _INSERT_ENTRY, appended.entry)
         log.insert_pending(session, {"entry_id": entry_id, **appended.leaf})
 
 
