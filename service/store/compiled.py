@@ -2,15 +2,16 @@
 and set of columns, its parameters bound by the columns' own types (SQLAlchemy's bind processors: a
 datetime or an enum is written exactly as SQLAlchemy writes it), its errors raised as SQLAlchemy's.
 
-Why not `Connection.execute`: around a sqlite3 call of ~5–30 µs, SQLAlchemy's execution path spends
-~40–60 µs of Python a statement (a compiled-cache lookup, an execution context, a result object), and
-an approval runs up to five writes whose rows nobody reads back (issue "Lean at rest…": this is the
-largest share of the server's CPU an approval costs beyond the stack's floor). What is kept: the same
-SQL text SQLAlchemy would send, the same bound values, the connection's transaction (the cursor is the
-session's own connection's), and its `before_cursor_execute` / `after_cursor_execute` listeners (the
-statement-count tests listen there). Only writes with every parameter given: a statement with a bind
-the caller did not name (a column's Python-side default) is refused at its compile, not written
-without it.
+Why not `Connection.execute`: it spends ~30–45 µs of Python a statement around the driver's call
+(measured on a small INSERT … RETURNING: 38–50 µs through it, 5–8 µs on the cursor), and an approval
+runs up to five writes whose rows nobody reads back; on the cursor an approval costs 11% fewer
+instructions in process (docs/benchmarks.md).
+
+What is kept: the same SQL text SQLAlchemy would send, the same bound values, the connection's
+transaction (the cursor is the session's own connection's), and its `before_cursor_execute` /
+`after_cursor_execute` listeners (the statement-count tests listen there). Only writes with every
+parameter given: a statement with a bind the caller did not name (a column's Python-side default) is
+refused at its compile, not written without it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Compiled:
         return tuple(bound) if self.positional else dict(zip(self.names, bound, strict=True))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # a few statements per engine; tests make many engines
 def compiled(statement: ClauseElement, dialect: Dialect, keys: frozenset[str]) -> Compiled:
     """`statement` compiled for `dialect` with the columns `keys` (an INSERT's or UPDATE's column list
     is the parameters it is given, as SQLAlchemy compiles it at execution). One per statement,
