@@ -332,7 +332,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     the whole δ. An order α holding share w reads c_α(t) + ln(1/w)/(α − 1) at t, so it keeps t within
     a ratio r of E(t) iff w ≥ need_α(t, r) = exp(−(r·E(t) − c_α(t))(α − 1)). Given targets r(t),
     the path is cut into runs of consecutive prefixes, each read by one order holding the largest
-    need of its run, and a dynamic program finds the cut of least total share (_cheapest_cover).
+    need of its run, and a dynamic program finds the cut of least total share (_cheapest_cut).
     Two bisections choose the targets. First the goals: r(t) = 1 + s·excess(t) (goal_excess: 1.5 /
     1.25 / 1.15 / 1.03 at s = 1), the end's prefixes (t ≥ K/END_SPAN, where the budget binds and an
     excess is rounds lost) held at 1 + END_EXCESS where that fits; s* the least scale whose total
@@ -474,7 +474,7 @@ class _Path:
         return path
 
     def cover(self, targets: np.ndarray) -> tuple[float, dict[int, float]]:
-        """The least total share that reads every prefix j within targets[j] × best[j] (_cheapest_cover)."""
+        """The least total share that reads every prefix j within targets[j] × best[j] (_cheapest_cut)."""
         key = targets.tobytes()
         if key in self.memo.by_targets:
             return self.memo.by_targets[key]
@@ -557,18 +557,11 @@ def _short_cut(live: np.ndarray) -> float:
     return min(float(live.min(axis=0).sum()), float(first[-1]), float((first[:-1] + last[1:]).min(initial=np.inf)))
 
 
-def _cheapest_cover(need: np.ndarray) -> tuple[float, dict[int, float]]:
-    """need[i, j]: the δ share order i needs to read prefix j within target (∞: none suffices).
-    The least total share that reads every prefix, cutting them into runs of consecutive prefixes
-    each read by one order at the largest need of its run, and the share of each order it uses."""
-    rows = np.flatnonzero(np.isfinite(need).any(axis=1))
-    total, shares, _ = _cheapest_cut(need[rows], rows)
-    return total, shares
-
-
 def _cheapest_cut(live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, float], _Cut | None]:
-    """_cheapest_cover over the orders `rows` (ascending; their needs `live`, a row of which may read
-    none), every other order reading none; and its cut (None where no cut reads every prefix).
+    """live[i, j]: the δ share order rows[i] needs to read prefix j within target (∞: none suffices;
+    `rows` ascending, every other order reading none). The least total share that reads every prefix,
+    cutting them into runs of consecutive prefixes each read by one order at the largest need of its
+    run; the share of each order it uses; and its cut (None where no cut reads every prefix).
 
     The dynamic program over the cuts: least[e], the least total of the prefixes before e, is the
     least over a < e of least[a] + steps[a, e] (the run a … e − 1: _steps); then the cut follows

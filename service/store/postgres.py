@@ -75,12 +75,13 @@ class PostgresReserving:
         charge, columns = appended.charge, appended.columns
         row = None if charge is None else charge.row
         curve = charge.curve if charge is not None and row is not None else None
-        compiled.run(session, _append_statement(tuple(columns), with_charge=row is not None, with_curve=curve is not None), {
-                "silo_id": appended.silo_id, **{f"new_{k}": v for k, v in columns.items()},
-                **{f"entry_{column}": value for column, value in appended.entry.items()}, **appended.leaf,
-                **{f"charge_{column}": value for column, value in (row or {}).items()},
-                **({} if curve is None else {"curve_hash": curve[0], "curve_rdp": curve[1]}),
-            })
+        statement = _append_statement(tuple(columns), with_charge=row is not None, with_curve=curve is not None)
+        compiled.run(session, statement, {
+            "silo_id": appended.silo_id, **{f"new_{k}": v for k, v in columns.items()},
+            **{f"entry_{column}": value for column, value in appended.entry.items()}, **appended.leaf,
+            **{f"charge_{column}": value for column, value in (row or {}).items()},
+            **({} if curve is None else {"curve_hash": curve[0], "curve_rdp": curve[1]}),
+        })
 
 
     def next_ids(self, session: Session, table: Table, count: int) -> list[int]:
