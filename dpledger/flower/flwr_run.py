@@ -28,6 +28,9 @@ STARTED = re.compile(r"Successfully started run (\d+)")
 EXIT_FAILED, EXIT_STOPPED = 1, 130
 # A run whose log stream ended is finished at the SuperLink within moments; this bounds the wait.
 STATUS_WAIT_SECONDS = 30.0
+# One `flwr ls` imports Flower in a new process: seconds on a quiet machine, minutes on a starved core
+# (one beside busy processes took over 120 s). Past this the status is "unknown", said in one line.
+LS_TIMEOUT_SECONDS = 240.0
 
 
 def _flwr() -> str:
@@ -36,16 +39,22 @@ def _flwr() -> str:
     return beside if os.access(beside, os.X_OK) else (shutil.which("flwr") or "flwr")
 
 
-def _status(run_id: int, superlink: Sequence[str]) -> tuple[str, str]:
-    """(status, details) of the run as the SuperLink reports them; ("", why) when it cannot be read."""
-    listed = subprocess.run([_flwr(), "ls", *superlink, "--run-id", str(run_id), "--format", "json"],
-                            capture_output=True, text=True, timeout=120, check=False)
+def _status(run_id: int, superlink: Sequence[str], timeout: float) -> tuple[str, str, bool]:
+    """(status, details, answered): the run's status as the SuperLink reports it, or ("", why, …) when
+    it cannot be read; `answered` is False when `flwr ls` itself did not end within `timeout`."""
+    try:
+        listed = subprocess.run([_flwr(), "ls", *superlink, "--run-id", str(run_id), "--format", "json"],
+                                capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return "", f"`flwr ls` did not answer within {timeout:g} s", False
+    except OSError as error:
+        return "", f"`flwr ls` did not start: {error}", False
     try:
         runs = json.loads(listed.stdout)["runs"]
-        return str(runs[0]["status"]), str(runs[0].get("status-details") or "")
+        return str(runs[0]["status"]), str(runs[0].get("status-details") or ""), True
     except (ValueError, KeyError, IndexError, TypeError):
         said = (listed.stdout + listed.stderr).strip().splitlines()
-        return "", said[-1] if said else "no answer"
+        return "", said[-1] if said else "no answer", True
 
 
 def main(argv: Sequence[str]) -> int:
@@ -79,10 +88,11 @@ def main(argv: Sequence[str]) -> int:
     if code != 0 or run_id is None:
         return code or EXIT_FAILED
     deadline = time.monotonic() + STATUS_WAIT_SECONDS
-    status, details = _status(run_id, superlink)
-    while not status.startswith("finished") and time.monotonic() < deadline:
+    status, details, answered = _status(run_id, superlink, LS_TIMEOUT_SECONDS)
+    # Asked again while the run is not finished yet, but not after a `flwr ls` that never ended.
+    while answered and not status.startswith("finished") and time.monotonic() < deadline:
         time.sleep(1.0)
-        status, details = _status(run_id, superlink)
+        status, details, answered = _status(run_id, superlink, LS_TIMEOUT_SECONDS)
     if status == "finished:completed":
         return 0
     print(f"dpledger flwr-run: run {run_id} {status or 'status unknown'}{f' ({details})' if details else ''}: "
