@@ -884,9 +884,21 @@ def pending_spec(*, epsilon: float, delta: float, dataset_size: int) -> FilterSp
     is read under first_charge_spec); it is kept so that the row always parses. The budget is still
     checked against the default horizon (a ValueError where no filter could read it: a tiny ε, a δ
     near 1), without allocating that horizon's filter: ~6 ms at every registration of new terms,
-    for a filter nothing read."""
-    check_allocatable(rdp.certified_curve(default_horizon(dataset_size)), epsilon=epsilon, delta=delta)
+    for a filter nothing read; once per distinct (ε, δ, n), as the silos of one consortium share them."""
+    refused = _pending_refusal(epsilon, delta, dataset_size)
+    if refused is not None:
+        raise ValueError(refused)
     return _PENDING
+
+
+@functools.lru_cache(maxsize=1024)
+def _pending_refusal(epsilon: float, delta: float, dataset_size: int) -> str | None:
+    """check_allocatable's ValueError for these terms' default horizon, as its text, or None."""
+    try:
+        check_allocatable(rdp.certified_curve(default_horizon(dataset_size)), epsilon=epsilon, delta=delta)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def scaled(spec: FilterSpec, share: float) -> FilterSpec:
