@@ -3,9 +3,10 @@ one `flower-supernode` per silo (its own data file and key file; it starts its o
 and `flwr run`, each on a free port, all killed at the end.
 
 Flower 1.41 starts a fresh `flwr-clientapp` process for every message (no warm ClientApp exists for
-the subprocess executor); what the launch can still cut is the SuperExec's 1 s task poll
-(`FLWR_SUPEREXEC_TASK_POLL_INTERVAL`). The SuperNode's 3 s idle poll and `Grid.send_and_receive`'s
-3 s poll are hard-coded in Flower: bench/flower_rounds.py measures what they cost a round."""
+the subprocess executor). The SuperExec's 1 s task poll (`FLWR_SUPEREXEC_TASK_POLL_INTERVAL`) is kept:
+a shorter one costs more CPU at rest than it saves (SUPEREXEC_POLL_SECONDS). The SuperNode's 3 s idle
+poll and `Grid.send_and_receive`'s 3 s poll are hard-coded in Flower: bench/flower_rounds.py measures
+what they cost a round."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ from tests.faults.proxy import Proxy
 BIN = Path(sys.executable).parent
 APP_DIR = Path(__file__).resolve().parents[2] / "dpledger" / "flower" / "app"
 DELTA = 1e-5
-# How often a SuperExec asks its SuperNode (or the SuperLink) for a task to start, in seconds:
-# Flower's default of 1 s is paid by every message before its ClientApp even starts.
-SUPEREXEC_POLL_SECONDS = 0.05
+# How often a SuperExec asks its SuperNode (or the SuperLink) for a task to start, in seconds: Flower's
+# default. A 50 ms poll saved each message up to a second, but burned ~24% of a core per SuperLink and
+# SuperNode pair between messages, the CPU the ClientApps' start-ups need: test_federation.py ran in
+# 302 s with it and 271 s without, and the README's block 312 s against 214 s on a core shared with 10
+# busy processes.
+SUPEREXEC_POLL_SECONDS = 1.0
 # "subprocess" (Flower's default, as the README runs it): the SuperNode starts its own SuperExec, which
 # inherits the poll interval above; "process": we start each SuperNode's `flower-superexec` ourselves,
 # in the SuperNode's process group (bench/flower_rounds.py --isolation compares them: the same speed).
