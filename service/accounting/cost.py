@@ -129,7 +129,7 @@ class Estimate:
     leaf_types: dict[str, type] = field(default_factory=dict)
     pld_skip: str | None = None
     # Each PLD the accountant would build, in order: (kind, its noise, q, its count); priced lazily
-    # (pld_grid), since a sampled one's range is dp-accounting's own (~2 ms to read, per distinct pair).
+    # (pld_grid), when a PLD report is weighed (pld_reason).
     pld_parts: list[tuple[str, float, float, float]] = field(default_factory=list)
     pld_work: float = 0.0  # as measured at MEASURED_DISCRETIZATION
     pld_leaves: set[str] = field(default_factory=set)
@@ -372,7 +372,7 @@ def sampled_loss_range(sigma: float, q: float) -> float:
     this / discretisation points a side (~3.8 at q 0.004, σ 1.1; 28 at q 0.999, σ 0.5), at most the
     Gaussian's. dp-accounting's own truncation points and privacy loss, in its own arithmetic
     (GaussianPrivacyLoss.privacy_loss_tail and privacy_loss, remove adjacency, sensitivity 1), bit for
-    bit: not its object, whose scipy distribution cost ~2 ms to build for every new (q, σ) pair."""
+    bit: not its object, whose scipy distribution cost ~1–2 ms to build for every new (q, σ) pair."""
     try:
         x = sigma * _standard_ppf()  # its ppf at 0.5·e^truncation, at scale σ
         return float(_remove_loss(x - 1, sigma, q) - _remove_loss(-x, sigma, q))
