@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from dp_accounting.pld import common, privacy_loss_mechanism
+from dp_accounting.pld import common
 from scipy import stats
 
 from dpledger.service.accounting.events import MechanismError
@@ -388,6 +388,7 @@ def _remove_loss(x: float, sigma: float, q: float) -> float:
 
 @functools.cache
 def _standard_ppf() -> float:
+    """dp-accounting's lower truncation point of a standard normal: its ppf at 0.5·e^truncation."""
     return float(stats.norm.ppf(0.5 * math.exp(_PLD_TRUNCATION)))
 
 
@@ -395,16 +396,9 @@ def gaussian_loss_range(sigma: float) -> float:
     """The privacy-loss range dp-accounting's PLD of a Gaussian at σ (sensitivity 1) spans: its grid
     has this / discretisation points. dp-accounting truncates the noise at z·σ on either side (e^-50
     of its mass), so the loss spans (2zσ + 1)/σ² = 2z/σ + 1/σ² (~19.5/σ + 1/σ²), exactly its own
-    value (to the last bit or two); z is read once from dp-accounting, since building its scipy
-    distribution costs ~2 ms and a hostile request holds thousands of σ."""
-    return 2 * _truncation_z() / sigma + 1 / sigma / sigma  # not sigma**2: that overflows near the float maximum
-
-
-@functools.cache
-def _truncation_z() -> float:
-    loss = privacy_loss_mechanism.GaussianPrivacyLoss(1.0, log_mass_truncation_bound=_PLD_TRUNCATION)
-    tail = loss.privacy_loss_tail()
-    return (float(loss.privacy_loss(tail.lower_x_truncation) - loss.privacy_loss(tail.upper_x_truncation)) - 1) / 2
+    value (to the last bit or two); z is its truncation point, read once (a hostile request holds
+    thousands of σ)."""
+    return -2 * _standard_ppf() / sigma + 1 / sigma / sigma  # not sigma**2: that overflows near the float maximum
 
 
 def _warm(mechanism: m.AnyMechanism, walk: Estimate) -> None:
