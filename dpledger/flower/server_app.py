@@ -11,7 +11,8 @@ holds a budget, an ε or a norm: silos answer "declined" when they stop, and rep
 the ledger themselves. A silo that declines gets no more train messages. One that failed, did not
 answer within the round's timeout, or whose SuperNode is gone is asked again in the next round: a
 SuperNode that comes back (under a new node id) is found by asking new nodes for their silo id at
-the start of each round. Its ledger keeps whatever the lost round reserved spent.
+the start of each round. Its ledger keeps whatever the lost round reserved spent. A round that no
+silo replied to at all stops the run (SilentRound): the machine is too busy for the run's timeouts.
 
 After each round it aggregated it writes a checkpoint beside the `out` JSON (checkpoint.py); a run
 started with `resume = true` continues that job from the first round not aggregated.
@@ -80,6 +81,11 @@ def _wait_for_nodes(grid: Grid, count: int) -> list[int]:
 
 
 REPLY_POLL_SECONDS = 0.1
+# A long wait pulls less often: each pull is a call the SuperLink serves, CPU that the ClientApps
+# being waited for need on a busy machine. Every REPLY_POLL_SHARE of the time waited so far (a
+# reply is then seen at most 5% late), at least REPLY_POLL_SECONDS and at most REPLY_POLL_MAX_SECONDS.
+REPLY_POLL_SHARE = 0.05
+REPLY_POLL_MAX_SECONDS = 1.0
 # A round waits round-timeout beyond this many times the slowest start-up seen (Pace): room for a
 # machine that grows busier during the run.
 STARTUP_SLACK = 2.0
@@ -107,8 +113,9 @@ class Pace:
 
 def _exchange(grid: Grid, messages: Iterable[Message], timeout: float | Callable[[list[Message]], float],
               waited: dict[str, float]) -> list[Message]:
-    """Grid.send_and_receive, pulling every 0.1 s: Flower 1.41's own pulls every 3 s, which rounds
-    every round up to a multiple of 3 s (flwr/superlink/grid/http_grid.py). `timeout`: seconds from
+    """Grid.send_and_receive, pulling every 0.1 s at first, then every 5% of the time waited (up to
+    1 s): Flower 1.41's own pulls every 3 s, which rounds every round up to a multiple of 3 s
+    (flwr/superlink/grid/http_grid.py). `timeout`: seconds from
     the push, or a function of the replies pulled so far (read again after each pull that brings
     one). `waited` gets each reply's wait in seconds (by the id of the message it answers)."""
     pending = set(grid.push_messages(messages))
@@ -123,7 +130,8 @@ def _exchange(grid: Grid, messages: Iterable[Message], timeout: float | Callable
         if pulled and callable(timeout):
             deadline = pushed + timeout(replies)
         if pending:
-            time.sleep(REPLY_POLL_SECONDS)
+            waited_so_far = time.monotonic() - pushed
+            time.sleep(min(max(REPLY_POLL_SECONDS, REPLY_POLL_SHARE * waited_so_far), REPLY_POLL_MAX_SECONDS))
     return replies
 
 
@@ -328,6 +336,13 @@ class LedgerStrategy(Strategy):
         log.info("round %d: %s in %.2f s (replies waited for up to %.0f s)", round_index + 1, counts, entry.seconds,
                  entry.timeout)
         self.save(round_index + 1)
+        sent = [silo for silo in self._asked if silo in self._node_of]
+        if sent and not any(silo in by_silo for silo in sent):
+            # Not one silo answered in all the time the settings allow: the next round would wait as
+            # long for as little, while each silo's gate may spend another charge on an update that
+            # arrives too late. Stop here; resume=true continues from this checkpoint.
+            raise SilentRound(f"round {round_index + 1}: none of the {len(sent)} silos asked replied within "
+                              f"{entry.timeout:.0f} s")
         return None, MetricRecord({status: count for status, count in counts.items()})
 
     def save(self, completed: int) -> None:
@@ -355,6 +370,10 @@ class LedgerStrategy(Strategy):
                 accuracy = reply.content.metric_records[records.METRICS]["accuracy"]
                 self.run.accuracy[self.run.silos[reply.metadata.src_node_id]] = float(accuracy)  # type: ignore[arg-type]  # a float the silo wrote
         return None
+
+
+class SilentRound(RuntimeError):
+    """A round in which no silo asked replied at all: the run stops after it (its message says which)."""
 
 
 class NothingTrained(RuntimeError):
@@ -465,6 +484,13 @@ def main(grid: Grid, context: Context) -> None:
     try:
         strategy.start(grid=FastGrid(grid, pace), initial_arrays=family.to_record(server.broadcast(done)),
                        num_rounds=settings.rounds - done, timeout=settings.round_timeout)
+    except SilentRound as round_silent:
+        ended = True
+        trained = any(e.status.get(s) == records.TRAINED for e in run.rounds for s in e.status)
+        _ended_early(settings, run, "stopped" if trained else "nothing trained",
+                     f"{round_silent}: on a machine this busy, raise first-contact-timeout (the longest start-up a round "
+                     "waits for) or round-timeout")
+        raise
     except Exception as error:
         ended = True
         _ended_early(settings, run, "failed", f"{type(error).__name__}: {error}")
