@@ -115,9 +115,9 @@ def _exchange(grid: Grid, messages: Iterable[Message], timeout: float | Callable
               waited: dict[str, float]) -> list[Message]:
     """Grid.send_and_receive, pulling every 0.1 s at first, then every 5% of the time waited (up to
     1 s): Flower 1.41's own pulls every 3 s, which rounds every round up to a multiple of 3 s
-    (flwr/superlink/grid/http_grid.py). `timeout`: seconds from
-    the push, or a function of the replies pulled so far (read again after each pull that brings
-    one). `waited` gets each reply's wait in seconds (by the id of the message it answers)."""
+    (flwr/superlink/grid/http_grid.py). `timeout`: seconds from the push, or a function of the
+    replies pulled so far (read again after each pull that brings one). `waited` gets each reply's
+    wait in seconds (by the id of the message it answers)."""
     pending = set(grid.push_messages(messages))
     pushed = time.monotonic()
     replies: list[Message] = []
