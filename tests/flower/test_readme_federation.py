@@ -47,8 +47,8 @@ BIN = Path(sys.executable).parent
 BEGIN, END = "<!-- federation-block: begin -->\n```bash\n", "```\n<!-- federation-block: end -->"
 APP_CONFIG = tomllib.loads((ROOT / "dpledger" / "flower" / "app" / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 # Seconds the block takes beyond the run's own waits: its set-up (ledger, data, SuperLink, SuperNodes)
-# and what follows the run, on a starved core. Measured 220 s for all of it on one core beside 4 busy
-# processes, the other core idle.
+# and what follows the run, on a starved core. The whole block, run included, took 208–220 s here on
+# one core beside 4 busy processes; on CI's busier machine set-up and first contact together took ~480 s.
 SET_UP_SECONDS = 480.0
 
 
