@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpledger.flower import server_app
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from dpledger.flower import records, server_app
 from dpledger.flower.settings import FIRST_CONTACT_SECONDS, RunSettings, SettingsError
+from dpledger.harness import running_server
+from dpledger.wire.client import LedgerClient
+from dpledger.wire.enums import Role
 from tests.flower.test_settings import RUN
 
 
@@ -90,9 +95,8 @@ class AnswersOnlyItsId(SilentGrid):
         for message_id, message in zip(ids, messages, strict=True):
             self.kinds.append(message.metadata.message_type)
             if message.metadata.message_type == "query":
-                self.replies[message_id] = server_app.Message(
-                    server_app.RecordDict({"config": server_app.ConfigRecord({"silo-id": message.metadata.dst_node_id})}),
-                    reply_to=message)
+                self.replies[message_id] = Message(
+                    RecordDict({records.CONFIG: ConfigRecord({"silo-id": message.metadata.dst_node_id})}), reply_to=message)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]:
@@ -105,10 +109,6 @@ def test_a_round_no_silo_replies_to_ends_the_run_with_what_to_raise(tmp_path: Pa
     allow: the run stops there (round 2 would wait as long, while each gate may spend another
     charge on an update that comes too late), with run.json up to that round and one line."""
     from flwr.supercore.task_identity import TaskIdentity
-
-    from dpledger.harness import running_server
-    from dpledger.wire.client import LedgerClient
-    from dpledger.wire.enums import Role
 
     for name in ("_run_id", "_node_id", "_task_id"):
         monkeypatch.setattr(TaskIdentity, name, 1)
