@@ -78,6 +78,10 @@ HORIZON_LEVELS = 3
 # goal's 0.95 and a margin (at 0.95 the ρ bisection spends it early on: central q = 256/60,000, σ 1
 # for 10,000 steps reads 1.152 at a tenth of the way, against 1.139 and the goal's 1.15).
 ROUNDS_KEPT = 0.96
+# ...or, where holding that many costs the first units their goals, the goal's own share: a central
+# job at q = 0.039, σ 1.77 whose ε grows 3% over its last 6% of 337 steps held none at 0.96 and
+# bought 318 (0.944); at 0.95 it buys 321, read within 1.253 after one step, 1.25 from three on.
+ROUNDS_GOAL = 0.95
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
 PATH_UNITS = 16
 PATH_POINTS = 48
@@ -273,14 +277,23 @@ def path_prefixes(units: float) -> np.ndarray:
         return np.array([units])
     whole = np.arange(1, min(math.floor(units), PATH_UNITS) + 1, dtype=float)
     steps = np.geomspace(min(PATH_UNITS, units), units, PATH_POINTS + 1)
-    return np.unique(np.concatenate([whole, steps]))
+    # Where a goal starts (goal_excess), a prefix: the units between it and the next prefix are read
+    # within that goal too, not only within the looser one before it.
+    knots = [k for k in (_tenth(units), math.ceil(units / END_SPAN)) if 1 <= k <= units]
+    return np.unique(np.concatenate([whole, steps, knots]))
+
+
+def _tenth(units: float) -> float:
+    """The first whole unit a tenth of the horizon's goal holds from: ⌊K/10⌋, so that a horizon of
+    K = 70.2 units (a run of 70, certified a hair tighter) holds it from the run's seventh."""
+    return float(math.floor(units / 10))
 
 
 def goal_excess(prefixes: np.ndarray, units: float) -> np.ndarray:
     """The goal profile's excess at each prefix (see GOAL_FIRST), as the goals read: 0.5 from one
     unit, 0.25 from three, 0.15 from a tenth of the horizon, END_EXCESS within END_SPAN of its end;
     on a short horizon a later goal that starts sooner (a tenth of 20 units is 2) holds from its start."""
-    knots = [(3.0, GOAL_THIRD), (units / 10, GOAL_TENTH), (units / END_SPAN, END_EXCESS)]
+    knots = [(3.0, GOAL_THIRD), (_tenth(units), GOAL_TENTH), (units / END_SPAN, END_EXCESS)]
     profile = np.full(np.shape(prefixes), GOAL_FIRST)
     for start, excess in knots:
         profile = np.where(prefixes >= start, np.minimum(profile, excess), profile)
@@ -307,9 +320,9 @@ class Allocation:
         return self.bounds[-1]
 
 
-def kept_units(units: float) -> float | None:
+def kept_units(units: float, share: float = ROUNDS_KEPT) -> float | None:
     """The whole units the filter fitted to a horizon of `units` (horizon_units: K, fractional) holds
-    to read at most the budget: ⌈ROUNDS_KEPT·⌊K⌋⌉ of dp-accounting's whole units, but at most ⌈K⌉ − 1
+    to read at most the budget: ⌈share·⌊K⌋⌉ of dp-accounting's whole units, but at most ⌈K⌉ − 1
     (at ⌊K⌋ = K, only the best order on the whole δ reads E(K): under 25 units, ⌈0.96·K⌉ is K itself,
     and one unit is the least that is lost). None under 2 units. Whole, not ROUNDS_KEPT·K: the gate
     approves units, and 0.96 × 30 = 28.8 held bought 28 of 30; under 25 units nothing was held, and a
@@ -318,7 +331,7 @@ def kept_units(units: float) -> float | None:
     whole = math.floor(units * (1 + 1e-8))
     if whole < 2:
         return None
-    return float(min(math.ceil(ROUNDS_KEPT * whole - 1e-9), math.ceil(units) - 1))
+    return float(min(math.ceil(share * whole - 1e-9), math.ceil(units) - 1))
 
 
 def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None,
@@ -420,6 +433,12 @@ class _Path:
         """The total share the path's orders may hold: what the rest leaves."""
         return 1 - self.rest
 
+    @property
+    def gaps(self) -> np.ndarray:
+        """Whether a whole unit lies strictly between prefix j and j + 1: a unit a job may stop at."""
+        gaps: np.ndarray = np.ceil(self.prefixes[1:]) - 1 > self.prefixes[:-1]
+        return gaps
+
     @classmethod
     def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None,
            hold: float | None = None) -> _Path:
@@ -433,8 +452,11 @@ class _Path:
         if hold is not None and keep is not None and keep < hold < units:
             keep, must = hold, MAX_SCALE  # a refit's: held whatever it costs the goals (refit_spec never buys fewer units)
         # The kept prefix, then the one before it where the path cannot hold it (its ε barely below the
-        # budget's: 4 of 4.000004 units read 1 − 2e-6 of it), then none.
+        # budget's: 4 of 4.000004 units read 1 − 2e-6 of it), then ROUNDS_GOAL's, then none.
         keeps = [] if keep is None else [keep, *([keep - 1] if keep >= 2 else [])]
+        least = kept_units(units, ROUNDS_GOAL)
+        if must == 1.0 and least is not None and keeps and least < keeps[-1]:
+            keeps.append(least)  # the goal's share, where the margin above it cannot be held
         prefixes = np.unique(np.append(path_prefixes(units), keeps))
         excess = goal_excess(prefixes, units)
         if offset is not None:
@@ -502,10 +524,16 @@ class _Path:
             with np.errstate(over="ignore", invalid="ignore"):  # as _needs reads them
                 need = np.exp((self.conv[cut.orders, columns] - targets * self.best) * _SLOPES[cut.orders, 0])
             runs = np.maximum.reduceat(np.where(need <= 1, need, np.inf), cut.starts)
+            crossing = self.gaps[cut.starts[1:] - 1]  # a run before a gap reads the prefix after it (_cheapest_cut)
+            nexts = cut.starts[1:][crossing]
+            with np.errstate(over="ignore", invalid="ignore"):
+                ahead = np.exp((self.conv[cut.orders[nexts - 1], nexts] - targets[nexts] * self.best[nexts])
+                               * _SLOPES[cut.orders[nexts - 1], 0])
+            runs[:-1][crossing] = np.maximum(runs[:-1][crossing], np.where(ahead <= 1, ahead, np.inf))
             if float(runs.sum()) * (1 + FITS_MARGIN) <= self.budget:
                 return True
         live, rows = self._needs(targets)
-        if cut is None and len(rows) and _short_cut(live) * (1 + FITS_MARGIN) <= self.budget:
+        if cut is None and len(rows) and _short_cut(live, self.gaps) * (1 + FITS_MARGIN) <= self.budget:
             return True
         return self._cover(key, live, rows)[0] <= self.budget
 
@@ -524,7 +552,7 @@ class _Path:
         return np.where(need <= 1, need, np.inf), rows
 
     def _cover(self, key: bytes, live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, float]]:
-        total, shares, cut = _cheapest_cut(live, rows)
+        total, shares, cut = _cheapest_cut(live, rows, self.gaps)
         self.memo.by_targets[key] = total, shares
         if cut is not None:
             self.memo.cut = cut
@@ -547,21 +575,25 @@ def _least(fits: Callable[[float], bool], lo: float, hi: float, *, tolerance: fl
     return hi
 
 
-def _short_cut(live: np.ndarray) -> float:
+def _short_cut(live: np.ndarray, gaps: np.ndarray) -> float:
     """The least sum of a cheap cut of the prefixes (for _Path.fits, until a path has a cut of its
     own): one run per prefix, one run, or two, each read by its best order (five numpy passes,
     where a loose path's cover costs ~1 ms)."""
     with np.errstate(invalid="ignore"):
         first = np.maximum.accumulate(live, axis=1).min(axis=0)  # the run from the first prefix to each
         last = np.maximum.accumulate(live[:, ::-1], axis=1).min(axis=0)[::-1]  # from each to the last
-    return min(float(live.min(axis=0).sum()), float(first[-1]), float((first[:-1] + last[1:]).min(initial=np.inf)))
+        # A run that ends before a gap with a whole unit in it reads the prefix after it too (_cheapest_cut).
+        pairs = np.where(gaps, np.maximum(live[:, :-1], live[:, 1:]), live[:, :-1]).min(axis=0)
+    return min(float(pairs.sum() + live[:, -1].min()), float(first[-1]),
+               float((np.where(gaps, first[1:], first[:-1]) + last[1:]).min(initial=np.inf)))
 
 
-def _cheapest_cut(live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, float], _Cut | None]:
+def _cheapest_cut(live: np.ndarray, rows: np.ndarray, gaps: np.ndarray) -> tuple[float, dict[int, float], _Cut | None]:
     """live[i, j]: the δ share order rows[i] needs to read prefix j within target (∞: none suffices;
     `rows` ascending, every other order reading none). The least total share that reads every prefix,
     cutting them into runs of consecutive prefixes each read by one order at the largest need of its
-    run; the share of each order it uses; and its cut (None where no cut reads every prefix).
+    run (and of the next prefix, where gaps[j] says a whole unit lies between prefix j and j + 1);
+    the share of each order it uses; and its cut (None where no cut reads every prefix).
 
     The dynamic program over the cuts: least[e], the least total of the prefixes before e, is the
     least over a < e of least[a] + steps[a, e] (the run a … e − 1: _steps); then the cut follows
@@ -576,7 +608,14 @@ def _cheapest_cut(live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, 
     n_prefixes = live.shape[1]
     if n_prefixes == 0 or len(rows) == 0:
         return math.inf, {}, None
+    # A run that ends before a gap holding a whole unit also reads the prefix after it (the run
+    # a … e − 1 costs the largest need of a … e): then one order reads both ends of the gap, and so
+    # every unit in it (its reading is linear in t, E(t) concave: their difference is convex in t),
+    # not only the prefixes (bench/tightness.py read 1.153 at a unit between two runs, goal 1.15).
     steps = _steps(live)
+    ahead = np.flatnonzero(gaps) + 1  # the e whose run must read prefix e too
+    steps[:, ahead] = steps[:, ahead + 1]
+    steps[ahead, ahead] = np.inf  # the run e … e − 1 is none (its cell read e … e)
     steps[0, 0] = 0.0  # least[0] = 0 reads as a step from 0 to itself: every pass keeps it
     least = steps[0].copy()
     while True:
@@ -592,6 +631,9 @@ def _cheapest_cut(live: np.ndarray, rows: np.ndarray) -> tuple[float, dict[int, 
         starts.append(back[starts[-1]])
     starts = starts[:0:-1]  # the cut's runs, first to last
     largest = np.maximum.reduceat(live, starts, axis=1)  # each order's largest need over each run
+    following = np.array(starts[1:], dtype=int)
+    over = gaps[following - 1]  # ...and the next run's first prefix, across a gap with a unit in it
+    largest[:, :-1][:, over] = np.maximum(largest[:, :-1][:, over], live[:, following[over]])
     chosen = np.argmin(largest, axis=0)  # the first order of least need, as each cut's total used
     needed = largest[chosen, np.arange(len(starts))].tolist()
     shares: dict[int, float] = {}

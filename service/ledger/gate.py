@@ -78,11 +78,20 @@ def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rd
     """The filter as the silo holds it, on the whole δ (what its record stores): on a silo whose first
     charge (`first`) fixes or may refit its filter, the one that charge would leave."""
     if first is not None and pending(silo):
-        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=silo.delta, first=first.curve, unit=first.unit)
+        return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=fitted_delta(silo), first=first.curve,
+                                            unit=first.unit)
     stored = rdp_filter.FilterSpec.from_json(silo.filter_spec)
     if first is not None and refittable(silo):
-        return rdp_filter.refit_spec(stored, epsilon=silo.epsilon, delta=silo.delta, first=first)
+        return rdp_filter.refit_spec(stored, epsilon=silo.epsilon, delta=fitted_delta(silo), first=first)
     return stored
+
+
+def fitted_delta(silo: Silo) -> float:
+    """The δ a first charge fits the filter to: the share a declared plan leaves it, the δ the gate
+    then reads it on (spec). Fitted on the whole δ and read on half, its path ends where the whole δ
+    would: 4–5% short of the units half affords (bench/tightness.py, a plan left)."""
+    declared = plan(silo)
+    return silo.delta if declared is None or not declared.alongside else silo.delta * declared.filter_share
 
 
 def plan(silo: Silo) -> plans.Plan | None:

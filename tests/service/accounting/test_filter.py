@@ -357,14 +357,16 @@ def test_a_first_charge_filter_is_computed_once_per_terms_and_equals_the_allocat
         epsilon=2.5, delta=1e-6, dataset_size=900)
 
 
-def _least_cut_total(need: np.ndarray) -> float:
-    """Every cut of the prefixes into consecutive runs, each run read by its best single order: the
-    least sum over runs of that order's largest need (the cover's objective, by exhaustion)."""
+def _least_cut_total(need: np.ndarray, gaps: np.ndarray) -> float:
+    """Every cut of the prefixes into consecutive runs, each run read by its best single order, which
+    reads the next run's first prefix too where a whole unit lies between them (gaps): the least sum
+    over runs of that order's largest need (the cover's objective, by exhaustion)."""
     n = need.shape[1]
     best = math.inf
     for mask in range(2 ** (n - 1)):
         cuts = [0] + [j + 1 for j in range(n - 1) if mask >> j & 1] + [n]
-        best = min(best, sum(float(need[:, a:b].max(axis=1).min()) for a, b in itertools.pairwise(cuts)))
+        best = min(best, sum(float(need[:, a:b + 1 if b < n and gaps[b - 1] else b].max(axis=1).min())
+                             for a, b in itertools.pairwise(cuts)))
     return best
 
 
@@ -374,8 +376,9 @@ def test_the_cheapest_cover_is_the_least_cut_by_exhaustion_and_reads_every_prefi
         need = rng.random((int(rng.integers(1, 6)), int(rng.integers(1, 8)))) ** 3
         need[rng.random(need.shape) < 0.25] = np.inf
         rows = np.flatnonzero(np.isfinite(need).any(axis=1))
-        total, shares, _ = rdp_filter._cheapest_cut(need[rows], rows)
-        least = _least_cut_total(need)
+        gaps = rng.random(need.shape[1] - 1) < 0.5  # whether a whole unit lies between prefix j and j + 1
+        total, shares, _ = rdp_filter._cheapest_cut(need[rows], rows, gaps)
+        least = _least_cut_total(need, gaps)
         if not math.isfinite(least):
             assert (total, shares) == (math.inf, {})
             continue
@@ -383,6 +386,8 @@ def test_the_cheapest_cover_is_the_least_cut_by_exhaustion_and_reads_every_prefi
         assert total == math.fsum(shares.values()) <= least * (1 + 1e-12)
         for j in range(need.shape[1]):  # every prefix is read by an order within its share
             assert any(need[i, j] <= share for i, share in shares.items())
+        for j in np.flatnonzero(gaps).tolist():  # both ends of a gap with a unit in it by one order: every t between
+            assert any(max(need[i, j], need[i, j + 1]) <= share for i, share in shares.items())
 
 
 def _resolved(mechanism: dict[str, object], size: int) -> AnyMechanism:
@@ -434,6 +439,21 @@ def test_the_rest_share_yields_where_the_end_of_a_slow_path_cannot_be_held() -> 
     assert len(spread) > 100 and math.fsum(spread) < rdp_filter.REST_WEIGHT
 
 
+def test_where_the_margin_above_95_percent_costs_the_first_units_their_goals_the_goal_itself_is_held() -> None:
+    """bench/tightness.py, seed 0: a central job at q = 2,316/60,000, σ 1.766, budgeted by dp-accounting
+    for 337 steps, whose ε grows 3% over its last 6% of steps. Holding ⌈0.96·337⌉ = 324 of them costs
+    the first steps their goals, so none was held and the filter bought 318 (0.944). It holds the
+    goal's ⌈0.95·337⌉ = 321 instead, and reads its first steps within their goals still."""
+    q, sigma, steps = 2_316 / 60_000, 1.766, 337
+    budget = dpa_epsilon(q, sigma, steps)
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=1, sampling_rate=q))
+    allocation = rdp_filter.allocate(unit, epsilon=budget, delta=DELTA_PATH)
+    assert rdp_filter.units_bought(allocation.spec, unit, offset=None, epsilon=budget, delta=DELTA_PATH) >= 321
+    for t, goal in ((1, 1.5), (3, 1.25), (34, 1.15)):
+        reading = rdp_filter.read(allocation.spec, t * unit, delta=DELTA_PATH).epsilon
+        assert reading <= goal * dpa_epsilon(q, sigma, t), t
+
+
 def test_a_first_charge_the_horizon_does_not_name_is_refit_where_the_registered_filter_buys_under_95_percent() -> None:
     """bench/tightness.py, seed 7: a silo of 6,611 records budgeted by dp-accounting for 11 rounds of 49
     steps at batch 50, σ 0.928, that declared DP-SGD at batch 256, σ 1. The registered filter reads the
@@ -481,3 +501,22 @@ def test_the_filter_buys_95_percent_of_dp_accountings_whole_units_or_all_but_one
     spec = rdp_filter.allocate(unit, epsilon=budget, delta=DELTA_PATH).spec
     bought = rdp_filter.units_bought(spec, unit, offset=None, epsilon=budget, delta=DELTA_PATH)
     assert bought >= min(math.ceil(0.95 * units), units - 1), (bought, units)
+
+
+@pytest.mark.parametrize(("q", "sigma", "steps", "units"), _short_and_long_horizons(12, seed=23))
+def test_the_filter_reads_every_whole_unit_within_its_goal_not_only_the_path_prefixes(
+    q: float, sigma: float, steps: int, units: int
+) -> None:
+    """The goals hold at every unit a job charges, from the first to the budget's end, against
+    dp-accounting's own curve: within 1.5× at units 1–2, 1.25× from the third, 1.15× from a tenth of
+    the horizon (⌊K/10⌋) on. Before, only the path's prefixes were held: 1.157 at units 146–152 of a
+    central job's 1,453 (a tenth of it fell between two prefixes) and 1.153 at 507 (between two runs,
+    read by different orders)."""
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q))
+    budget = dpa_epsilon(q, sigma, steps * units)
+    spec = rdp_filter.allocate(unit, epsilon=budget, delta=DELTA_PATH).spec
+    ts = np.arange(1, units + 1)
+    readings = rdp_filter.read_many(spec, ts[:, None] * unit[None, :], delta=DELTA_PATH)
+    goals = np.where(ts >= units // 10, 1.15, np.where(ts >= 3, 1.25, 1.5))
+    for t, reading, goal in zip(ts.tolist(), readings.tolist(), goals.tolist(), strict=True):
+        assert reading <= goal * dpa_epsilon(q, sigma, steps * t) * (1 + 1e-9), (t, reading / dpa_epsilon(q, sigma, steps * t))

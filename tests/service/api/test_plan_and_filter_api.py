@@ -217,3 +217,38 @@ def test_quote_shows_the_proven_rdp_epsilon_the_plan_epsilon_and_the_gate(client
     assert no_silo["gated_on"] is None
     assert no_silo["epsilon_plan"] == pytest.approx(pld_oracle(14_062), rel=1e-9)
     assert no_silo["epsilon"] < no_silo["epsilon_rdp_proven"] < no_silo["epsilon"] * 1.01
+
+
+def test_beside_a_plan_the_first_charge_fits_the_filter_to_the_half_of_delta_it_is_read_on(client, make_silo) -> None:
+    """A silo with no horizon whose plan is a central job of 554 steps at q = 0.001, σ 0.644, budgeted
+    at dp-accounting's RDP ε of the run on the whole δ. Its filter is read on half of δ; fitted by the
+    first charge on the whole δ, it afforded none of the steps dp-accounting affords on that half (112),
+    so a job that left its plan had nothing left (bench/tightness.py, a plan left). Fitted on the half
+    it is read on, it buys ⌈0.95·K⌉ of them (or K − 1: units are whole)."""
+    q, sigma, steps, delta = 60 / 60_000, 0.644, 554, 1e-5
+    step = {"type": "dpsgd", "batch_size": 60, "noise_multiplier": sigma, "steps": 1}
+
+    def dpa(n: int, on: float) -> float:
+        accountant = rdp_lib.RdpAccountant()
+        accountant.compose(de.PoissonSampledDpEvent(q, de.GaussianDpEvent(sigma)), n)
+        return float(accountant.get_epsilon(on))
+
+    budget = dpa(steps, delta)
+    silo = make_silo(epsilon=budget, dataset_size=60_000, horizon=None)
+    declared = client.post(f"/v1/silos/{silo.id}/plan", json={"mechanism": {**step, "steps": steps}}, headers=silo.headers)
+    assert declared.status_code == 201, declared.text
+    assert charge(client, silo, "first", step).status_code == 201
+    pairs = filter_of(client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json())
+    assert math.fsum(w for _, w in pairs) <= 0.5
+
+    def largest(fits) -> int:  # type: ignore[no-untyped-def]
+        lo, hi = 0, steps + 1  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    affordable = largest(lambda n: dpa(n, delta / 2) <= budget)
+    bought = largest(lambda n: proven_epsilon(pairs, dpsgd_curve([(q, sigma, n)]), delta=delta) <= budget)
+    assert affordable == 112
+    assert bought >= min(math.ceil(0.95 * affordable), affordable - 1), (bought, affordable)
