@@ -2,8 +2,8 @@
 
 A training job's first round, or any new batch size or noise, asks the ledger for a (q, σ) pair it
 has not seen: its curve at all 156 orders is computed on the approval path. This times, for fresh
-pairs (never cached), the ledger's curve (rdp.certified_curve: sampled_gaussian.py's certified bound
-and dp-accounting's values from reference_curve.py, the lower at each order) next to dp-accounting's
+pairs (never cached), the ledger's curve (rdp.certified_curve: sampled_gaussian.py's certified bound,
+kept wherever it is finite; dp-accounting's value from reference_curve.py only where it is not) next to dp-accounting's
 RdpAccountant on the same step, CPU time of this process, median and max over the pairs.
 
     python bench/new_pair.py [--pairs 40]
