@@ -448,15 +448,21 @@ class _Path:
         # The rounds the budget buys: the prefix kept_units(K) is held to read at most the budget itself
         # (E(K)), so that the gate affords that many of dp-accounting's units however slowly ε grows
         # there (sublinear growth turns an END_EXCESS in ε into several times that in rounds).
-        keep, must = kept_units(units), 1.0
-        if hold is not None and keep is not None and keep < hold < units:
-            keep, must = hold, MAX_SCALE  # a refit's: held whatever it costs the goals (refit_spec never buys fewer units)
         # The kept prefix, then the one before it where the path cannot hold it (its ε barely below the
-        # budget's: 4 of 4.000004 units read 1 − 2e-6 of it), then ROUNDS_GOAL's, then none.
-        keeps = [] if keep is None else [keep, *([keep - 1] if keep >= 2 else [])]
+        # budget's: 4 of 4.000004 units read 1 − 2e-6 of it), then ROUNDS_GOAL's, each at scale 1.
+        keep = kept_units(units)
+        tries = [] if keep is None else [keep, *([keep - 1] if keep >= 2 else [])]
         least = kept_units(units, ROUNDS_GOAL)
-        if must == 1.0 and least is not None and keeps and least < keeps[-1]:
-            keeps.append(least)  # the goal's share, where the margin above it cannot be held
+        if least is not None and tries and least < tries[-1]:
+            tries.append(least)  # the goal's share, where the margin above it cannot be held
+        # A refit's hold (refit_spec never buys fewer units than the registered filter): only what holds
+        # it at scale 1, then the hold itself whatever it costs the goals. Held only above the kept
+        # prefix, a hold between ROUNDS_GOAL's and it went unheld, the refit bought fewer units and the
+        # registered filter stayed: 2.28× dp-accounting's ε after one step (bench/tightness.py, seed 4).
+        held = [(whole, 1.0) for whole in tries if hold is None or whole >= hold]
+        if hold is not None and keep is not None and hold < units:
+            held.append((hold, MAX_SCALE))
+        keeps = [whole for whole, _ in held]
         prefixes = np.unique(np.append(path_prefixes(units), keeps))
         excess = goal_excess(prefixes, units)
         if offset is not None:
@@ -479,7 +485,7 @@ class _Path:
         # still meets its goals so (at scale 1: the rounds kept never cost the first units their goals;
         # a refit's hold at any scale); then none held, the goals scaled where they must be.
         variants: list[tuple[np.ndarray, np.ndarray, float]] = []
-        for whole in keeps:
+        for whole, must in held:
             held_at = prefixes == whole
             if held_at.any() and best[-1] > best[held_at][0]:
                 variants.append((np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess),

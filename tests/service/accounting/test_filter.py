@@ -473,6 +473,30 @@ def test_a_first_charge_the_horizon_does_not_name_is_refit_where_the_registered_
     assert bought >= 0.9 * rounds, (kept, bought)
 
 
+def test_a_refit_holds_the_registered_filters_units_even_where_they_are_under_its_own_kept_prefix() -> None:
+    """bench/tightness.py, seed 4: a central job at q = 2,399/60,000, σ 2.061, budgeted by dp-accounting
+    for 962 steps, on a silo that declared DP-SGD at batch 256, σ 1. The registered filter reads its
+    first step at 2.28× dp-accounting's ε and buys 923 steps; a filter fitted to the step cannot hold
+    its own 924 at its goals and held the goal's 914, so the refit bought fewer and the registered
+    filter stayed. The refit now holds the registered filter's 923 (whatever that costs its goals, so
+    that calibrate's σ still buys them) and reads the first step within 1.3×."""
+    size, delta, steps = 60_000, 1e-5, 962
+    q, sigma = 2_399 / size, 2.061
+    budget = dpa_epsilon(q, sigma, steps, delta)
+    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
+    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
+    step = _resolved({"type": "dpsgd", "batch_size": 2_399, "noise_multiplier": sigma, "steps": 1}, size)
+    curve = rdp.certified_curve(step)
+    kept = rdp_filter.units_bought(registered, curve, offset=None, epsilon=budget, delta=delta)
+    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
+        curve, None, trains=True, digest=rdp_filter.mechanism_digest(step)))
+    assert refit.source == "refit"
+    assert rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta) >= kept >= 0.95 * steps
+    first = rdp_filter.read(registered, curve, delta=delta).epsilon / dpa_epsilon(q, sigma, 1, delta)
+    assert first > 2.2  # what the silo was read under before
+    assert rdp_filter.read(refit, curve, delta=delta).epsilon <= 1.3 * dpa_epsilon(q, sigma, 1, delta)
+
+
 def _short_and_long_horizons(count: int, seed: int) -> list[tuple[float, float, int, int]]:
     """(q, σ, steps a unit, units K) of federated rounds and central steps, K from 2 to 400."""
     rng = np.random.default_rng(seed)
