@@ -355,14 +355,17 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     their shares scaled up to 1 − REST_WEIGHT, and REST_WEIGHT is spread evenly over every other
     order of the grid (less, down to REST_LEAST, where the end cannot be held with it). With an
     offset, the path starts with the offset alone (t = 0), at the first unit's goal. `hold` (units:
-    those a registered filter buys of the workload, refit_spec) is held as kept_units' prefix is,
-    where it is the later of the two.
+    those a registered filter buys of the workload, refit_spec) is held at least: by a kept prefix at
+    or above it where one holds at scale 1, else by itself at whatever scale that takes.
 
-    The bound. At every prefix t of the path the filter reads at most r(t)·E(t) (Allocation.bounds).
-    Between two prefixes t < t', the reading is at most r(t)·E(t') ≤ r(t)·(t'/t)·E(t) (a reading
-    grows with t; E(c·t) ≤ c·E(t) for c ≥ 1 where the conversion's constant term log(1 − 1/α) −
-    log(δα)/(α − 1) is ≥ 0, at every order of the grid for δ ≤ 1e-4); the prefixes are every whole
-    unit up to PATH_UNITS and then 1/48 of the path's log-length apart. A workload off the path
+    The bound. At every prefix t of the path the filter reads at most r(t)·E(t) (Allocation.bounds),
+    and at every whole unit u between two prefixes t < u < t' at most max(r(t), r(t'))·E(u): one
+    order α reads both t and t' within their targets (a run that ends before such a gap reads the
+    prefix after it, _cheapest_cut), its reading c_α(u) + ln(1/w)/(α − 1) is linear in u and E(u),
+    a minimum of such lines, concave, so their difference is convex in u and at most its larger end.
+    Each goal's first unit is a prefix (path_prefixes), so a unit is read within the goal it is
+    under. The prefixes are every whole unit up to PATH_UNITS, then 1/48 of the path's log-length
+    apart (and the goals' first units). A workload off the path
     reads at most ln((N − m)/rest)/(α − 1) above its best order's ε at the whole δ, where α is that
     order, N the grid's size, m the path's orders and rest the share spread off the path.
 

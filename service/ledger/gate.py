@@ -75,8 +75,9 @@ def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filt
 
 
 def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
-    """The filter as the silo holds it, on the whole δ (what its record stores): on a silo whose first
-    charge (`first`) fixes or may refit its filter, the one that charge would leave."""
+    """The filter as the silo holds it, its shares not yet scaled by a plan's (what its record stores;
+    fitted to the δ it is read on, fitted_delta): on a silo whose first charge (`first`) fixes or may
+    refit its filter, the one that charge would leave."""
     if first is not None and pending(silo):
         return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=fitted_delta(silo), first=first.curve,
                                             unit=first.unit)
@@ -88,8 +89,9 @@ def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rd
 
 def fitted_delta(silo: Silo) -> float:
     """The δ a first charge fits the filter to: the share a declared plan leaves it, the δ the gate
-    then reads it on (spec). Fitted on the whole δ and read on half, its path ends where the whole δ
-    would: 4–5% short of the units half affords (bench/tightness.py, a plan left)."""
+    then reads it on (spec). Fitted on the whole δ and read on half, its path ends where the whole δ's
+    would: a central job at q = 0.001, σ 0.644 that left its plan afforded none of the 112 steps
+    dp-accounting affords on that half, and 109 fitted on it (tests/service/api/test_plan_and_filter_api.py)."""
     declared = plan(silo)
     return silo.delta if declared is None or not declared.alongside else silo.delta * declared.filter_share
 

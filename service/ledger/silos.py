@@ -151,7 +151,7 @@ def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, n
     that is sound), or refits a registered one (filter.refit_spec; else nothing is written), in a
     filter entry that covers it, written before the charge's reserve entry in
     the same transaction: a refused first charge fixes nothing. The caller holds the silo's lock."""
-    # The filter as it is fixed, on the whole δ: the gate scales it to the share a plan leaves it at
+    # The filter as it is fixed, its shares unscaled: the gate scales it to the share a plan leaves it at
     # every read (gate.spec), so storing the scaled one would halve it twice.
     spec = gate.fixed_spec(silo, first=first)
     if gate.refittable(silo):
