@@ -836,8 +836,9 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
     registered filter buys fewer than REFIT_UNITS (half) of them, or the horizon does not name the
     charge (its digest is not among registered.parts: the silo runs what it did not declare) and the
     registered filter buys fewer than REFIT_UNITS_UNNAMED of them or reads its path above the goals
-    and the fitted filter (misses_goals; 2.3× after one unit in bench/tightness.py); then the fitted
-    one, marked "refit". A filter stored without parts judges every charge as named.
+    where the fitted filter is within them or nearer (misses_goals; 2.3× after one unit in
+    bench/tightness.py); then the fitted one, marked "refit". A filter stored without parts judges
+    every charge as named.
 
     A refit so never buys fewer runs of the first charge's workload than the registered filter did: a
     σ calibrated under the registered filter still fits its rounds (silos.plan_noise). A horizon that
