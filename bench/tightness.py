@@ -35,6 +35,7 @@ of 1,886 steps whose ε grows 9% over it); the plan rows are printed against the
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import tempfile
@@ -145,14 +146,18 @@ def run(client: TestClient, admin: dict[str, str], work: Workload, index: int) -
                 declared.raise_for_status()
                 plan_epsilon = float(declared.json()["epsilon"])
         plan_units = work.units // 2 if work.variant == "plan_stopped" else work.units
-    curves = np.cumsum([resolved_curve(unit_at(work, n), work.size) if n == leaves_at(work) else unit_curve
-                        for n in range(1, plan_units + 1)], axis=0) + offset
+    charged = [unit_curve] * plan_units  # each unit's curve, as the run charges them
+    leave = leaves_at(work)
+    if leave is not None:
+        charged[leave - 1] = resolved_curve(unit_at(work, leave), work.size)
+    curves = np.cumsum(charged, axis=0) + offset
 
+    @functools.cache  # read for the units bought, the spans and the whole-δ rows: one conversion each
     def reference(n: int) -> float:
         """dp-accounting's ε after n units, on the split of δ the silo holds."""
         if plan_epsilon is None:
             return dpa(curves[n - 1])
-        on_plan = leaves_at(work) is None or n < leaves_at(work)
+        on_plan = leave is None or n < leave
         by_rdp = dpa(curves[n - 1], DELTA / 2)
         return min(plan_epsilon, by_rdp) if on_plan else by_rdp
 

@@ -436,9 +436,10 @@ class _Path:
         """The total share the path's orders may hold: what the rest leaves."""
         return 1 - self.rest
 
-    @property
+    @functools.cached_property
     def gaps(self) -> np.ndarray:
-        """Whether a whole unit lies strictly between prefix j and j + 1: a unit a job may stop at."""
+        """Whether a whole unit lies strictly between prefix j and j + 1: a unit a job may stop at
+        (once a path: every fits and cover reads it)."""
         gaps: np.ndarray = np.ceil(self.prefixes[1:]) - 1 > self.prefixes[:-1]
         return gaps
 
@@ -462,10 +463,10 @@ class _Path:
         # it at scale 1, then the hold itself whatever it costs the goals. Held only above the kept
         # prefix, a hold between ROUNDS_GOAL's and it went unheld, the refit bought fewer units and the
         # registered filter stayed: 2.28× dp-accounting's ε after one step (bench/tightness.py, seed 4).
-        held = [(whole, 1.0) for whole in tries if hold is None or whole >= hold]
+        holds = [(whole, 1.0) for whole in tries if hold is None or whole >= hold]
         if hold is not None and keep is not None and hold < units:
-            held.append((hold, MAX_SCALE))
-        keeps = [whole for whole, _ in held]
+            holds.append((hold, MAX_SCALE))
+        keeps = [whole for whole, _ in holds]
         prefixes = np.unique(np.append(path_prefixes(units), keeps))
         excess = goal_excess(prefixes, units)
         if offset is not None:
@@ -488,7 +489,7 @@ class _Path:
         # still meets its goals so (at scale 1: the rounds kept never cost the first units their goals;
         # a refit's hold at any scale); then none held, the goals scaled where they must be.
         variants: list[tuple[np.ndarray, np.ndarray, float]] = []
-        for whole, must in held:
+        for whole, must in holds:
             held_at = prefixes == whole
             if held_at.any() and best[-1] > best[held_at][0]:
                 variants.append((np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess),
