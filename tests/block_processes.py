@@ -37,10 +37,23 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
-def run_block(script: Path, *, folder: Path, env: dict[str, str], log: Path, timeout: float) -> subprocess.Popen[bytes]:
+def log_tails(folder: Path, names: tuple[str, ...], lines: int = 25) -> str:
+    """The last lines of the logs the block wrote in `folder`, for a failure's message."""
+    shown = []
+    for name in names:
+        path = folder / name
+        if path.exists():
+            shown.append(f"\n--- {name} (last {lines} lines)\n" + "\n".join(path.read_text(errors="replace")
+                                                                          .splitlines()[-lines:]))
+    return "".join(shown)
+
+
+def run_block(script: Path, *, folder: Path, env: dict[str, str], log: Path, timeout: float,
+              logs: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     """Runs a pasted block as written (`bash -eu`: a failing step stops it there, an unset variable is an
     error) in `folder`, its output to `log`; returns the finished shell, or fails the test past `timeout`
-    after killing what the block started. The caller kills what it leaves running (`started_in`)."""
+    after killing what the block started (showing the end of its output and of its logs named in
+    `logs`). The caller kills what it leaves running (`started_in`)."""
     with log.open("wb") as out:
         shell = subprocess.Popen(["bash", "-eu", str(script)], cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
@@ -48,5 +61,5 @@ def run_block(script: Path, *, folder: Path, env: dict[str, str], log: Path, tim
         shell.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_all(started_in(folder, shell.pid))
-        pytest.fail(f"the block ran past {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+        pytest.fail(f"the block ran past {timeout:.0f} s:\n{log.read_text()[-4000:]}{log_tails(folder, logs)}")
     return shell

@@ -7,10 +7,11 @@ beside other tests.
 It runs on one core of its own shared BUSY_PER_CORE + 1 ways, as on a shared server: pinned there
 (sched_setaffinity), so that the load it makes does not also slow the suite's other worker, whose
 own servers then miss their start-up timeouts; busy processes make up what the machine's own load
-on that core does not (a CI machine is often that busy already, and more busy processes on top
-measure the machine, not the block). Asserted: the block exits 0 (its last line found every
-background job alive to stop) within the bound its own settings set, or fails only with the one
-line that says what did not answer and what to raise (then the test is an xfail); the run's
+on that core does not, read once a second (tests/shared_core: a CI machine is often that busy
+already, and more busy processes on top measure the machine, not the block). Asserted: the block
+exits 0 (its last line found every background job alive to stop) within the bound its own settings
+set, or fails only with the one line that says what did not answer and what to raise, or how to
+resume a run Flower ended (then the test is an xfail, its logs' ends shown); the run's
 `out` JSON says every silo trained every round; each silo's ε spent, read over HTTP with an admin
 key from a ledger restarted on the block's database, equals dp-accounting's ε of that DP-SGD through
 the silo's published filter (tests/flower/federation.expected_epsilon); and nothing the block
@@ -32,15 +33,14 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 
 from dpledger.harness import free_port
-from tests.block_processes import kill_all, run_block, started_in
+from tests.block_processes import kill_all, log_tails, run_block, started_in
 from tests.flower.federation import expected_epsilon
+from tests.shared_core import on_one_core, shared
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -50,6 +50,8 @@ APP_CONFIG = tomllib.loads((ROOT / "dpledger" / "flower" / "app" / "pyproject.to
 # and what follows the run, on a starved core. The whole block, run included, took 208–220 s here on
 # one core beside 4 busy processes; on CI's busier machine set-up and first contact together took ~480 s.
 SET_UP_SECONDS = 480.0
+# The block's own logs, shown when it fails: what the SuperLink and each SuperNode saw.
+LOGS = ("ledger.log", "superlink.log", "supernode-1.log", "supernode-2.log", "supernode-3.log")
 
 
 def block_timeout() -> float:
@@ -60,50 +62,9 @@ def block_timeout() -> float:
     return SET_UP_SECONDS + first_contact + round_timeout + first_contact
 
 
-# The block runs on a core shared this many + 1 ways (busy processes, stopped with it or with this
-# test's process, make up what the machine's own load does not).
+# The block runs on a core shared this many + 1 ways (busy processes, governed by tests/shared_core,
+# make up what the machine's own load does not).
 BUSY_PER_CORE = 4
-BUSY = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
-PROBE_SECONDS = 2.0
-
-
-def sharing_now() -> int:
-    """How many runnable processes share this process's core now: spinning on it for PROBE_SECONDS,
-    this process gets 1 / (k + 1) of it when k others want it too (CPU steal included)."""
-    wall, cpu = time.monotonic(), time.process_time()
-    while time.monotonic() - wall < PROBE_SECONDS:
-        pass
-    share = (time.process_time() - cpu) / (time.monotonic() - wall)
-    return max(0, round(1 / max(share, 1e-3)) - 1)
-
-
-@contextmanager
-def on_one_core() -> Iterator[None]:
-    """This process, and so every process it starts meanwhile (the busy ones, the block's), on one CPU;
-    this process itself only waits for them."""
-    cpus = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {max(cpus)})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, cpus)
-
-
-@contextmanager
-def oversubscribed(per_core: int) -> Iterator[int]:
-    """Busy processes for the block's run, enough that `per_core` processes besides the block want
-    each core (with what already runs there); yields how many it started. Each spins until it is
-    killed or its parent (this test's process) is gone, so none outlives a killed test."""
-    cores = len(os.sched_getaffinity(0))
-    count = max(0, per_core - sharing_now()) * cores
-    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(count)]
-    try:
-        yield count
-    finally:
-        for process in busy:
-            process.kill()
-        for process in busy:
-            process.wait()
 
 
 def readme_block() -> str:
@@ -157,19 +118,27 @@ def test_the_readme_federation_block_runs_as_pasted_into_an_empty_folder(tmp_pat
         env.pop(inherited, None)
     log = tmp_path / "block.log"
     started = time.monotonic()
-    with on_one_core(), oversubscribed(BUSY_PER_CORE) as busy:  # a hospital's shared server, not a quiet test box
-        shell = run_block(script, folder=folder, env=env, log=log, timeout=block_timeout())
+    with on_one_core() as core, shared(core, BUSY_PER_CORE) as busy:  # a hospital's shared server, not a quiet box
+        shell = run_block(script, folder=folder, env=env, log=log, timeout=block_timeout(), logs=LOGS)
     try:
         elapsed = time.monotonic() - started
         text = log.read_text()
-        print(f"the README's federation block ran in {elapsed:.0f} s on one core beside {busy} busy processes")
+        print(f"the README's federation block ran in {elapsed:.0f} s on one core beside {min(busy)}–{max(busy)} "
+              f"busy processes (mean {sum(busy) / len(busy):.1f})")
         if shell.returncode != 0:
             # Too slow even for first-contact-timeout: it may fail, but only with the one line that says
-            # what to raise (at first contact, or a round no silo replied to, which stops the run).
+            # what to raise (at first contact, or a round no silo replied to, which stops the run), or,
+            # where Flower itself ended the run (a starved ServerApp's heartbeat missed), the one that
+            # says how to resume it.
             written = json.loads((folder / "run.json").read_text())
-            assert written["outcome"] in ("nothing trained", "stopped"), text[-4000:]
-            assert "raise first-contact-timeout" in written["reason"] and written["reason"] in text
-            assert "dpledger flwr-run: run " in text
+            said = text[-4000:] + log_tails(folder, LOGS)
+            assert "dpledger flwr-run: run " in text, said
+            if written["outcome"] == "interrupted":
+                assert re.search(r"dpledger flwr-run: run \d+ finished:(failed|stopped)", text), said
+                assert "resume=true" in written["reason"], said
+            else:
+                assert written["outcome"] in ("nothing trained", "stopped"), said
+                assert "raise first-contact-timeout" in written["reason"] and written["reason"] in text, said
             pytest.xfail(f"the block stopped with its one line on the oversubscribed machine: {written['reason']}")
 
         # Everything it started stops with its last line (the SuperLink's SuperExec within seconds).
