@@ -334,8 +334,7 @@ def kept_units(units: float, share: float = ROUNDS_KEPT) -> float | None:
     return float(min(math.ceil(share * whole - 1e-9), math.ceil(units) - 1))
 
 
-def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None,
-             hold: float | None = None) -> Allocation:
+def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None) -> Allocation:
     """The filter of a silo whose workload is `horizon` (one unit's curve), after `offset` (a charge
     that comes first and is not the workload's unit, such as a hyperparameter search), for a budget (ε, δ).
 
@@ -354,9 +353,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     within 1.14 everywhere is, although its goals allow 1.5 at its start). The orders so chosen get
     their shares scaled up to 1 − REST_WEIGHT, and REST_WEIGHT is spread evenly over every other
     order of the grid (less, down to REST_LEAST, where the end cannot be held with it). With an
-    offset, the path starts with the offset alone (t = 0), at the first unit's goal. `hold` (units:
-    those a registered filter buys of the workload, refit_spec) is held at least: by a kept prefix at
-    or above it where one holds at scale 1, else by itself at whatever scale that takes.
+    offset, the path starts with the offset alone (t = 0), at the first unit's goal.
 
     The bound. At every prefix t of the path the filter reads at most r(t)·E(t) (Allocation.bounds),
     and at every whole unit u between two prefixes t < u < t' at most max(r(t), r(t'))·E(u): one
@@ -375,7 +372,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     # Work no mechanism's price counts (a registration's, a first charge's, a refit's): the request's
     # CPU bound widens by it as it starts, so that a busy machine's slower allocation is no overrun.
     cost.allow(cost.FIRST_FILTER_SECONDS)
-    path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset, hold=hold)
+    path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset)
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
     # it is bracketed by doubling from 1 (it is rarely above 4) before the bisection.
     def fits(s: float) -> bool:
@@ -444,8 +441,7 @@ class _Path:
         return gaps
 
     @classmethod
-    def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None,
-           hold: float | None = None) -> _Path:
+    def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None) -> _Path:
         """The path, or a ValueError where no order reads it or no filter reads it within the largest ratio."""
         base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
         units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
@@ -459,15 +455,7 @@ class _Path:
         least = kept_units(units, ROUNDS_GOAL)
         if least is not None and tries and least < tries[-1]:
             tries.append(least)  # the goal's share, where the margin above it cannot be held
-        # A refit's hold (refit_spec never buys fewer units than the registered filter): only what holds
-        # it at scale 1, then the hold itself whatever it costs the goals. Held only above the kept
-        # prefix, a hold between ROUNDS_GOAL's and it went unheld, the refit bought fewer units and the
-        # registered filter stayed: 2.28× dp-accounting's ε after one step (bench/tightness.py, seed 4).
-        holds = [(whole, 1.0) for whole in tries if hold is None or whole >= hold]
-        if hold is not None and keep is not None and hold < units:
-            holds.append((hold, MAX_SCALE))
-        keeps = [whole for whole, _ in holds]
-        prefixes = np.unique(np.append(path_prefixes(units), keeps))
+        prefixes = np.unique(np.append(path_prefixes(units), tries))
         excess = goal_excess(prefixes, units)
         if offset is not None:
             prefixes, excess = np.concatenate([[0.0], prefixes]), np.concatenate([[GOAL_FIRST], excess])
@@ -486,14 +474,14 @@ class _Path:
         at_end = prefixes >= units / END_SPAN
         memo = _Covers()  # the variants below share conv and best: a cover of the same targets is the same
         # Each kept prefix held like the end's, to read at most the budget itself (E(K)), where the path
-        # still meets its goals so (at scale 1: the rounds kept never cost the first units their goals;
-        # a refit's hold at any scale); then none held, the goals scaled where they must be.
+        # still meets its goals so (at scale 1: the rounds kept never cost the first units their goals);
+        # then none held, the goals scaled where they must be.
         variants: list[tuple[np.ndarray, np.ndarray, float]] = []
-        for whole, must in holds:
+        for whole in tries:
             held_at = prefixes == whole
             if held_at.any() and best[-1] > best[held_at][0]:
                 variants.append((np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess),
-                                 at_end | held_at, must))
+                                 at_end | held_at, 1.0))
         variants.append((excess, at_end, MAX_SCALE))
         for goals, ends, scale in variants:
             for rest in (REST_WEIGHT, REST_WEIGHT / 10, REST_LEAST):
@@ -796,22 +784,18 @@ def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: 
     bench's no-horizon silo, charged a round at a time, reads 1.138 / 1.088 / 1.019 after 1 / 3 / 20
     rounds under it, against 1.165 / 1.214 / 1.042 under the default horizon.) A first charge whose
     curve no path can read (zero or ∞ at every order) splits δ evenly over the grid instead."""
-    return _fitted(epsilon=epsilon, delta=delta, first=first, unit=unit, hold=None)
-
-
-def _fitted(*, epsilon: float, delta: float, first: np.ndarray, unit: np.ndarray | None, hold: int | None) -> FilterSpec:
     first = np.asarray(first, dtype=float)
     unit = None if unit is None else np.asarray(unit, dtype=float)
-    return _first_charge_spec(epsilon, delta, first.tobytes(), None if unit is None else unit.tobytes(), hold)
+    return _first_charge_spec(epsilon, delta, first.tobytes(), None if unit is None else unit.tobytes())
 
 
 @functools.lru_cache(maxsize=SPEC_CACHE_SIZE)
-def _first_charge_spec(epsilon: float, delta: float, first: bytes, unit: bytes | None, hold: int | None) -> FilterSpec:
+def _first_charge_spec(epsilon: float, delta: float, first: bytes, unit: bytes | None) -> FilterSpec:
     first_curve = np.frombuffer(first, dtype=float).copy()  # writable, as a caller's array is
     try:
-        spec = (allocate(first_curve, epsilon=epsilon, delta=delta, hold=hold) if unit is None
-                else allocate(np.frombuffer(unit, dtype=float).copy(), epsilon=epsilon, delta=delta, offset=first_curve,
-                              hold=hold)).spec
+        spec = (allocate(first_curve, epsilon=epsilon, delta=delta) if unit is None
+                else allocate(np.frombuffer(unit, dtype=float).copy(), epsilon=epsilon, delta=delta,
+                              offset=first_curve)).spec
     except ValueError:
         spec = legacy_spec()
     return FilterSpec(spec.orders, spec.weights, "first_charge")
@@ -832,23 +816,25 @@ REFIT_UNITS_UNNAMED = 0.95
 
 def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: FirstCharge) -> FilterSpec:
     """The filter a silo registered with a horizon holds from its first charge on: the registered one,
-    unless the charge is a training workload (a run, or a search of one: first.trains) and the filter
-    its first charge would fix (first_charge_spec) buys at least as many units of it, and either the
-    registered filter buys fewer than REFIT_UNITS (half) of them, or the horizon does not name the
-    charge (its digest is not among registered.parts: the silo runs what it did not declare) and the
-    registered filter buys fewer than REFIT_UNITS_UNNAMED of them or reads its path above the goals
-    where the fitted filter is within them or nearer (misses_goals; 2.3× after one unit in
+    unless the charge is a training workload (a run, or a search of one: first.trains) and either the
+    horizon names the charge (its digest is among registered.parts) and the filter its first charge
+    would fix (first_charge_spec) buys at least twice (1 / REFIT_UNITS) as many units of it, or the
+    horizon does not name it (the silo runs what it did not declare) and the registered filter buys
+    fewer than REFIT_UNITS_UNNAMED of the fitted one's units or reads its path above the goals where
+    the fitted filter is within them or nearer (misses_goals; 2.3× after one unit in
     bench/tightness.py); then the fitted one, marked "refit". A filter stored without parts judges
     every charge as named.
 
-    A refit so never buys fewer runs of the first charge's workload than the registered filter did: a
-    σ calibrated under the registered filter still fits its rounds (silos.plan_noise). A horizon that
-    is the workload gives both the same filter. One that is not can cost the silo everything: a central
-    job at q = 0.0013, σ 1.17 under a declared batch of 256 of 60,000 at σ 1 was refused its first
-    step, where the charge's own filter buys 0.91 of dp-accounting's units. A lone query first (not a
-    training step) keeps the registered filter: it says nothing of the job. Sound as first_charge_spec
-    is: a function of the budget, δ, the registered filter and the first request, all fixed before
-    any output."""
+    A refit of a charge the horizon does not name may buy fewer of its runs than the registered filter
+    (at least ROUNDS_GOAL of dp-accounting's, allocate): it reads them within their goals where holding
+    the registered filter's units cost the first ones theirs (1.29× after three steps, seed 4). A σ
+    quoted before the first charge is calibrated under the filter that charge then fixes
+    (silos.plan_noise), so no quote counts on the registered filter's units. A horizon that is the
+    workload gives both the same filter. One that is not can cost the silo everything: a central job at
+    q = 0.0013, σ 1.17 under a declared batch of 256 of 60,000 at σ 1 was refused its first step, where
+    the charge's own filter buys 0.91 of dp-accounting's units. A lone query first (not a training
+    step) keeps the registered filter: it says nothing of the job. Sound as first_charge_spec is: a
+    function of the budget, δ, the registered filter and the first request, all fixed before any output."""
     if not first.trains:
         return registered
     unit, offset = (first.curve, None) if first.unit is None else (first.unit, first.curve)
@@ -868,10 +854,7 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
         return registered
     fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit)
     bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
-    if not named and kept > bought:  # fitted again, holding the units the registered filter buys
-        fitted = _fitted(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit, hold=kept)
-        bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
-    if kept > bought:
+    if named and kept > bought:
         return registered
     if kept < share * bought or (not named and misses_goals(registered, fitted, unit, offset=offset, units=kept, delta=delta)):
         return FilterSpec(fitted.orders, fitted.weights, "refit")

@@ -3,6 +3,7 @@ retirement (an admin stops a mis-registered silo for good: `retire`, `refuse_if_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -300,6 +301,11 @@ def declare_plan(db: Database, *, silo_id: int, mechanism: AnyMechanism) -> plan
     return declared
 
 
+# The calibrations plan_noise tries on a silo whose first charge may refit its filter: each σ under the
+# filter the previous σ's first charge leaves; the two agree after one or two.
+REFIT_CALIBRATIONS = 6
+
+
 @dataclass(frozen=True)
 class NoisePlan:
     noise_multiplier: float
@@ -323,29 +329,43 @@ def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | No
         raise Conflict(f"silo {silo.id} is on its declared plan: its noise is the plan's, nothing else is approved")
     # Beside a plan: σ by the filter alone (a σ of the search's own is off the plan, or the plan's). A
     # pending silo: at each σ, under the filter its first charge would fix. One registered with a horizon
-    # that its first charge may refit: under the registered filter, since a refit never affords fewer of
-    # these rounds (filter.refit_spec; searching through the refit's allocation at every σ costs ~2 s),
-    # and the ε after them read as the gate will at that σ (below).
+    # that its first charge may refit: under the registered filter first, then under the filter the
+    # first charge at that σ leaves, until the two agree: the σ quoted is one whose rounds the gate then
+    # approves under the filter its first charge fixes.
     fixed = None if gate.pending(silo) else gate.spec(silo)
     unit = (first_steps or steps) / steps  # a pending silo's spent sum is empty: the curve is the run's
+    spent = RunningSum.from_json(silo.rdp_spent).curve()
 
     def epsilon_of(curve: np.ndarray) -> float:  # the gate's conversion, under the filter it would read
         spec = fixed if fixed is not None else gate.spec(silo, first=rdp_filter.FirstCharge(curve * unit))
         return rdp_filter.read(spec, curve, delta=silo.delta).epsilon
 
-    try:
-        found = reports.calibrate_remaining(
-            RunningSum.from_json(silo.rdp_spent).curve(), budget=silo.epsilon,
-            sampling_rate=sampling_rate, steps=steps, epsilon_of=epsilon_of,
-        )
-    except MechanismError as error:
-        raise InvalidRequest(error.field, error.message) from error
-    epsilon_after = found.epsilon_after
-    if gate.refittable(silo):
-        run = rdp.certified_curve(DpSgd(noise_multiplier=found.noise_multiplier, steps=steps, sampling_rate=sampling_rate))
+    def calibrated(epsilon_of: Callable[[np.ndarray], float]) -> reports.RemainingCalibration:
+        try:
+            return reports.calibrate_remaining(spent, budget=silo.epsilon, sampling_rate=sampling_rate, steps=steps,
+                                               epsilon_of=epsilon_of)
+        except MechanismError as error:
+            raise InvalidRequest(error.field, error.message) from error
+
+    def reading(spec: rdp_filter.FilterSpec) -> Callable[[np.ndarray], float]:
+        return lambda curve: rdp_filter.read(spec, curve, delta=silo.delta).epsilon
+
+    found = calibrated(epsilon_of)
+    if not gate.refittable(silo):
+        return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate,
+                         epsilon_after=found.epsilon_after)
+    sigma = found.noise_multiplier
+    for _ in range(REFIT_CALIBRATIONS):
+        run = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=sampling_rate))
         # The first charge as the job sends it, so that the refit reads whether the horizon names it.
-        sent = resolve(DpSgd(noise_multiplier=found.noise_multiplier, steps=first_steps or steps, batch_size=batch_size),
+        sent = resolve(DpSgd(noise_multiplier=sigma, steps=first_steps or steps, batch_size=batch_size),
                        dataset_size=silo.dataset_size, charged=True)
         after = gate.spec(silo, first=rdp_filter.FirstCharge(run * unit, trains=True, digest=rdp_filter.mechanism_digest(sent)))
         epsilon_after = rdp_filter.read(after, run, delta=silo.delta).epsilon
-    return NoisePlan(noise_multiplier=found.noise_multiplier, sampling_rate=sampling_rate, epsilon_after=epsilon_after)
+        if rdp.within_budget(epsilon_after, budget=silo.epsilon):
+            return NoisePlan(noise_multiplier=sigma, sampling_rate=sampling_rate, epsilon_after=epsilon_after)
+        # The refit at σ buys fewer of these rounds than the filter σ was calibrated under: σ again under
+        # it (never smaller: the refit reads the run above the budget at σ), until the two agree.
+        sigma = max(sigma * (1 + reports.SIGMA_RELATIVE_TOLERANCE), calibrated(reading(after)).noise_multiplier)
+    raise Conflict(f"no σ found whose {steps} steps the filter their first charge fixes approves within ε={silo.epsilon:g} "
+                   f"after {REFIT_CALIBRATIONS} calibrations: charge a first step, then ask again")

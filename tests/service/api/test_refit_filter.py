@@ -140,3 +140,35 @@ def test_calibration_before_the_first_charge_states_what_the_gate_then_reads(cli
         assert approved.status_code == 201, (n, approved.text)
         spent = approved.json()["epsilon_spent"]
     assert spent == pytest.approx(answer["epsilon_after"], rel=1e-9) and spent <= silo.epsilon
+
+
+def test_a_sigma_calibrated_before_a_refit_buys_every_planned_step_under_the_filter_the_refit_fixes(
+        client, make_silo) -> None:
+    """bench/tightness.py, seed 4: a central job at q = 2,399/60,000 budgeted for 962 steps at σ 2.061 by
+    dp-accounting, on a silo that declared a batch of 256 at σ 1. The registered filter buys 923 of them
+    and reads the first step at 2.28× dp-accounting's ε; the filter the first step fixes buys 914 and
+    reads it within 1.5×. The refit no longer holds the registered filter's 923 (1.29× after three steps,
+    over the 1.25 goal): the σ calibrate quotes is instead one under which the refit its first step
+    fixes approves all 962 steps, and nothing more."""
+    q, steps = 2_399 / SIZE, 962
+
+    def dpa(sigma: float, n: int) -> float:
+        curve = n * rdp_lib._compute_rdp_poisson_subsampled_gaussian(q, sigma, rdp.ORDERS)
+        return float(rdp_lib.compute_epsilon(rdp.ORDERS, curve, DELTA)[0])
+
+    silo = make_silo(epsilon=dpa(2.061, steps), delta=DELTA, dataset_size=SIZE, horizon=DECLARED)
+    plan = client.post(f"/v1/silos/{silo.id}/calibrate", json={"batch_size": 2_399, "steps_per_round": 1, "rounds": steps},
+                       headers=silo.headers)
+    assert plan.status_code == 200, plan.text
+    sigma = plan.json()["noise_multiplier"]
+    step = {"type": "dpsgd", "batch_size": 2_399, "noise_multiplier": sigma, "steps": 1}
+    readings = [charge(client, silo, f"s{n}", step).json()["epsilon_spent"] for n in range(3)]
+    assert client.get(f"/v1/silos/{silo.id}", headers=ADMIN).json()["filter"]["source"] == "refit"
+    assert readings[0] <= 1.5 * dpa(sigma, 1) and readings[2] <= 1.25 * dpa(sigma, 3), (
+        readings[0] / dpa(sigma, 1), readings[2] / dpa(sigma, 3))
+    rest = charge(client, silo, "rest", {**step, "steps": steps - 3})
+    assert rest.status_code == 201, rest.text
+    assert rest.json()["epsilon_spent"] == pytest.approx(plan.json()["epsilon_after"], rel=1e-9)
+    assert charge(client, silo, "over", step).status_code == 409
+    # 0.95 of dp-accounting's steps at a σ: all of them cost ~2% more noise than dp-accounting's own.
+    assert 2.061 < sigma <= 1.03 * 2.061
