@@ -9,6 +9,7 @@ that is busy already (a CI host whose own load once made a federation block seve
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -22,6 +23,13 @@ BUSY = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pas
 GOVERN_SECONDS = 1.0
 # The foreign load is averaged over about this many readings: one reading sees an instant only.
 SMOOTHING = 4
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the busy child before it runs: killed when this process ends, even while it is stopped
+    (SIGSTOP, which the governor sends and under which its own parent check never runs)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @contextmanager
@@ -85,8 +93,8 @@ def _core_times(core: int) -> tuple[int, int]:
 def shared(core: int, per_core: int) -> Iterator[list[int]]:
     """Busy processes on `core`, governed so that with the machine's own load `per_core` others want
     it; yields a list that holds, reading by reading, how many ran. Each spins until it is killed or
-    its parent (this process) is gone, so none outlives a killed test."""
-    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(per_core)]
+    its parent (this process) is gone, running or stopped, so none outlives a killed test."""
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY], preexec_fn=_die_with_parent) for _ in range(per_core)]
     running = list(busy)
     stop, history = threading.Event(), [per_core]
 
