@@ -46,22 +46,22 @@ def _flwr() -> str:
     return beside if os.access(beside, os.X_OK) else (shutil.which("flwr") or "flwr")
 
 
-def _status(run_id: int, superlink: Sequence[str], timeout: float) -> tuple[str, str, bool]:
-    """(status, details, answered): the run's status as the SuperLink reports it, or ("", why, …) when
-    it cannot be read; `answered` is False when `flwr ls` itself did not end within `timeout`."""
+def _status(run_id: int, superlink: Sequence[str], timeout: float) -> tuple[str, str]:
+    """(status, details): the run's status as the SuperLink reports it, or ("", why) when it cannot be
+    read (`flwr ls` did not end within `timeout`, or said why not)."""
     try:
         listed = subprocess.run([_flwr(), "ls", *superlink, "--run-id", str(run_id), "--format", "json"],
                                 capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return "", f"`flwr ls` did not answer within {timeout:g} s", False
+        return "", f"`flwr ls` did not answer within {timeout:g} s"
     except OSError as error:
-        return "", f"`flwr ls` did not start: {error}", False
+        return "", f"`flwr ls` did not start: {error}"
     try:
         runs = json.loads(listed.stdout)["runs"]
-        return str(runs[0]["status"]), str(runs[0].get("status-details") or ""), True
+        return str(runs[0]["status"]), str(runs[0].get("status-details") or "")
     except (ValueError, KeyError, IndexError, TypeError):
         said = (listed.stdout + listed.stderr).strip().splitlines()
-        return "", said[-1] if said else "no answer", True
+        return "", said[-1] if said else "no answer"
 
 
 class _Stream:
@@ -113,22 +113,24 @@ class _Stream:
 
 def _outcome(stream: _Stream, run_id: int, superlink: Sequence[str]) -> tuple[str, str]:
     """(status, details) once the run is finished, or the last answer (or why there was none) when it
-    cannot be learnt: a run still running is followed again, an unanswered `flwr ls` asked again."""
+    cannot be learnt: a run the SuperLink says still runs is followed again (its stream dropped), a
+    `flwr ls` without a status (it did not end, or said why not) asked again a second later."""
     unanswered = followed = 0
     while True:
-        status, details, answered = _status(run_id, superlink, LS_TIMEOUT_SECONDS)
+        status, details = _status(run_id, superlink, LS_TIMEOUT_SECONDS)
         if status.startswith("finished"):
             return status, details
-        if not answered:
-            unanswered += 1
-            if unanswered >= LS_TRIES:
+        if status:
+            if followed >= FOLLOW_AGAIN:
                 return status, details
+            followed += 1
+            time.sleep(1.0)
+            stream.follow([_flwr(), "log", str(run_id), *superlink, "--stream"], again=True)
             continue
-        if followed >= FOLLOW_AGAIN:
+        unanswered += 1
+        if unanswered >= LS_TRIES:
             return status, details
-        followed += 1
         time.sleep(1.0)
-        stream.follow([_flwr(), "log", str(run_id), *superlink, "--stream"], again=True)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -31,6 +31,9 @@ answers = os.environ["FAKE_LS"].split(",")
 answer = answers[min(len(answered), len(answers)) - 1]
 if answer == "hang":
     time.sleep(60)
+if answer == "unavailable":
+    print("Error: the SuperLink is unavailable")
+    sys.exit(1)
 print(json.dumps({"success": True, "runs": [{"run-id": 4711, "status": answer, "status-details": ""}]}))
 """
 
@@ -77,6 +80,13 @@ def test_a_flwr_ls_that_does_not_end_is_asked_again(fake_flwr: Path, monkeypatch
     monkeypatch.setenv("FAKE_LS", "hang,finished:completed")
     monkeypatch.setattr(flwr_run, "LS_TIMEOUT_SECONDS", 1.0)
     assert flwr_run.main(["app", "local"]) == 0
+    assert fake_flwr.read_text().splitlines() == ["ls local --run-id 4711 --format json"] * 2
+
+
+def test_a_superlink_that_does_not_answer_is_asked_again_and_its_log_not_followed(
+        fake_flwr: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_LS", "unavailable,finished:failed")
+    assert flwr_run.main(["app", "local"]) == 1
     assert fake_flwr.read_text().splitlines() == ["ls local --run-id 4711 --format json"] * 2
 
 
