@@ -68,7 +68,7 @@ def flower_split(fed: Federation, folder: Path, args: argparse.Namespace) -> lis
     """Runs FedAvg on the federation; per round: its wall time at the server, and the slowest silo's
     training and ledger seconds, the rest being Flower's."""
     out = folder / "run.json"
-    done = fed.run(timeout=1800, algorithm="fedavg", rounds=args.rounds, **{
+    done = fed.run(limit=1800, algorithm="fedavg", rounds=args.rounds, **{
         "local-steps": args.steps, "batch-size": BATCH, "lr": LR, "min-nodes": args.silos, "round-timeout": 600.0,
         "ledger-url": fed.ledger_url, "coordinator-key-file": str(fed.coordinator_key_file), "out": str(out)})
     if done.returncode != 0:

@@ -31,13 +31,22 @@ from urllib.parse import urlsplit
 from dpledger.wire.enums import Role
 from tests.faults.conftest import command_line, listed_charges, named, sender_of, signal_all, stop_tree, wait_for
 from tests.faults.proxy import Exchange, Proxy, Request
-from tests.flower.federation import BIN, DELTA, Federation, Silo, descendants, expected_epsilon, federation, write_silo_files
+from tests.flower.federation import (
+    BIN,
+    DELTA,
+    RUN_LIMIT_SECONDS,
+    Federation,
+    Silo,
+    descendants,
+    expected_epsilon,
+    federation,
+    write_silo_files,
+)
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, BUDGET = 120, 40, 1.0, 2, 16, 50.0
 # A round that never gets an answer (a killed ClientApp or SuperNode) lasts this long; a healthy round
 # of two silos takes 5–15 s on two idle cores, 40–75 s on two cores shared with a load average of 20.
 ROUND_TIMEOUT = 90.0
-RUN_TIMEOUT = 420.0  # one `flwr run`, start to end
 COMMIT = r"/v1/charges/\d+/commit"
 OUTAGE = 20.0  # seconds the ledger is down in the restart test
 
@@ -64,7 +73,7 @@ class Faulty:
         log = self.fed.folder / f"flwr-run-{name}.log"
         runner = self.fed.start_run(log, **self.run_config(out, rounds=rounds, round_timeout=round_timeout))
         try:
-            runner.wait(timeout=RUN_TIMEOUT)
+            self.fed.wait_run(runner)
         finally:
             stop_tree(runner)
         text = log.read_text()
@@ -306,11 +315,11 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
     out, log = fed.folder / "stopped.json", fed.folder / "flwr-run-stopped.log"
     runner = fed.start_run(log, **faulty.run_config(out, rounds=rounds, round_timeout=ROUND_TIMEOUT))
     try:
-        wait_for(lambda: "round 2:" in log.read_text(errors="replace"), timeout=RUN_TIMEOUT, what="round 2 aggregated")
+        wait_for(lambda: "round 2:" in log.read_text(errors="replace"), timeout=RUN_LIMIT_SECONDS, what="round 2 aggregated")
         serverapp = wait_for(lambda: next((pid for process in fed.processes for pid in descendants(process.pid)
                                            if named(pid, "flwr-serverapp")), None), timeout=30, what="the ServerApp")
         os.kill(serverapp, signal.SIGTERM)
-        runner.wait(timeout=120)
+        fed.wait_run(runner)
     finally:
         stop_tree(runner)
     # `dpledger flwr-run` (federation.py's runner) exits with the run's outcome, not flwr run's 0.
@@ -333,7 +342,7 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
         assert_ledger_matches(faulty, silo)
     # A resume without the stopped run's checkpoint fails in one line, and flwr-run says so with exit 1.
     elsewhere = fed.folder / "elsewhere.json"
-    refused = fed.run(timeout=RUN_TIMEOUT, **faulty.run_config(elsewhere, rounds=rounds, round_timeout=ROUND_TIMEOUT),
+    refused = fed.run(**faulty.run_config(elsewhere, rounds=rounds, round_timeout=ROUND_TIMEOUT),
                       resume=True)
     said = refused.stdout + refused.stderr + (fed.folder / "superlink.log").read_text(errors="replace")
     assert refused.returncode == 1, said[-3000:]
@@ -351,7 +360,7 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
     log = fed.folder / "flwr-run-resumed.log"
     runner = fed.start_run(log, **config)
     try:
-        runner.wait(timeout=RUN_TIMEOUT)
+        fed.wait_run(runner)
     finally:
         stop_tree(runner)
     assert runner.returncode == 0, log.read_text(errors="replace")[-3000:]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from dp_accounting import dp_event as de
 
 from dpledger.flower.gate import SILO_LINE
@@ -49,6 +50,11 @@ SUPEREXEC_POLL_SECONDS = 1.0
 # inherits the poll interval above; "process": we start each SuperNode's `flower-superexec` ourselves,
 # in the SuperNode's process group (bench/flower_rounds.py --isolation compares them: the same speed).
 ISOLATION = "subprocess"
+# A run on a starved machine is slow, not stuck: it is waited for while any log of its federation grows
+# (a ClientApp start-up writes nothing, and took up to 161 s on a busy CI host; three of them follow each
+# other in every run), and fails once every log has been silent this long, or past the caller's limit.
+RUN_STALL_SECONDS = 360.0
+RUN_LIMIT_SECONDS = 900.0
 # Chooses a silo's σ with the silo's own ledger client and id (e.g. `calibrate_silo`), as a site would.
 NoiseChoice = Callable[[LedgerClient, int], float]
 
@@ -157,10 +163,42 @@ class Federation:
         command = [str(BIN / "dpledger"), "flwr-run", str(APP_DIR), "local", "--stream", "--run-config", overrides]
         return command + (["--federation-config", self.simulation] if self.simulation is not None else [])
 
-    def run(self, *, timeout: float, **config: object) -> subprocess.CompletedProcess[str]:
-        """Runs the app and waits for the run to finish."""
-        return subprocess.run(self.run_command(config), env=self.env(), capture_output=True, text=True,
-                              timeout=timeout, check=False)
+    def run(self, *, limit: float = RUN_LIMIT_SECONDS, **config: object) -> subprocess.CompletedProcess[str]:
+        """Runs the app and waits for the run to finish (`wait_run`); its output as subprocess.run's."""
+        command = self.run_command(config)
+        number = sum(1 for _ in self.folder.glob("flwr-run-*.out.log"))
+        out, err = self.folder / f"flwr-run-{number}.out.log", self.folder / f"flwr-run-{number}.err.log"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            process = subprocess.Popen(command, env=self.env(), stdout=stdout, stderr=stderr, start_new_session=True)
+        self.processes.append(process)
+        code = self.wait_run(process, limit=limit)
+        return subprocess.CompletedProcess(command, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+    def wait_run(self, process: subprocess.Popen[bytes], *, limit: float = RUN_LIMIT_SECONDS,
+                 stall: float = RUN_STALL_SECONDS) -> int:
+        """The exit code of a run started here (in a session of its own), waited for while any log in
+        the folder grows; past `stall` seconds of silence from all of them, or `limit` seconds in all,
+        its session is killed and the test fails, showing the end of every log."""
+        started = changed = time.monotonic()
+        seen = self._log_sizes()
+        while True:
+            try:
+                return process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+            now, sizes = time.monotonic(), self._log_sizes()
+            if sizes != seen:
+                seen, changed = sizes, now
+            if now - changed > stall or now - started > limit:
+                why = (f"no log grew for {stall:.0f} s" if now - changed > stall else f"still running after {limit:.0f} s")
+                kill(process)
+                process.wait()
+                tails = "".join(f"\n--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
+                                for path in sorted(self.folder.glob("*.log")))
+                pytest.fail(f"the run {why}:{tails}")
+
+    def _log_sizes(self) -> dict[str, int]:
+        return {path.name: path.stat().st_size for path in self.folder.glob("*.log")}
 
     def start_run(self, log: Path, **config: object) -> subprocess.Popen[bytes]:
         """Starts the app's run and returns at once (its output goes to `log`)."""

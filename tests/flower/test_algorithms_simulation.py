@@ -27,7 +27,6 @@ from tests.flower.federation import DELTA, Federation, assert_budget_blind, fede
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS, SILOS = 120, 30, 1.0, 2, 16, 2, 3
 PERSONAL_STEPS, SELECTION_SIGMA, SERVER_NOISE = 1, 2.0, 4.0
-RUN_TIMEOUT = 400.0
 Q = BATCH / TRAIN
 
 
@@ -80,7 +79,7 @@ def run_algorithm(fed: Federation, charged: dict[int, list[np.ndarray]], name: s
     """Runs `name` over the federation and checks each silo's ε and the server's blindness; returns the run's log."""
     options, cost = CASES[name]
     out = fed.folder / f"{name}.json"
-    finished = fed.run(timeout=RUN_TIMEOUT, algorithm=name, rounds=ROUNDS, **{
+    finished = fed.run(algorithm=name, rounds=ROUNDS, **{
         "local-steps": STEPS, "batch-size": BATCH, "min-nodes": SILOS, "round-timeout": 120.0,
         "ledger-url": fed.ledger_url, "coordinator-key-file": str(fed.coordinator_key_file), "out": str(out),
         **options})

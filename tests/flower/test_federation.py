@@ -31,7 +31,6 @@ from tests.flower.federation import (
 
 TRAIN, TEST, SIGMA, STEPS, BATCH, ROUNDS = 120, 40, 1.0, 2, 16, 4
 ROUND_TIMEOUT = 100.0  # a killed SuperNode's round waits this long (Flower marks a node offline after ~60 s)
-RUN_TIMEOUT = 560.0
 SERVER_NOISE = 4.0  # PMTL's z; each silo is charged the Gaussian at z/2 per round
 # Silo 1 (the one killed mid-run) reaches the ledger through it (tests/faults/proxy.py).
 PROXY = Proxy(0)
@@ -74,7 +73,7 @@ def trained_rounds(result: dict[str, Any]) -> dict[int, int]:
 def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     # --- FedAvg: silo 0 trains two rounds, is declined in the third, and is asked no more.
     out = fed.folder / "fedavg.json"
-    finished = fed.run(timeout=RUN_TIMEOUT, **run_config(fed, "fedavg", out))
+    finished = fed.run(**run_config(fed, "fedavg", out))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     fedavg = json.loads(out.read_text())
     ids = [s.silo_id for s in fed.silos]
@@ -125,7 +124,7 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     PROXY.add(reserve, body=round_1, after=lambda _request, _status: kill(site))
     runner = fed.start_run(log_path, **run_config(fed, "mrmtl", out))
     try:
-        runner.wait(timeout=RUN_TIMEOUT)
+        fed.wait_run(runner)
     finally:
         kill(runner)
         PROXY.clear()
@@ -152,7 +151,7 @@ def test_fedavg_mrmtl_and_pmtl_over_flower(fed: Federation) -> None:
     # noises the aggregate and each silo that trains is charged the Gaussian at z/2 per round.
     fed.start_supernode(victim)
     out = fed.folder / "pmtl.json"
-    finished = fed.run(timeout=RUN_TIMEOUT, **run_config(fed, "pmtl", out, rounds=2))
+    finished = fed.run(**run_config(fed, "pmtl", out, rounds=2))
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     pmtl = json.loads(out.read_text())
     assert [e["status"] for e in pmtl["rounds"]] == [
@@ -190,7 +189,7 @@ def test_ifca_over_flower_charges_each_round_with_its_private_selection(fed: Fed
     """IFCA over real SuperNodes: each silo's round is its DP-SGD steps composed with its private
     cluster selection (every record, σ_s), and its ε is the oracle composition of every charge it holds."""
     out = fed.folder / "ifca.json"
-    finished = fed.run(timeout=RUN_TIMEOUT, **{**run_config(fed, "ifca", out, rounds=2), "clusters": 2,
+    finished = fed.run(**{**run_config(fed, "ifca", out, rounds=2), "clusters": 2,
                                                "selection-noise-multiplier": SELECTION_SIGMA})
     assert finished.returncode == 0 and out.exists(), finished.stdout[-3000:] + finished.stderr[-3000:]
     ifca = json.loads(out.read_text())
