@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,10 @@ supervisor_log = logging.getLogger("uvicorn.error")
 # uvicorn's default is 5 s; a child still importing the app on busy cores misses it, and was killed
 # over and over ("Child process [N] died" 15 times, ready after 107 s with --workers 4 under load).
 WORKER_HEALTHCHECK_S = 60
+# How often the supervisor pings its workers. uvicorn pings every one every 0.5 s (twice over, once the
+# check above that says why was added): each ping is a pipe round trip for the supervisor and a wake-up
+# of the worker's answering thread, CPU paid all day at rest. A worker that died is replaced within this.
+WORKER_CHECK_S = 5.0
 
 
 def served_app() -> FastAPI:
@@ -140,25 +145,39 @@ def why_it_died(exitcode: int | None, *, timeout: float) -> str:
 
 class _Supervisor(Multiprocess):
     """uvicorn's supervisor, saying why each worker it replaces ended: it logs only "Child process [N]
-    died". Its own loop still replaces them, whatever its version."""
+    died". Its own loop still replaces them, whatever its version; it is handed the ended ones alone,
+    since it pings every worker it is given, and each is pinged once a check, every WORKER_CHECK_S."""
+
+    _next_check = 0.0
 
     def keep_subprocess_alive(self) -> None:
-        if not self.should_exit.is_set():
-            timeout = self.config.timeout_worker_healthcheck
-            for process in self.processes:
-                child = process.process
-                if child.is_alive():
-                    if process.is_alive(timeout=timeout):
-                        continue
-                    # Ended here, so that uvicorn's loop below finds it ended and does not ping it again.
-                    process.kill()
-                    process.join()
-                    why = why_it_died(None, timeout=timeout)
-                else:
-                    why = why_it_died(child.exitcode, timeout=timeout)
-                if not self.should_exit.is_set():
-                    supervisor_log.warning(f"worker process [{process.pid}] {why}; starting another")
-        super().keep_subprocess_alive()
+        if self.should_exit.is_set() or time.monotonic() < self._next_check:
+            return
+        self._next_check = time.monotonic() + WORKER_CHECK_S
+        timeout = self.config.timeout_worker_healthcheck
+        ended: list[int] = []
+        for index, process in enumerate(self.processes):
+            child = process.process
+            if child.is_alive():
+                if process.is_alive(timeout=timeout):
+                    continue
+                # Ended here, so that uvicorn's loop below finds it ended and does not ping it again.
+                process.kill()
+                process.join()
+                why = why_it_died(None, timeout=timeout)
+            else:
+                why = why_it_died(child.exitcode, timeout=timeout)
+            ended.append(index)
+            if not self.should_exit.is_set():
+                supervisor_log.warning(f"worker process [{process.pid}] {why}; starting another")
+        if ended:
+            everyone, self.processes = self.processes, [self.processes[index] for index in ended]
+            try:
+                super().keep_subprocess_alive()
+            finally:
+                for index, replacement in zip(ended, self.processes, strict=True):
+                    everyone[index] = replacement
+                self.processes = everyone
 
 
 def _supervisor_args(config: uvicorn.Config) -> dict[str, Any]:

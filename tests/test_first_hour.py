@@ -361,13 +361,16 @@ class _Child:
     """A worker process as uvicorn's supervisor sees it: its multiprocessing process and its health check."""
 
     def __init__(self, pid: int, *, exitcode: int | None = None, answers: bool = True) -> None:
-        self.pid, self.answers, self.killed = pid, answers, False
+        self.pid, self.answers, self.killed, self.pings = pid, answers, False, 0
         self.process = self
         self.exitcode = exitcode
 
     def is_alive(self, timeout: float | None = None) -> bool:
         running = self.exitcode is None and not self.killed
-        return running and self.answers if timeout is not None else running  # with a timeout: uvicorn's ping too
+        if timeout is None:
+            return running
+        self.pings += running  # with a timeout: uvicorn's ping too (of a process that runs)
+        return running and self.answers
 
     def kill(self) -> None:
         if self.exitcode is None:
@@ -416,6 +419,15 @@ def test_the_supervisor_says_why_each_worker_it_replaces_ended(monkeypatch: pyte
     ]
     assert hung.killed and not healthy.killed
     assert supervisor.processes[0] is healthy and len(started) == 3  # uvicorn's own loop replaced the three
+    assert [p.pid for p in supervisor.processes] == [11, 100, 101, 102]  # each in the place of the one it replaced
+    # A worker is pinged once a check (uvicorn's loop, given the ended ones alone, pings no other), and
+    # the supervisor's loop, every 0.5 s, checks again only WORKER_CHECK_S later.
+    assert healthy.pings == 1
+    supervisor.keep_subprocess_alive()
+    assert healthy.pings == 1
+    supervisor._next_check = 0.0
+    supervisor.keep_subprocess_alive()
+    assert healthy.pings == 2 and len(started) == 3
 
 
 def test_a_server_does_not_start_beside_workers_its_killed_predecessor_left(tmp_path: Path) -> None:
