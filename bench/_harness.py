@@ -13,6 +13,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -40,12 +41,24 @@ def json_safe(value: Any) -> Any:
 # CPU accounting
 
 
-def _cpu_seconds(process: psutil.Process) -> float | None:
+def cpu_seconds(process: psutil.Process) -> float | None:
+    """The process's CPU seconds (user + system): each live thread's from its schedstat (nanoseconds),
+    plus what the 10 ms ticks hold beyond the live threads' ticks (the threads that ended, a constant
+    between two readings unless one ends meanwhile). The ticks alone read a process at rest 12 or 20 s
+    long as 1.5 or 2.5 ms/s for the same 1.7."""
     try:
         times = process.cpu_times()
+        threads = process.threads()
     except psutil.Error:  # exited meanwhile, or not ours to read
         return None
-    return float(times.user + times.system)
+    live = 0.0
+    for thread in threads:
+        try:
+            live += int(Path(f"/proc/{process.pid}/task/{thread.id}/schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):  # ended meanwhile: its ticks stay in the remainder
+            live += thread.user_time + thread.system_time
+    ended = times.user + times.system - sum(t.user_time + t.system_time for t in threads)
+    return float(live + max(ended, 0.0))
 
 
 def tree_cpu(root: int) -> dict[int, float]:
@@ -55,7 +68,7 @@ def tree_cpu(root: int) -> dict[int, float]:
         processes = [parent, *parent.children(recursive=True)]
     except psutil.Error:
         return {}
-    return {p.pid: s for p in processes if (s := _cpu_seconds(p)) is not None}
+    return {p.pid: s for p in processes if (s := cpu_seconds(p)) is not None}
 
 
 def machine_busy() -> tuple[float, float]:
@@ -79,7 +92,7 @@ def cpu_snapshot(server_root: int | None) -> CpuSnapshot:
     postgres = {
         p.pid: s
         for p in psutil.process_iter(["name"])
-        if (p.info["name"] or "").startswith("postgres") and (s := _cpu_seconds(p)) is not None
+        if (p.info["name"] or "").startswith("postgres") and (s := cpu_seconds(p)) is not None
     }
     busy, total = machine_busy()
     return CpuSnapshot(time.process_time(), server, postgres, busy, total)

@@ -1,6 +1,6 @@
 """What a server costs while nobody asks it anything: CPU per second of each process of a real
-`dpledger serve` (the supervisor and every worker), read per thread from /proc/PID/task/TID/schedstat
-(nanoseconds) over a quiet window after start-up, on SQLite (one worker by default) and on
+`dpledger serve` (the supervisor and every worker), read per thread in nanoseconds (schedstat,
+_harness.cpu_seconds) over a quiet window after start-up, on SQLite (one worker by default) and on
 PostgreSQL (4 workers).
 
 A ledger mostly waits (a federation sends a few approvals a second at most), so what it burns at
@@ -35,36 +35,11 @@ from sqlalchemy import create_engine, text
 
 from dpledger.harness import free_port
 
-from _harness import json_safe, log, postgres_answers, reset_postgres, wait_until_settled
+from _harness import cpu_seconds, json_safe, log, postgres_answers, reset_postgres, wait_until_settled
 
 ADMIN_KEY = "bench-admin-key-0123456789abcdef"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 STEP = {"type": "dpsgd", "batch_size": 10, "noise_multiplier": 1.1, "steps": 1}
-
-
-def _cpu(process: psutil.Process) -> tuple[float, dict[int, float]] | None:
-    """The process's CPU seconds (10 ms ticks, exited threads included) and each live thread's, in
-    nanoseconds from /proc/PID/task/TID/schedstat: a 20 s window at rest holds a few ticks, so the
-    ticks alone read 1.5 or 2.5 ms/s for the same 1.7."""
-    try:
-        times = process.cpu_times()
-    except psutil.Error:
-        return None
-    threads: dict[int, float] = {}
-    for task in Path(f"/proc/{process.pid}/task").glob("*"):
-        try:
-            threads[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            continue
-    return float(times.user + times.system), threads
-
-
-def _spent(start: tuple[float, dict[int, float]], end: tuple[float, dict[int, float]]) -> float:
-    """CPU seconds between two `_cpu` readings: per thread where the same threads lived at both (a
-    thread that ended meanwhile took its time with it), else the ticks."""
-    if start[1] and start[1].keys() == end[1].keys():
-        return sum(end[1][tid] - start[1][tid] for tid in end[1])
-    return end[0] - start[0]
 
 
 def _tree(root: int) -> list[psutil.Process]:
@@ -140,17 +115,17 @@ def measure(url: str, workers: int, *, seconds: float, settle: float, approvals:
         time.sleep(settle)
         processes = _tree(process.pid)
         sessions = sessions_opened(url)
-        before = {p.pid: _cpu(p) for p in processes}
+        before = {p.pid: cpu_seconds(p) for p in processes}
         t0 = time.monotonic()
         time.sleep(seconds)
         elapsed = time.monotonic() - t0
         after_sessions = sessions_opened(url)
         rows = []
         for p in processes:
-            start, end = before.get(p.pid), _cpu(p)
+            start, end = before.get(p.pid), cpu_seconds(p)
             if start is None or end is None:
                 continue
-            rows.append({"pid": p.pid, "role": _role(p, process.pid), "ms_per_s": _spent(start, end) / elapsed * 1e3})
+            rows.append({"pid": p.pid, "role": _role(p, process.pid), "ms_per_s": (end - start) / elapsed * 1e3})
         # The sessions this server opened meanwhile, less the first read's own.
         opened = None if sessions is None or after_sessions is None else after_sessions - sessions - 1
         return {"workers": workers, "seconds": elapsed, "processes": rows, "postgres_sessions_opened": opened,
