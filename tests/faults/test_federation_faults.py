@@ -22,7 +22,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,23 @@ class Faulty:
             self.fed.start_supernode(self.victim)
         finally:
             self.fed.ledger_url = direct
+
+
+CLIENTAPPS_QUIET = 10.0
+
+
+def clientapps_quiet(faulty: Faulty) -> Callable[[], bool]:
+    """A wait_for predicate: no `flwr-clientapp` under either site's SuperNode for CLIENTAPPS_QUIET s."""
+    quiet_since = time.monotonic()
+
+    def quiet() -> bool:
+        nonlocal quiet_since
+        if any(named(pid, "flwr-clientapp") for silo in (faulty.steady, faulty.victim) if silo.process is not None
+               for pid in descendants(silo.process.pid)):
+            quiet_since = time.monotonic()
+        return time.monotonic() - quiet_since >= CLIENTAPPS_QUIET
+
+    return quiet
 
 
 def round_of(round_index: int) -> Any:
@@ -333,6 +350,10 @@ def test_a_serverapp_stopped_mid_run_writes_the_rounds_it_aggregated_and_says_so
     assert result["reason"] == line
     said = log.read_text(errors="replace") + (fed.folder / "superlink.log").read_text(errors="replace")
     assert line in said and "Traceback" not in said[said.index(line):], said[-3000:]
+    # A ClientApp of the stopped run may still be starting on a busy machine (its message was delivered
+    # before the ServerApp stopped), and reserve after the charges below are read: they are read once
+    # no ClientApp has run at either site for CLIENTAPPS_QUIET seconds (over the SuperNodes' 3 s poll).
+    wait_for(clientapps_quiet(faulty), timeout=RUN_LIMIT_SECONDS, interval=0.5, what="the stopped run's ClientApps ended")
     # Each silo settled the round it was in by itself: the ServerApp's end leaves no charge of the job open.
     for silo in (faulty.steady, faulty.victim):
         name = job_name(faulty, silo, result)
