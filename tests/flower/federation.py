@@ -35,6 +35,7 @@ from dpledger.trainer.data.digits_files import write_digits_silo_files
 from dpledger.wire.client import LedgerClient
 from dpledger.wire.enums import Role
 from tests import gate_oracle
+from tests.block_processes import log_tails
 from tests.faults.proxy import Proxy
 
 BIN = Path(sys.executable).parent
@@ -193,9 +194,7 @@ class Federation:
                 why = (f"no log grew for {stall:.0f} s" if now - changed > stall else f"still running after {limit:.0f} s")
                 kill(process)
                 process.wait()
-                tails = "".join(f"\n--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-20:])
-                                for path in sorted(self.folder.glob("*.log")))
-                pytest.fail(f"the run {why}:{tails}")
+                pytest.fail(f"the run {why}:{log_tails(self.folder, tuple(sorted(self._log_sizes())), lines=20)}")
 
     def _log_sizes(self) -> dict[str, int]:
         return {path.name: path.stat().st_size for path in self.folder.glob("*.log")}
