@@ -85,13 +85,15 @@ ROUNDS_GOAL = 0.95
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
 PATH_UNITS = 16
 PATH_POINTS = 48
-# The bisections on the scale s and on ρ: the scale's upper end (a reading within 1 + MAX_SCALE·0.5
-# after one unit), and when they stop. Each step is a cover (~0.4 ms, or ~0.04 ms where _Path.fits
-# proves it from a cheaper cut: about half of them); s only sets the caps, within
-# 1e-3·excess of the least that fit, and ρ the reading along the path, within 1e-4 of its least.
+# The searches on the scale s and on ρ (_Path.least: a bisection's answer): the scale's upper end (a
+# reading within 1 + MAX_SCALE·0.5 after one unit), and when they stop. A cover costs ~0.3 ms, a
+# cut's reading at a grid of points a few % of that; s only sets the caps, within 1e-3·excess of
+# the least that fit, and ρ the reading along the path, within 1e-4 of its least.
 MAX_SCALE = 128.0
 SCALE_TOLERANCE = 1e-3
 RHO_TOLERANCE = 1e-4
+# _Path.least's grid: the points a pass of it reads a cut at, each pass narrowing its interval this many times.
+LEAST_GRID = 32
 # The filter of the rule before the path allocation (kept for the quote of a mechanism on no silo):
 # COMMITTED_WEIGHT on one order, the rest spread evenly over every other order of the grid.
 COMMITTED_WEIGHT = 0.9
@@ -375,14 +377,11 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset)
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
     # it is bracketed by doubling from 1 (it is rarely above 4) before the bisection.
-    def fits(s: float) -> bool:
-        return path.fits(path.goals(s))
-
     lo, hi = 1.0, 1.0
-    while hi < MAX_SCALE and not fits(hi):  # fits(MAX_SCALE) holds: _Path.of checked it
+    while hi < MAX_SCALE and not path.fits(path.goals(hi)):  # fits(MAX_SCALE) holds: _Path.of checked it
         lo, hi = hi, min(2 * hi, MAX_SCALE)
-    caps = path.goals(_least(fits, lo, hi)) - 1  # lo = hi = 1 where the goals fit
-    rho = _least(lambda r: path.fits(1 + np.minimum(r, caps)), 0.0, float(caps.max()), tolerance=RHO_TOLERANCE)
+    caps = path.goals(path.least(path.goals, lo, hi, tolerance=SCALE_TOLERANCE)) - 1  # lo = hi = 1 where the goals fit
+    rho = path.least(lambda r: 1 + np.minimum(r, caps), 0.0, float(caps.max()), tolerance=RHO_TOLERANCE)
     bounds = 1 + np.minimum(rho, caps)
     total, shares = path.cover(bounds)
     return Allocation(_spec_of(shares, total, rest=path.rest), path.units, tuple(path.prefixes.tolist()), tuple(bounds.tolist()))
@@ -517,23 +516,62 @@ class _Path:
         if key in self.memo.by_targets:
             return self.memo.by_targets[key][0] <= self.budget
         cut = self.memo.cut
-        if cut is not None:
-            columns = np.arange(len(cut.orders))
-            with np.errstate(over="ignore", invalid="ignore"):  # as _needs reads them
-                need = np.exp((self.conv[cut.orders, columns] - targets * self.best) * _SLOPES[cut.orders, 0])
-            runs = np.maximum.reduceat(np.where(need <= 1, need, np.inf), cut.starts)
-            crossing = self.gaps[cut.starts[1:] - 1]  # a run before a gap reads the prefix after it (_cheapest_cut)
-            nexts = cut.starts[1:][crossing]
-            with np.errstate(over="ignore", invalid="ignore"):
-                ahead = np.exp((self.conv[cut.orders[nexts - 1], nexts] - targets[nexts] * self.best[nexts])
-                               * _SLOPES[cut.orders[nexts - 1], 0])
-            runs[:-1][crossing] = np.maximum(runs[:-1][crossing], np.where(ahead <= 1, ahead, np.inf))
-            if float(runs.sum()) * (1 + FITS_MARGIN) <= self.budget:
-                return True
+        if cut is not None and self._proven(cut, targets[None, :])[0]:
+            return True
         live, rows = self._needs(targets)
         if cut is None and len(rows) and _short_cut(live, self.gaps) * (1 + FITS_MARGIN) <= self.budget:
             return True
         return self._cover(key, live, rows)[0] <= self.budget
+
+    def _proven(self, cut: _Cut, targets: np.ndarray) -> np.ndarray:
+        """For each row of `targets` (a target per prefix), whether `cut`'s runs, each read by the order
+        that reads it in the cut, sum within the budget by FITS_MARGIN: then the cover fits (fits)."""
+        columns = np.arange(len(cut.orders))
+        slopes = _SLOPES[cut.orders, 0]
+        with np.errstate(over="ignore", invalid="ignore"):  # as _needs reads them
+            need = np.exp((self.conv[cut.orders, columns] - targets * self.best) * slopes)
+        runs = np.maximum.reduceat(np.where(need <= 1, need, np.inf), cut.starts, axis=1)
+        crossing = self.gaps[cut.starts[1:] - 1]  # a run before a gap reads the prefix after it (_cheapest_cut)
+        nexts = cut.starts[1:][crossing]
+        with np.errstate(over="ignore", invalid="ignore"):
+            ahead = np.exp((self.conv[cut.orders[nexts - 1], nexts] - targets[:, nexts] * self.best[nexts])
+                           * slopes[nexts - 1])
+        before = runs[:, :-1]  # a view: the runs that end before another
+        before[:, crossing] = np.maximum(before[:, crossing], np.where(ahead <= 1, ahead, np.inf))
+        proven: np.ndarray = runs.sum(axis=1) * (1 + FITS_MARGIN) <= self.budget
+        return proven
+
+    def least(self, targets_of: Callable[[np.ndarray], np.ndarray], lo: float, hi: float, *, tolerance: float) -> float:
+        """The least x in [lo, hi] (to `tolerance`, from above) whose targets (`targets_of`, of a column
+        of x: a row of targets each) fit, where hi's do and fitting is monotone in x: a bisection's
+        answer, with most of its covers replaced by the latest cover's cut.
+
+        That cut's runs sum to at least the cover's total at every x (fits), so the least x where they
+        fit the budget, found on a grid of LEAST_GRID points a pass (one numpy pass for all of them,
+        a few % of a cover), fits without a cover. One cover `tolerance` below it then either fails,
+        and it is the answer, or gives a new cut to search with; where the cut proves nothing, a
+        bisection step. Where that cover fits too, the total lies flat just under the budget and each
+        new cut proves little below its own x: the next probe steps down 4× as far (stepping by
+        `tolerance` would cost a cover a step). ~3 covers where a bisection computed ~8
+        (bench/first_touch.py)."""
+        step = tolerance
+        while hi - lo > tolerance:
+            cut, low, proven = self.memo.cut, lo, False
+            while cut is not None and hi - low > tolerance:
+                xs = np.linspace(low, hi, LEAST_GRID + 1)[1:]
+                holds = self._proven(cut, targets_of(xs[:, None]))
+                if not holds.any():
+                    break
+                first = int(np.argmax(holds))
+                hi, low, proven = float(xs[first]), float(xs[first - 1]) if first else low, True
+            # Just below the cut's least, or halfway where that is not above lo (hi − lo rounds a hair
+            # above the tolerance after a failed probe: probing lo again would never end).
+            probe = hi - step if proven and hi - step > lo else (lo + hi) / 2
+            if self.fits(targets_of(np.array([[probe]]))[0]):
+                hi, step = probe, step * 4 if proven else tolerance
+            else:
+                lo, step = probe, tolerance
+        return hi
 
     def _needs(self, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The need of every order that may read some prefix within its target (rows, ascending), ∞ where
@@ -556,21 +594,11 @@ class _Path:
             self.memo.cut = cut
         return total, shares
 
-    def goals(self, scale: float) -> np.ndarray:
-        """The targets at scale s: 1 + s·excess, the end's prefixes at most 1 + excess where it is held."""
-        targets: np.ndarray = 1 + np.where(self.at_end & self.held, min(scale, 1.0), scale) * self.excess
+    def goals(self, scale: float | np.ndarray) -> np.ndarray:
+        """The targets at scale s: 1 + s·excess, the end's prefixes at most 1 + excess where it is held
+        (a row of targets for each row of a column of scales)."""
+        targets: np.ndarray = 1 + np.where(self.at_end & self.held, np.minimum(scale, 1.0), scale) * self.excess
         return targets
-
-
-def _least(fits: Callable[[float], bool], lo: float, hi: float, *, tolerance: float = SCALE_TOLERANCE) -> float:
-    """The least x in [lo, hi] (to `tolerance`, from above) with fits(x), where fits(hi) and fits is monotone."""
-    while hi - lo > tolerance:
-        mid = (lo + hi) / 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
 
 
 def _short_cut(live: np.ndarray, gaps: np.ndarray) -> float:
