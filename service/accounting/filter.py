@@ -376,7 +376,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     cost.allow(cost.FIRST_FILTER_SECONDS)
     path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset)
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
-    # it is bracketed by doubling from 1 (it is rarely above 4) before the bisection.
+    # it is bracketed by doubling from 1 (it is rarely above 4) before the search.
     lo, hi = 1.0, 1.0
     while hi < MAX_SCALE and not path.fits(path.goals(hi)):  # fits(MAX_SCALE) holds: _Path.of checked it
         lo, hi = hi, min(2 * hi, MAX_SCALE)
@@ -553,7 +553,7 @@ class _Path:
         bisection step. Where that cover fits too, the total lies flat just under the budget and each
         new cut proves little below its own x: the next probe steps down 4× as far (stepping by
         `tolerance` would cost a cover a step). ~3 covers where a bisection computed ~8
-        (bench/first_touch.py)."""
+        (docs/benchmarks.md, a silo's first touch)."""
         step = tolerance
         while hi - lo > tolerance:
             cut, low, proven = self.memo.cut, lo, False

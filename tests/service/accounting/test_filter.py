@@ -391,20 +391,20 @@ def test_the_cheapest_cover_is_the_least_cut_by_exhaustion_and_reads_every_prefi
             assert any(max(need[i, j], need[i, j + 1]) <= share for i, share in shares.items())
 
 
-def _bisection(fits, lo: float, hi: float, tolerance: float) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    """The plain bisection least() replaces: the least x to `tolerance` from above, and its steps."""
-    steps = 0
+def _bisection(fits, lo: float, hi: float, tolerance: float) -> float:  # type: ignore[no-untyped-def]
+    """The plain bisection least() replaces: the least x to `tolerance` from above."""
     while hi - lo > tolerance:
-        mid, steps = (lo + hi) / 2, steps + 1
+        mid = (lo + hi) / 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi, steps
+    return hi
 
 
 def test_the_least_rho_is_a_bisections_to_its_tolerance_with_fewer_covers() -> None:
     """allocate's search for ρ (_Path.least) answers what a bisection over fits answers, to the same
-    tolerance from above, on a seeded family of paths (federated rounds and central steps, flat ones:
-    a 20-unit horizon's cover total lies just under the budget over a wide range of ρ, where stepping
-    down by the tolerance took ~5,000 covers), each checked on a fresh path; and computes fewer covers."""
+    tolerance from above, on a seeded family of paths (federated rounds and central steps; a 20-unit
+    horizon, whose cover total lies just under the budget over a wide range of ρ), each checked on a
+    fresh path; within twice a bisection's probes (a search that probed its lower end again after a
+    failed probe never ended), and with fewer covers."""
     rng = np.random.default_rng(40)
     covers_least = covers_bisection = 0
     counted = {"covers": 0, "fits": 0}
@@ -445,7 +445,7 @@ def test_the_least_rho_is_a_bisections_to_its_tolerance_with_fewer_covers() -> N
             patch.setattr(rdp_filter._Path, "fits", fits)
             counted["covers"] = 0
             checked = fresh()
-            reference, _ = _bisection(lambda r, p=checked, c=caps: p.fits(1 + np.minimum(r, c)), 0.0, float(caps.max()),
+            reference = _bisection(lambda r, p=checked, c=caps: p.fits(1 + np.minimum(r, c)), 0.0, float(caps.max()),
                                       tolerance)
             covers_bisection += counted["covers"]
         check = fresh()
