@@ -16,7 +16,7 @@ from dpledger.service.store.models import Role
 from dpledger.wire.schemas import MAX_ID
 
 READERS = (Role.admin, Role.auditor)  # they see every silo
-_bearer = HTTPBearer(auto_error=False, description="an API key: admin, silo, auditor or coordinator")
+BEARER = HTTPBearer(auto_error=False, description="an API key: admin, silo, auditor or coordinator")
 
 
 async def database(request: Request) -> Database:
@@ -55,7 +55,7 @@ class Principal:
         return self.silo_id if self.role is Role.silo and self.silo_id is not None else 0
 
 
-BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
 
 
 def authenticate(request: Request, session: Session, credentials: HTTPAuthorizationCredentials | None) -> Principal:

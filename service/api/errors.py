@@ -8,6 +8,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, FastAPI, Request, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from fastapi.types import DecoratedCallable
 from sqlalchemy.exc import OperationalError
 
@@ -99,14 +100,21 @@ def install(app: FastAPI) -> None:
 
 
 def spend_route(
-    router: APIRouter, path: str, *, model: type, name: str, replay: str, over_budget: str
+    router: APIRouter, path: str, *, model: type, name: str, replay: str, over_budget: str,
+    route_class: type[APIRoute] | None = None,
 ) -> Callable[[DecoratedCallable], DecoratedCallable]:
     """POST `path` as a route that may spend budget: 201 a fresh spend, and besides it the documented
     replay of the idempotency key (200, the same model) and refusal over budget (409)."""
-    return router.post(
-        path, status_code=status.HTTP_201_CREATED, response_model=model, name=name,
-        responses={
-            200: {"model": model, "description": f"a replay (header Idempotent-Replayed: true): {replay}"},
-            409: {"model": OverBudgetResponse, "description": f"over budget: {over_budget}"},
-        },
-    )
+
+    def register(endpoint: DecoratedCallable) -> DecoratedCallable:
+        router.add_api_route(
+            path, endpoint, methods=["POST"], status_code=status.HTTP_201_CREATED, response_model=model, name=name,
+            responses={
+                200: {"model": model, "description": f"a replay (header Idempotent-Replayed: true): {replay}"},
+                409: {"model": OverBudgetResponse, "description": f"over budget: {over_budget}"},
+            },
+            route_class_override=route_class,
+        )
+        return endpoint
+
+    return register

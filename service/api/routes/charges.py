@@ -11,6 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from dpledger.service.accounting import cost
 from dpledger.service.accounting.events import MechanismError
 from dpledger.service.api.deps import READERS, BearerDep, DbDep, IdPath, Principal, PrincipalDep, authenticate
+from dpledger.service.api.direct import direct_route
 from dpledger.service.api.errors import spend_route
 from dpledger.service.api.known import Known
 from dpledger.service.api.metrics import Decision, note_decision
@@ -48,6 +49,7 @@ def _answer(found: charges.ChargeView, signer: SignerDep | None) -> ChargeReserv
 @spend_route(
     router, "/v1/silos/{silo_id}/charges", model=ChargeReserved, name="reserve_charge",
     replay="the charge as it stands, no new approval", over_budget="nothing was written",
+    route_class=direct_route("silo_id", ChargeRequest),
 )
 def reserve_charge(
     silo_id: IdPath, body: ChargeRequest, credentials: BearerDep, request: Request,
@@ -55,8 +57,9 @@ def reserve_charge(
     """201: a fresh reservation, the only answer that lets a round touch the data. 200 with
     `replayed: true`: this idempotency key was seen before; `status` says what became of its charge."""
     # The hot path, in one hop to the threadpool: no sync dependency (each would be a hop of its
-    # own). A key and silo this process has served before: priced at once, then one write
-    # transaction; else the key, the silo and its earlier charge are read in one session first.
+    # own), and a plainly valid request read by the route itself (api/direct.py). A key and silo
+    # this process has served before: priced at once, then one write transaction; else the key, the
+    # silo and its earlier charge are read in one session first.
     with cost.guard("mechanism"):  # pricing and the approval under one CPU bound (cost.py)
         return _reserve_charge(silo_id, body, credentials, request)
 
