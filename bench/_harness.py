@@ -13,7 +13,6 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -42,23 +41,20 @@ def json_safe(value: Any) -> Any:
 
 
 def cpu_seconds(process: psutil.Process) -> float | None:
-    """The process's CPU seconds (user + system): each live thread's from its schedstat (nanoseconds),
-    plus what the 10 ms ticks hold beyond the live threads' ticks (the threads that ended, a constant
-    between two readings unless one ends meanwhile). The ticks alone read a process at rest 12 or 20 s
-    long as 1.5 or 2.5 ms/s for the same 1.7."""
+    """The process's CPU seconds (user + system, every thread it ever ran) in nanoseconds: the kernel's
+    process-wide CPU clock (clock_getcpuclockid's: ((~pid) << 3) | 2 on Linux). The 10 ms ticks of
+    /proc/<pid>/stat read a process at rest 12 or 20 s long as 1.5 or 2.5 ms/s for the same 1.7, and
+    the floor's 60 paced approvals as -13 ms (ticks and per-thread schedstat mixed: a thread's ticks
+    move by ±10 ms between two readings). Ticks only where the clock cannot be read (not Linux)."""
+    try:
+        return time.clock_gettime(((~process.pid) << 3) | 2)
+    except (OSError, OverflowError):
+        pass
     try:
         times = process.cpu_times()
-        threads = process.threads()
     except psutil.Error:  # exited meanwhile, or not ours to read
         return None
-    live = 0.0
-    for thread in threads:
-        try:
-            live += int(Path(f"/proc/{process.pid}/task/{thread.id}/schedstat").read_text().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):  # ended meanwhile: its ticks stay in the remainder
-            live += thread.user_time + thread.system_time
-    ended = times.user + times.system - sum(t.user_time + t.system_time for t in threads)
-    return float(live + max(ended, 0.0))
+    return float(times.user + times.system)
 
 
 def tree_cpu(root: int) -> dict[int, float]:

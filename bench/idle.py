@@ -1,6 +1,6 @@
 """What a server costs while nobody asks it anything: CPU per second of each process of a real
-`dpledger serve` (the supervisor and every worker), read per thread in nanoseconds (schedstat,
-_harness.cpu_seconds) over a quiet window after start-up, on SQLite (one worker by default) and on
+`dpledger serve` (the supervisor and every worker), read in nanoseconds from the kernel's process CPU
+clock (_harness.cpu_seconds) over a quiet window after start-up, on SQLite (one worker by default) and on
 PostgreSQL (4 workers).
 
 A ledger mostly waits (a federation sends a few approvals a second at most), so what it burns at
