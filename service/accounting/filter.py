@@ -82,6 +82,17 @@ ROUNDS_KEPT = 0.96
 # job at q = 0.039, σ 1.77 whose ε grows 3% over its last 6% of 337 steps held none at 0.96 and
 # bought 318 (0.944); at 0.95 it buys 321, read within 1.253 after one step, 1.25 from three on.
 ROUNDS_GOAL = 0.95
+# ...and where holding even that costs the first units their goals, it is held all the same while the
+# goals need at most this scale (a reading within 1.55 / 1.275 / 1.165 after 1 / 3 units / a tenth):
+# where ε grows slowly at the end, the end's 3% is several times that in rounds, and the rounds are
+# what the budget buys. A central job at q = 0.0283, σ 0.652 bought 105 of 116 steps (0.905) with its
+# goals met, where holding 111 scales them by 1.019; a federated one (q = 0.024, σ 2.42, 8 steps a
+# round) 24 of 26 rounds, where holding 25 scales them by 1.037 (bench/tightness.py, seed 16).
+UNITS_SCALE = 1.1
+# The share the issue's goal asks after a search, or of a workload the silo did not declare (a refit):
+# held with the goals scaled (UNITS_SCALE) only down to it there. Holding ⌈0.95·K⌉ there read a central
+# job's third step at 1.259 (goal 1.25) that bought 0.943 of its steps unheld (bench/tightness.py, seed 13).
+ROUNDS_GOAL_AFTER = 0.9
 # The path's prefixes: every whole unit up to PATH_UNITS, then PATH_POINTS geometric steps to the end.
 PATH_UNITS = 16
 PATH_POINTS = 48
@@ -336,7 +347,8 @@ def kept_units(units: float, share: float = ROUNDS_KEPT) -> float | None:
     return float(min(math.ceil(share * whole - 1e-9), math.ceil(units) - 1))
 
 
-def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None) -> Allocation:
+def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None,
+             rounds_goal: float | None = None) -> Allocation:
     """The filter of a silo whose workload is `horizon` (one unit's curve), after `offset` (a charge
     that comes first and is not the workload's unit, such as a hyperparameter search), for a budget (ε, δ).
 
@@ -349,7 +361,9 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     need of its run, and a dynamic program finds the cut of least total share (_cheapest_cut).
     Two bisections choose the targets. First the goals: r(t) = 1 + s·excess(t) (goal_excess: 1.5 /
     1.25 / 1.15 / 1.03 at s = 1), the end's prefixes (t ≥ K/END_SPAN, where the budget binds and an
-    excess is rounds lost) held at 1 + END_EXCESS where that fits; s* the least scale whose total
+    excess is rounds lost) held at 1 + END_EXCESS where that fits, and so is the prefix of the rounds
+    the budget buys (_Path.of: ⌈0.96·K⌉, or the goal's ⌈0.95·K⌉ where the goals still fit, or
+    `rounds_goal`'s share, 0.9 after a search, with the goals scaled by up to UNITS_SCALE); s* the least scale whose total
     fits 1 − REST_WEIGHT, and the caps c(t) those targets at max(s*, 1). Then as tight as the caps
     allow everywhere: r(t) = 1 + min(ρ, c(t) − 1) at the least ρ that fits (a path that can be read
     within 1.14 everywhere is, although its goals allow 1.5 at its start). The orders so chosen get
@@ -374,7 +388,8 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     # Work no mechanism's price counts (a registration's, a first charge's, a refit's): the request's
     # CPU bound widens by it as it starts, so that a busy machine's slower allocation is no overrun.
     cost.allow(cost.FIRST_FILTER_SECONDS)
-    path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset)
+    goal = rounds_goal if rounds_goal is not None else ROUNDS_GOAL if offset is None else ROUNDS_GOAL_AFTER
+    path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset, rounds_goal=goal)
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
     # it is bracketed by doubling from 1 (it is rarely above 4) before the search.
     lo, hi = 1.0, 1.0
@@ -391,7 +406,7 @@ def check_allocatable(horizon: np.ndarray, *, epsilon: float, delta: float) -> N
     """Raises allocate's ValueError where no filter of the grid can read the horizon's path, without
     the two bisections that choose one (a registration with no horizon validates its budget so: its
     first charge fixes the filter, ~4× the work)."""
-    _Path.of(horizon, epsilon=epsilon, delta=delta, offset=None)
+    _Path.of(horizon, epsilon=epsilon, delta=delta, offset=None, rounds_goal=ROUNDS_GOAL)
 
 
 @dataclass
@@ -440,20 +455,31 @@ class _Path:
         return gaps
 
     @classmethod
-    def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None) -> _Path:
-        """The path, or a ValueError where no order reads it or no filter reads it within the largest ratio."""
+    def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None,
+           rounds_goal: float) -> _Path:
+        """The path, or a ValueError where no order reads it or no filter reads it within the largest ratio;
+        `rounds_goal`: the share of its units held with the goals scaled (UNITS_SCALE), where less is held
+        at scale 1."""
         base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
         units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
         # The rounds the budget buys: the prefix kept_units(K) is held to read at most the budget itself
         # (E(K)), so that the gate affords that many of dp-accounting's units however slowly ε grows
         # there (sublinear growth turns an END_EXCESS in ε into several times that in rounds).
-        # The kept prefix, then the one before it where the path cannot hold it (its ε barely below the
-        # budget's: 4 of 4.000004 units read 1 − 2e-6 of it), then ROUNDS_GOAL's, each at scale 1.
+        # The kept prefix at scale 1, then the one before it where that is still the goal's share, then
+        # ROUNDS_GOAL's: at scale 1, then `rounds_goal`'s with the goals scaled up to UNITS_SCALE; below the goal's
+        # share only where nothing holds it (its ε barely below the budget's: 4 of 4.000004 units read
+        # 1 − 2e-6 of it).
         keep = kept_units(units)
-        tries = [] if keep is None else [keep, *([keep - 1] if keep >= 2 else [])]
         least = kept_units(units, ROUNDS_GOAL)
-        if least is not None and tries and least < tries[-1]:
-            tries.append(least)  # the goal's share, where the margin above it cannot be held
+        held: list[tuple[float, float]] = []  # (the prefix held, the goals' scale it may take), in that order
+        if keep is not None and least is not None:
+            held = [(whole, 1.0) for whole in dict.fromkeys([keep, *([keep - 1] if keep - 1 >= least else []), least])]
+            scaled = kept_units(units, rounds_goal)
+            if scaled is not None:
+                held.append((scaled, UNITS_SCALE))  # the goal's share before the first units' goals (UNITS_SCALE)
+            if keep - 1 < least and keep >= 2:
+                held.append((keep - 1, 1.0))  # below the goal: where no scale holds it (4 of 4.000004 units)
+        tries = [whole for whole, _ in held]
         prefixes = np.unique(np.append(path_prefixes(units), tries))
         excess = goal_excess(prefixes, units)
         if offset is not None:
@@ -473,17 +499,20 @@ class _Path:
         at_end = prefixes >= units / END_SPAN
         memo = _Covers()  # the variants below share conv and best: a cover of the same targets is the same
         # Each kept prefix held like the end's, to read at most the budget itself (E(K)), where the path
-        # still meets its goals so (at scale 1: the rounds kept never cost the first units their goals);
+        # still meets its goals so (at scale 1), or the goal's share with the goals within UNITS_SCALE;
         # then none held, the goals scaled where they must be.
-        variants: list[tuple[np.ndarray, np.ndarray, float]] = []
-        for whole in tries:
+        rests = (REST_WEIGHT, REST_WEIGHT / 10, REST_LEAST)
+        variants: list[tuple[np.ndarray, np.ndarray, float, tuple[float, ...]]] = []
+        for whole, scale in held:
             held_at = prefixes == whole
             if held_at.any() and best[-1] > best[held_at][0]:
+                # With its goals scaled, a held prefix takes the least rest: each share the rest leaves the
+                # path is a smaller scale on every goal (1.053 → 1.019, the job at σ 0.652 of UNITS_SCALE).
                 variants.append((np.where(held_at, np.minimum(excess, best[-1] / best[held_at][0] - 1), excess),
-                                 at_end | held_at, 1.0))
-        variants.append((excess, at_end, MAX_SCALE))
-        for goals, ends, scale in variants:
-            for rest in (REST_WEIGHT, REST_WEIGHT / 10, REST_LEAST):
+                                 at_end | held_at, scale, rests if scale == 1.0 else (REST_LEAST,)))
+        variants.append((excess, at_end, MAX_SCALE, rests))
+        for goals, ends, scale, tried in variants:
+            for rest in tried:
                 path = cls(units, prefixes, goals, conv, best, ends, held=True, rest=rest, memo=memo)
                 if path.fits(path.goals(scale)):
                     return path
@@ -799,7 +828,8 @@ class FirstCharge:
     digest: str | None = None  # its mechanism_digest, where the charge is a mechanism (refit_spec)
 
 
-def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: np.ndarray | None = None) -> FilterSpec:
+def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: np.ndarray | None = None,
+                      rounds_goal: float | None = None) -> FilterSpec:
     """The filter of a silo that declared no horizon, fixed at its first charge from that charge's
     curve `first`: the charge is the unit, the horizon as many units as the budget affords (allocate).
     A first charge that is not the job's training unit but a search of it (`unit`: one trial's run)
@@ -814,16 +844,16 @@ def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: 
     curve no path can read (zero or ∞ at every order) splits δ evenly over the grid instead."""
     first = np.asarray(first, dtype=float)
     unit = None if unit is None else np.asarray(unit, dtype=float)
-    return _first_charge_spec(epsilon, delta, first.tobytes(), None if unit is None else unit.tobytes())
+    return _first_charge_spec(epsilon, delta, first.tobytes(), None if unit is None else unit.tobytes(), rounds_goal)
 
 
 @functools.lru_cache(maxsize=SPEC_CACHE_SIZE)
-def _first_charge_spec(epsilon: float, delta: float, first: bytes, unit: bytes | None) -> FilterSpec:
+def _first_charge_spec(epsilon: float, delta: float, first: bytes, unit: bytes | None, rounds_goal: float | None) -> FilterSpec:
     first_curve = np.frombuffer(first, dtype=float).copy()  # writable, as a caller's array is
     try:
-        spec = (allocate(first_curve, epsilon=epsilon, delta=delta) if unit is None
+        spec = (allocate(first_curve, epsilon=epsilon, delta=delta, rounds_goal=rounds_goal) if unit is None
                 else allocate(np.frombuffer(unit, dtype=float).copy(), epsilon=epsilon, delta=delta,
-                              offset=first_curve)).spec
+                              offset=first_curve, rounds_goal=rounds_goal)).spec
     except ValueError:
         spec = legacy_spec()
     return FilterSpec(spec.orders, spec.weights, "first_charge")
@@ -854,7 +884,7 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
     every charge as named.
 
     A refit of a charge the horizon does not name may buy fewer of its runs than the registered filter
-    (at least ROUNDS_GOAL of dp-accounting's, allocate): it reads them within their goals where holding
+    (at least ROUNDS_GOAL_AFTER of dp-accounting's, allocate): it reads them within their goals where holding
     the registered filter's units cost the first ones theirs (1.29× after three steps, seed 4). A σ
     quoted before the first charge is calibrated under the filter that charge then fixes
     (silos.plan_noise), so no quote counts on the registered filter's units. A horizon that is the
@@ -880,7 +910,8 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
     if affordable is not None and kept >= share * affordable and (
             named or not misses_goals(registered, None, unit, offset=offset, units=kept, delta=delta)):
         return registered
-    fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit)
+    fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit,
+                               rounds_goal=None if named else ROUNDS_GOAL_AFTER)
     bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
     if named and kept > bought:
         return registered

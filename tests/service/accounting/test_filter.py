@@ -429,7 +429,7 @@ def test_the_least_rho_is_a_bisections_to_its_tolerance_with_fewer_covers() -> N
         unit = rdp.certified_curve(mechanism)
         budget = float(rdp.epsilon(unit * units, delta=DELTA_PATH)[0])
         try:
-            path = rdp_filter._Path.of(unit, epsilon=budget, delta=DELTA_PATH, offset=None)
+            path = rdp_filter._Path.of(unit, epsilon=budget, delta=DELTA_PATH, offset=None, rounds_goal=rdp_filter.ROUNDS_GOAL)
         except ValueError:
             continue
         caps = path.goals(1.0) - 1
@@ -638,3 +638,28 @@ def test_the_filter_reads_every_whole_unit_within_its_goal_not_only_the_path_pre
     goals = np.where(ts >= units // 10, 1.15, np.where(ts >= 3, 1.25, 1.5))
     for t, reading, goal in zip(ts.tolist(), readings.tolist(), goals.tolist(), strict=True):
         assert reading <= goal * dpa_epsilon(q, sigma, steps * t) * (1 + 1e-9), (t, reading / dpa_epsilon(q, sigma, steps * t))
+
+
+@pytest.mark.parametrize(("q", "sigma", "steps", "units", "scale"), [
+    (0.0283, 0.652, 1, 116, 1.019),  # a central job: ε grows 3% over its last 10% of steps
+    (61 / 2_511, 2.416, 8, 26, 1.037),  # federated rounds of 8 steps
+])
+def test_where_the_goals_cannot_all_hold_the_rounds_are_bought_and_the_goals_scale_at_most_units_scale(
+    q: float, sigma: float, steps: int, units: int, scale: float
+) -> None:
+    """bench/tightness.py, seed 16, no horizon declared: holding the goal's ⌈0.95·K⌉ units (K − 1 at
+    most) costs the first units their goals, so no prefix was held and the filter bought 105 of 116
+    steps (0.905) and 24 of 26 rounds. It holds them now, with every goal scaled by the least factor
+    that allows it (a few %, at most UNITS_SCALE), against dp-accounting's own curve at every unit."""
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q))
+    budget = dpa_epsilon(q, sigma, steps * units)
+    allocation = rdp_filter.allocate(unit, epsilon=budget, delta=DELTA_PATH)
+    bought = rdp_filter.units_bought(allocation.spec, unit, offset=None, epsilon=budget, delta=DELTA_PATH)
+    assert bought >= min(math.ceil(0.95 * units), units - 1), bought
+    ts = np.arange(1, bought + 1)
+    readings = rdp_filter.read_many(allocation.spec, ts[:, None] * unit[None, :], delta=DELTA_PATH)
+    excess = np.where(ts >= units // 10, 0.15, np.where(ts >= 3, 0.25, 0.5))
+    ratios = readings / np.array([dpa_epsilon(q, sigma, steps * int(t)) for t in ts])
+    assert (ratios - 1 > excess).any()  # the goals alone could not hold: they scaled
+    assert (ratios <= 1 + scale * excess * (1 + 1e-3)).all(), ratios
+    assert scale <= rdp_filter.UNITS_SCALE
