@@ -108,17 +108,18 @@ def _covering_statement(with_key: bool) -> CompoundSelect[Any]:
 
 def covering_entries(
     session: Session, *, silo_id: int, seqs: Sequence[int], since: int, key: AfterLock | None = None,
-) -> tuple[Sequence[Row[Any]], int | None]:
+) -> tuple[Sequence[Any], int | None]:
     """The silo's entries at `seqs` (at most COVERING_AT_MOST) and after `since`, each with its charge's
-    columns; and, given `key`, the id of the silo's charge under its idempotency key, read in the same
-    statement (None where there is none, or where no entry was read)."""
+    columns (named tuples, compiled.rows: this runs at every approval); and, given `key`, the id of
+    the silo's charge under its idempotency key, read in the same statement (None where there is
+    none, or where no entry was read)."""
     assert 0 < len(seqs) <= COVERING_AT_MOST
     assert key is None or key.locked.silo.id == silo_id, "the key's charge is read under its own silo's lock"
     with_key = key is not None
-    rows = session.connection().execute(_covering_statement(with_key), {
+    rows = compiled.rows(session, _covering_statement(with_key), {
         "silo_id": silo_id, "since": since, **({"idempotency_key": key.idempotency_key} if key is not None else {}),
         **{f"seq{i}": seqs[min(i, len(seqs) - 1)] for i in range(COVERING_AT_MOST)},
-    }).all()
+    })
     earlier = rows[0][-1] if with_key and rows else None
     return rows, earlier
 

@@ -91,3 +91,32 @@ def test_a_statement_that_needs_a_default_is_refused(db: Database) -> None:
         compiled.compiled(statement, db.engine.dialect, frozenset({"name", "epsilon"}))
     with db.read() as session:
         assert session.scalars(select(Silo)).all() == []
+
+
+def test_a_read_on_the_cursor_returns_what_sqlalchemy_returns(db: Database) -> None:
+    """The covering entries' read (store/reserving.py) as named tuples: every value as SQLAlchemy's own
+    execution returns it (an entry's event as its enum, a datetime, a charge's status and its curve's
+    text through the join), by position and by each column's key, the charge's columns empty on an
+    entry without one, and the same on the second execution, whose processors were kept from the first."""
+    silo, _ = silos.register(db, name="read", epsilon=5.0, delta=1e-5, dataset_size=1000)
+    with db.write() as session:
+        dialect = session.connection().dialect.name
+        compiled.run(session, curves.INSERT[dialect], {"curve_hash": "c" * 64, "curve_rdp": "[1.0]"})
+        charge_id = compiled.run(session, reserving.INSERT_CHARGE, _values(silo.id, "k1"))
+        compiled.run(session, reserving._ENTRIES.insert(), {
+            "silo_id": silo.id, "seq": 2, "event": "reserve", "charge_id": charge_id, "epsilon_spent": 0.5,
+            "created_at": datetime(2026, 11, 30, 8, 0, 2, tzinfo=UTC), "prev_hash": "p" * 64, "hash": "h" * 64})
+    statement = reserving._covering_statement(True)
+    values = {"silo_id": silo.id, "since": 1, "idempotency_key": "k1", **{f"seq{i}": 1 for i in range(4)}}
+    with db.read() as session:
+        expected = session.connection().execute(statement, values).all()
+        for _ in range(2):
+            read = compiled.rows(session, statement, values)
+            assert [tuple(row) for row in read] == [tuple(row) for row in expected] and len(read) == 2
+            for ours, theirs in zip(read, expected, strict=True):
+                assert ours._asdict() == dict(theirs._mapping)
+                assert [type(value) for value in ours] == [type(value) for value in theirs]
+    create, reserve = read
+    assert create.c_id is None and reserve.c_id == charge_id == reserve.earlier
+    assert reserve.event.value == "reserve" and reserve.c_status is ChargeStatus.reserved and reserve.c_rdp == "[1.0]"
+    assert reserve.c_created_at.replace(tzinfo=UTC) == datetime(2026, 11, 30, 8, 0, 1, 123456, tzinfo=UTC)  # naive on SQLite
