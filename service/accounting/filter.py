@@ -348,7 +348,7 @@ def kept_units(units: float, share: float = ROUNDS_KEPT) -> float | None:
 
 
 def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None = None,
-             rounds_goal: float | None = None) -> Allocation:
+             rounds_goal: float | None = ROUNDS_GOAL) -> Allocation:
     """The filter of a silo whose workload is `horizon` (one unit's curve), after `offset` (a charge
     that comes first and is not the workload's unit, such as a hyperparameter search), for a budget (ε, δ).
 
@@ -388,7 +388,7 @@ def allocate(horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.nd
     # Work no mechanism's price counts (a registration's, a first charge's, a refit's): the request's
     # CPU bound widens by it as it starts, so that a busy machine's slower allocation is no overrun.
     cost.allow(cost.FIRST_FILTER_SECONDS)
-    goal = rounds_goal if rounds_goal is not None else ROUNDS_GOAL if offset is None else ROUNDS_GOAL_AFTER
+    goal = rounds_goal if rounds_goal is None or offset is None else min(rounds_goal, ROUNDS_GOAL_AFTER)
     path = _Path.of(horizon, epsilon=epsilon, delta=delta, offset=offset, rounds_goal=goal)
     # Only max(s*, 1) is used: where the goals themselves fit, s* is not sought; where they do not,
     # it is bracketed by doubling from 1 (it is rarely above 4) before the search.
@@ -456,10 +456,10 @@ class _Path:
 
     @classmethod
     def of(cls, horizon: np.ndarray, *, epsilon: float, delta: float, offset: np.ndarray | None,
-           rounds_goal: float) -> _Path:
+           rounds_goal: float | None) -> _Path:
         """The path, or a ValueError where no order reads it or no filter reads it within the largest ratio;
         `rounds_goal`: the share of its units held with the goals scaled (UNITS_SCALE), where less is held
-        at scale 1."""
+        at scale 1 (None: none held so)."""
         base = np.zeros(len(rdp.ORDERS)) if offset is None else np.where(np.isfinite(offset), np.maximum(offset, 0.0), np.inf)
         units = horizon_units(horizon, epsilon=epsilon, delta=delta, offset=base)
         # The rounds the budget buys: the prefix kept_units(K) is held to read at most the budget itself
@@ -474,7 +474,7 @@ class _Path:
         held: list[tuple[float, float]] = []  # (the prefix held, the goals' scale it may take), in that order
         if keep is not None and least is not None:
             held = [(whole, 1.0) for whole in dict.fromkeys([keep, *([keep - 1] if keep - 1 >= least else []), least])]
-            scaled = kept_units(units, rounds_goal)
+            scaled = None if rounds_goal is None else kept_units(units, rounds_goal)
             if scaled is not None:
                 held.append((scaled, UNITS_SCALE))  # the goal's share before the first units' goals (UNITS_SCALE)
             if keep - 1 < least and keep >= 2:
@@ -829,7 +829,7 @@ class FirstCharge:
 
 
 def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: np.ndarray | None = None,
-                      rounds_goal: float | None = None) -> FilterSpec:
+                      rounds_goal: float | None = ROUNDS_GOAL) -> FilterSpec:
     """The filter of a silo that declared no horizon, fixed at its first charge from that charge's
     curve `first`: the charge is the unit, the horizon as many units as the budget affords (allocate).
     A first charge that is not the job's training unit but a search of it (`unit`: one trial's run)
@@ -838,7 +838,8 @@ def first_charge_spec(*, epsilon: float, delta: float, first: np.ndarray, unit: 
 
     Sound because nothing that depends on the silo's data exists before its first charge: the
     filter is a function of the budget, δ and the analyst's first request, all fixed before any
-    output, so it is fixed before the first charge exactly as the union bound above needs. (The
+    output, so it is fixed before the first charge exactly as the union bound above needs.
+    `rounds_goal`: allocate's (None beside a plan, which buys the rounds itself: gate.fixed_spec). (The
     bench's no-horizon silo, charged a round at a time, reads 1.138 / 1.088 / 1.019 after 1 / 3 / 20
     rounds under it, against 1.165 / 1.214 / 1.042 under the default horizon.) A first charge whose
     curve no path can read (zero or ∞ at every order) splits δ evenly over the grid instead."""
@@ -872,7 +873,8 @@ REFIT_UNITS = 0.5
 REFIT_UNITS_UNNAMED = 0.95
 
 
-def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: FirstCharge) -> FilterSpec:
+def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: FirstCharge,
+               rounds_goal: float | None = ROUNDS_GOAL) -> FilterSpec:
     """The filter a silo registered with a horizon holds from its first charge on: the registered one,
     unless the charge is a training workload (a run, or a search of one: first.trains) and either the
     horizon names the charge (its digest is among registered.parts) and the filter its first charge
@@ -911,7 +913,7 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
             named or not misses_goals(registered, None, unit, offset=offset, units=kept, delta=delta)):
         return registered
     fitted = first_charge_spec(epsilon=epsilon, delta=delta, first=first.curve, unit=first.unit,
-                               rounds_goal=None if named else ROUNDS_GOAL_AFTER)
+                               rounds_goal=rounds_goal if named or rounds_goal is None else min(rounds_goal, ROUNDS_GOAL_AFTER))
     bought = units_bought(fitted, unit, offset=offset, epsilon=epsilon, delta=delta)
     if named and kept > bought:
         return registered

@@ -663,3 +663,31 @@ def test_where_the_goals_cannot_all_hold_the_rounds_are_bought_and_the_goals_sca
     assert (ratios - 1 > excess).any()  # the goals alone could not hold: they scaled
     assert (ratios <= 1 + scale * excess * (1 + 1e-3)).all(), ratios
     assert scale <= rdp_filter.UNITS_SCALE
+
+
+def test_beside_a_plan_the_filter_holds_the_rounds_only_where_its_goals_allow() -> None:
+    """The central job of the test above, at σ 0.652, 116 steps: alone its filter holds 111 of them with
+    its goals scaled; beside a plan of the run (which buys the rounds by its PLD ε) the filter fixed at
+    the first step keeps its goals instead, on the plan's share of δ (gate.fixed_spec)."""
+    q, sigma, steps = 0.0283, 0.652, 116
+    budget = dpa_epsilon(q, sigma, steps)
+    unit = rdp.certified_curve(DpSgd(noise_multiplier=sigma, steps=1, sampling_rate=q))
+    whole = DpSgd(noise_multiplier=sigma, steps=steps, sampling_rate=q)
+    # The plan's own ε (its PLD, ~2 s at σ 0.652) is not what fixes the filter: its share of δ is.
+    declared = plans.Plan(mechanism=whole.model_dump_json(), segments=tuple(plans.segments(whole)), epsilon=budget)
+    pending = rdp_filter.pending_spec(epsilon=budget, delta=DELTA_PATH, dataset_size=60_000)
+
+    def fixed(plan: plans.Plan | None) -> rdp_filter.FilterSpec:
+        silo = Silo(id=1, epsilon=budget, delta=DELTA_PATH, filter_spec=pending.to_json(), filter_seq=gate.PENDING_SEQ,
+                    plan=None if plan is None else plan.to_json(), plan_used=0, plan_ended_seq=None)
+        return gate.fixed_spec(silo, first=rdp_filter.FirstCharge(unit))
+
+    half = DELTA_PATH * declared.filter_share
+    alone, beside = fixed(None), fixed(declared)
+    assert alone == rdp_filter.first_charge_spec(epsilon=budget, delta=DELTA_PATH, first=unit)
+    assert beside == rdp_filter.first_charge_spec(epsilon=budget, delta=half, first=unit, rounds_goal=None)
+    scaled = rdp_filter.first_charge_spec(epsilon=budget, delta=half, first=unit)
+    excess = lambda t: 0.5 if t < 3 else 0.25 if t < steps // 10 else 0.15  # noqa: E731
+    worst = {spec: max(rdp_filter.read(spec, t * unit, delta=half).epsilon / dpa_epsilon(q, sigma, t, half) - 1 - excess(t)
+                       for t in range(1, steps // 2)) for spec in (beside, scaled)}
+    assert worst[beside] <= 1e-9 < worst[scaled]  # its goals kept, where holding the rounds would have scaled them
