@@ -89,7 +89,7 @@ ROUNDS_GOAL = 0.95
 # goals met, where holding 111 scales them by 1.019; a federated one (q = 0.024, σ 2.42, 8 steps a
 # round) 24 of 26 rounds, where holding 25 scales them by 1.037 (bench/tightness.py, seed 16).
 UNITS_SCALE = 1.1
-# The share the goal asks after a search, or of a workload the silo did not declare (a refit):
+# The goal's share of the units after a search, or of a workload the silo did not declare (a refit):
 # held with the goals scaled (UNITS_SCALE) only down to it there. Holding ⌈0.95·K⌉ there read a central
 # job's third step at 1.259 (goal 1.25) that bought 0.943 of its steps unheld (bench/tightness.py, seed 13).
 ROUNDS_GOAL_AFTER = 0.9
