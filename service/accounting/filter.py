@@ -927,6 +927,12 @@ def refit_spec(registered: FilterSpec, *, epsilon: float, delta: float, first: F
 # reads some prefixes better and some worse than the fitted filter, 3.5% further at worst, and is
 # kept; one at 8.6% (bench/tightness.py: 1.63× after the first round, 1.18× refit) is not.
 REFIT_MARGIN = 1.05
+# A fitted filter this close to its goals is within them for misses_goals: where the goals cannot all
+# hold, the allocation scales them by the least factor that fits (a central job at q = 0.0173, σ 1.177
+# by 1.0002), and the registered filter 0.5% over them was kept beside it (seed 26).
+REFIT_WITHIN = 1.005
+# misses_goals reads every whole unit up to this many, then this many geometric steps (and the path's prefixes).
+MISS_POINTS = 2048
 
 
 def misses_goals(registered: FilterSpec, fitted: FilterSpec | None, unit: np.ndarray, *, offset: np.ndarray | None,
@@ -938,7 +944,12 @@ def misses_goals(registered: FilterSpec, fitted: FilterSpec | None, unit: np.nda
     tenth on was kept beside a fitted one that met every goal: bench/tightness.py, seed 5.)"""
     if units < 1:
         return False
-    prefixes = path_prefixes(float(units))
+    # Every whole unit a job may stop at, not only the path's prefixes: a filter fitted to another
+    # workload reads this one unevenly, and its worst may lie between two prefixes (a central job at
+    # q = 0.0173, σ 1.177 under a declared batch of 256 at σ 1 read 1.155 at step 692 of 2,272, the
+    # prefixes none above 1.15, and kept the registered filter: bench/tightness.py, seed 26).
+    prefixes = (np.arange(1.0, units + 1) if units <= MISS_POINTS else
+                np.unique(np.concatenate([path_prefixes(float(units)), np.round(np.geomspace(1, units, MISS_POINTS))])))
     base = np.zeros(len(unit)) if offset is None else offset
     with np.errstate(invalid="ignore", over="ignore"):
         curves = base[None, :] + np.nan_to_num(prefixes[:, None] * unit[None, :], nan=0.0)
@@ -948,7 +959,7 @@ def misses_goals(registered: FilterSpec, fitted: FilterSpec | None, unit: np.nda
         if fitted is None or registered_score <= 1:
             return registered_score > 1
         fitted_score = float(np.max(read_many(fitted, curves, delta=delta) / goals))
-    return fitted_score <= 1 or registered_score > REFIT_MARGIN * fitted_score
+    return fitted_score <= REFIT_WITHIN or registered_score > REFIT_MARGIN * fitted_score
 
 
 def units_bought(spec: FilterSpec, unit: np.ndarray, *, offset: np.ndarray | None, epsilon: float, delta: float) -> int:

@@ -691,3 +691,31 @@ def test_beside_a_plan_the_filter_holds_the_rounds_only_where_its_goals_allow() 
     worst = {spec: max(rdp_filter.read(spec, t * unit, delta=half).epsilon / dpa_epsilon(q, sigma, t, half) - 1 - excess(t)
                        for t in range(1, steps // 2)) for spec in (beside, scaled)}
     assert worst[beside] <= 1e-9 < worst[scaled]  # its goals kept, where holding the rounds would have scaled them
+
+
+def test_a_registered_filter_over_its_goals_between_two_prefixes_is_refit() -> None:
+    """bench/tightness.py, seed 26: a central job at q = 1,038/60,000, σ 1.177, budgeted by dp-accounting
+    for 2,380 steps, on a silo that declared DP-SGD at batch 256, σ 1. The registered filter read 1.155×
+    dp-accounting's ε at step 692 and under 1.15 at every prefix of the path misses_goals read, so it
+    was kept; and the fitted filter, 0.02% over its goals where they cannot all hold, counted as
+    missing them too. Read at every step, and within REFIT_WITHIN, the refit replaces it."""
+    size, delta, steps = 60_000, 1e-5, 2_380
+    q, sigma = 1_038 / size, 1.177
+    budget = dpa_epsilon(q, sigma, steps, delta)
+    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
+    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
+    step = _resolved({"type": "dpsgd", "batch_size": 1_038, "noise_multiplier": sigma, "steps": 1}, size)
+    curve = rdp.certified_curve(step)
+
+    def worst_from_a_tenth(spec: rdp_filter.FilterSpec) -> float:
+        bought = rdp_filter.units_bought(spec, curve, offset=None, epsilon=budget, delta=delta)
+        ts = np.arange(steps // 10, bought + 1)
+        readings = rdp_filter.read_many(spec, ts[:, None] * curve[None, :], delta=delta)
+        return float(max(r / dpa_epsilon(q, sigma, int(t), delta) for t, r in zip(ts, readings, strict=True)))
+
+    assert worst_from_a_tenth(registered) > 1.155
+    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
+        curve, None, trains=True, digest=rdp_filter.mechanism_digest(step)))
+    assert refit.source == "refit" and worst_from_a_tenth(refit) <= 1.1505
+    assert rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta) >= rdp_filter.units_bought(
+        registered, curve, offset=None, epsilon=budget, delta=delta)
