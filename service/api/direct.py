@@ -45,7 +45,7 @@ def parsed_body(model: type[M], body: bytes) -> M | None:
     """The body as `model`, where pydantic's JSON parser reads it as one; else None (FastAPI answers it)."""
     try:
         return model.model_validate_json(body)
-    except (ValidationError, ValueError):
+    except ValidationError:  # invalid JSON included
         return None
 
 

@@ -78,16 +78,21 @@ def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rd
     """The filter as the silo holds it, its shares not yet scaled by a plan's (what its record stores;
     fitted to the δ it is read on, fitted_delta): on a silo whose first charge (`first`) fixes or may
     refit its filter, the one that charge would leave."""
-    # Beside a plan the plan buys the rounds (its PLD ε): the filter holds them only where its goals allow.
-    declared = plan(silo)
-    goal = None if declared is not None and declared.alongside else rdp_filter.ROUNDS_GOAL
     if first is not None and pending(silo):
         return rdp_filter.first_charge_spec(epsilon=silo.epsilon, delta=fitted_delta(silo), first=first.curve,
-                                            unit=first.unit, rounds_goal=goal)
+                                            unit=first.unit, rounds_goal=_rounds_goal(silo))
     stored = rdp_filter.FilterSpec.from_json(silo.filter_spec)
     if first is not None and refittable(silo):
-        return rdp_filter.refit_spec(stored, epsilon=silo.epsilon, delta=fitted_delta(silo), first=first, rounds_goal=goal)
+        return rdp_filter.refit_spec(stored, epsilon=silo.epsilon, delta=fitted_delta(silo), first=first,
+                                     rounds_goal=_rounds_goal(silo))
     return stored
+
+
+def _rounds_goal(silo: Silo) -> float | None:
+    """The share of its units a filter fixed now holds with its goals scaled (filter.allocate): none
+    beside a plan, which buys the rounds itself (its PLD ε); read only where a first charge fixes one."""
+    declared = plan(silo)
+    return None if declared is not None and declared.alongside else rdp_filter.ROUNDS_GOAL
 
 
 def fitted_delta(silo: Silo) -> float:

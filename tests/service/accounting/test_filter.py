@@ -459,6 +459,19 @@ def _resolved(mechanism: dict[str, object], size: int) -> AnyMechanism:
     return resolve(TypeAdapter(Mechanism).validate_python(mechanism), dataset_size=size, charged=True)
 
 
+def _undeclared_run(size: int, delta: float, budget: float, run: dict[str, object]) -> tuple[
+        rdp_filter.FilterSpec, np.ndarray, AnyMechanism, rdp_filter.FilterSpec]:
+    """A silo of `size` records that declared DP-SGD at batch 256, σ 1 and runs `run`: its registered
+    filter, the run's curve and mechanism, and the filter its first charge leaves (refit_spec)."""
+    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
+    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
+    mechanism = _resolved(run, size)
+    curve = rdp.certified_curve(mechanism)
+    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
+        curve, None, trains=True, digest=rdp_filter.mechanism_digest(mechanism)))
+    return registered, curve, mechanism, refit
+
+
 def test_a_horizon_names_its_parts_and_only_a_first_charge_it_does_not_name_is_refit_on_units_alone() -> None:
     """A horizon that declares a job's whole mix (as tests/reliability/test_load.py's silos do) keeps its
     filter when the first charge is one part of it, although a filter fitted to that part would be
@@ -527,13 +540,9 @@ def test_a_first_charge_the_horizon_does_not_name_is_refit_where_the_registered_
     round is not what the horizon names, so the filter is refit, and buys ≥ 0.9 of them."""
     size, delta, rounds = 6_611, 1e-5, 11
     budget = dpa_epsilon(50 / size, 0.928, 49 * rounds, delta)
-    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
-    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
-    run = _resolved({"type": "dpsgd", "batch_size": 50, "noise_multiplier": 0.928, "steps": 49}, size)
-    curve = rdp.certified_curve(run)
+    registered, curve, _, refit = _undeclared_run(
+        size, delta, budget, {"type": "dpsgd", "batch_size": 50, "noise_multiplier": 0.928, "steps": 49})
     kept = rdp_filter.units_bought(registered, curve, offset=None, epsilon=budget, delta=delta)
-    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
-        curve, None, trains=True, digest=rdp_filter.mechanism_digest(run)))
     bought = rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta)
     assert refit.source == "refit" and kept < rdp_filter.REFIT_UNITS_UNNAMED * bought
     assert bought >= 0.9 * rounds, (kept, bought)
@@ -549,13 +558,9 @@ def test_a_refit_reads_its_first_steps_within_their_goals_although_the_registere
     size, delta, steps = 60_000, 1e-5, 962
     q, sigma = 2_399 / size, 2.061
     budget = dpa_epsilon(q, sigma, steps, delta)
-    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
-    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
-    step = _resolved({"type": "dpsgd", "batch_size": 2_399, "noise_multiplier": sigma, "steps": 1}, size)
-    curve = rdp.certified_curve(step)
+    registered, curve, _, refit = _undeclared_run(
+        size, delta, budget, {"type": "dpsgd", "batch_size": 2_399, "noise_multiplier": sigma, "steps": 1})
     kept = rdp_filter.units_bought(registered, curve, offset=None, epsilon=budget, delta=delta)
-    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
-        curve, None, trains=True, digest=rdp_filter.mechanism_digest(step)))
     assert refit.source == "refit"
     assert kept > rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta) >= 0.95 * steps
     first = rdp_filter.read(registered, curve, delta=delta).epsilon / dpa_epsilon(q, sigma, 1, delta)
@@ -564,29 +569,34 @@ def test_a_refit_reads_its_first_steps_within_their_goals_although_the_registere
         assert rdp_filter.read(refit, t * curve, delta=delta).epsilon <= goal * dpa_epsilon(q, sigma, t, delta), t
 
 
-def test_a_registered_filter_over_its_goals_is_refit_where_the_fitted_one_meets_them() -> None:
-    """bench/tightness.py, seed 5: a silo of 14,913 records budgeted by dp-accounting for 46 rounds of
-    36 steps at batch 61, σ 2.628, that declared DP-SGD at batch 256, σ 1. The registered filter
+@pytest.mark.parametrize(("size", "batch", "sigma", "steps", "units", "above", "within"), [
+    (14_913, 61, 2.628, 36, 46, 1.15, 1.15),  # seed 5: federated rounds
+    (60_000, 1_038, 1.177, 1, 2_380, 1.155, 1.1505),  # seed 26: a central job
+])
+def test_a_registered_filter_over_its_goals_is_refit_where_the_fitted_one_meets_them(
+    size: int, batch: int, sigma: float, steps: int, units: int, above: float, within: float
+) -> None:
+    """bench/tightness.py, on silos that declared DP-SGD at batch 256, σ 1, each budgeted by dp-accounting
+    for its run. Seed 5, 46 rounds of 36 steps at batch 61 of 14,913, σ 2.628: the registered filter
     buys 45 of them but reads 1.155× dp-accounting's ε from a tenth on (goal 1.15); the fitted one
     meets every goal, though not 5% nearer them (REFIT_MARGIN), so the registered filter was kept.
-    A fitted filter within the goals now replaces one outside them."""
-    size, delta, rounds = 14_913, 1e-5, 46
-    q, sigma, steps = 61 / size, 2.628, 36
-    budget = dpa_epsilon(q, sigma, steps * rounds, delta)
-    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
-    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
-    run = _resolved({"type": "dpsgd", "batch_size": 61, "noise_multiplier": sigma, "steps": steps}, size)
-    curve = rdp.certified_curve(run)
+    Seed 26, 2,380 steps at q = 1,038/60,000, σ 1.177: the registered filter read 1.155× at step 692
+    and under 1.15 at every prefix of the path misses_goals read, so it was kept; and the fitted
+    filter, 0.02% over its goals where they cannot all hold, counted as missing them too. A fitted
+    filter within the goals (within REFIT_WITHIN), read at every unit, now replaces one outside them."""
+    delta, q = 1e-5, batch / size
+    budget = dpa_epsilon(q, sigma, steps * units, delta)
+    registered, curve, _, refit = _undeclared_run(
+        size, delta, budget, {"type": "dpsgd", "batch_size": batch, "noise_multiplier": sigma, "steps": steps})
 
     def worst_from_a_tenth(spec: rdp_filter.FilterSpec) -> float:
         bought = rdp_filter.units_bought(spec, curve, offset=None, epsilon=budget, delta=delta)
-        return max(rdp_filter.read(spec, t * curve, delta=delta).epsilon / dpa_epsilon(q, sigma, steps * t, delta)
-                   for t in range(rounds // 10, bought + 1))
+        ts = np.arange(units // 10, bought + 1)
+        readings = rdp_filter.read_many(spec, ts[:, None] * curve[None, :], delta=delta)
+        return float(max(r / dpa_epsilon(q, sigma, steps * int(t), delta) for t, r in zip(ts, readings, strict=True)))
 
-    assert worst_from_a_tenth(registered) > 1.15
-    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
-        curve, None, trains=True, digest=rdp_filter.mechanism_digest(run)))
-    assert refit.source == "refit" and worst_from_a_tenth(refit) <= 1.15
+    assert worst_from_a_tenth(registered) > above
+    assert refit.source == "refit" and worst_from_a_tenth(refit) <= within
     assert rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta) >= rdp_filter.units_bought(
         registered, curve, offset=None, epsilon=budget, delta=delta)
 
@@ -692,30 +702,3 @@ def test_beside_a_plan_the_filter_holds_the_rounds_only_where_its_goals_allow() 
                        for t in range(1, steps // 2)) for spec in (beside, scaled)}
     assert worst[beside] <= 1e-9 < worst[scaled]  # its goals kept, where holding the rounds would have scaled them
 
-
-def test_a_registered_filter_over_its_goals_between_two_prefixes_is_refit() -> None:
-    """bench/tightness.py, seed 26: a central job at q = 1,038/60,000, σ 1.177, budgeted by dp-accounting
-    for 2,380 steps, on a silo that declared DP-SGD at batch 256, σ 1. The registered filter read 1.155×
-    dp-accounting's ε at step 692 and under 1.15 at every prefix of the path misses_goals read, so it
-    was kept; and the fitted filter, 0.02% over its goals where they cannot all hold, counted as
-    missing them too. Read at every step, and within REFIT_WITHIN, the refit replaces it."""
-    size, delta, steps = 60_000, 1e-5, 2_380
-    q, sigma = 1_038 / size, 1.177
-    budget = dpa_epsilon(q, sigma, steps, delta)
-    declared = _resolved({"type": "dpsgd", "batch_size": 256, "noise_multiplier": 1.0, "steps": 1}, size)
-    registered = rdp_filter.declared_spec(epsilon=budget, delta=delta, horizon=declared)
-    step = _resolved({"type": "dpsgd", "batch_size": 1_038, "noise_multiplier": sigma, "steps": 1}, size)
-    curve = rdp.certified_curve(step)
-
-    def worst_from_a_tenth(spec: rdp_filter.FilterSpec) -> float:
-        bought = rdp_filter.units_bought(spec, curve, offset=None, epsilon=budget, delta=delta)
-        ts = np.arange(steps // 10, bought + 1)
-        readings = rdp_filter.read_many(spec, ts[:, None] * curve[None, :], delta=delta)
-        return float(max(r / dpa_epsilon(q, sigma, int(t), delta) for t, r in zip(ts, readings, strict=True)))
-
-    assert worst_from_a_tenth(registered) > 1.155
-    refit = rdp_filter.refit_spec(registered, epsilon=budget, delta=delta, first=rdp_filter.FirstCharge(
-        curve, None, trains=True, digest=rdp_filter.mechanism_digest(step)))
-    assert refit.source == "refit" and worst_from_a_tenth(refit) <= 1.1505
-    assert rdp_filter.units_bought(refit, curve, offset=None, epsilon=budget, delta=delta) >= rdp_filter.units_bought(
-        registered, curve, offset=None, epsilon=budget, delta=delta)
