@@ -108,7 +108,12 @@ class GroupCommit:
     its own, so that a writer's error undoes its changes only. A writer returns only once the COMMIT
     that holds its changes has returned: nothing is answered before it is durable. The write lock
     (SqliteWriters) is held from the group's first write to its COMMIT; the last writer in the
-    queue, or the GROUP_AT_MOST-th, commits."""
+    queue, or the GROUP_AT_MOST-th, commits.
+
+    The groups run one after another on one connection, kept between them: taking it from the pool
+    and handing it back (a rollback to reset it, the pool's events) cost each write, the sequencer's
+    batches included, about as much as its BEGIN and COMMIT (bench/first_touch.py). A connection whose
+    group failed is closed and the next group takes a new one."""
 
     def __init__(self, engine: Engine, writers: SqliteWriters, *, at_most: int = GROUP_AT_MOST) -> None:
         self._engine = engine
@@ -118,6 +123,7 @@ class GroupCommit:
         self._queued = 0  # writers of this process waiting for their turn
         self._counting = threading.Lock()
         self._connection: Connection | None = None  # the group's, from its first write to its COMMIT
+        self._kept: Connection | None = None  # the connection the groups run on, between them too
         self._members: list[_Outcome] = []
 
     @contextmanager
@@ -160,14 +166,29 @@ class GroupCommit:
         if self._connection is None:
             self._writers.__enter__()
             try:
-                connection = self._engine.connect()
-                connection.execution_options(**{_IMMEDIATE: True})
+                if self._kept is None or self._kept.closed or self._kept.invalidated:
+                    self._kept = self._engine.connect()
+                    self._kept.execution_options(**{_IMMEDIATE: True})
+                connection = self._kept
                 connection.begin()
             except BaseException:
+                self._discard()
                 self._writers.__exit__()
                 raise
             self._connection = connection
         return self._connection
+
+    def _discard(self) -> None:
+        """Closes the kept connection (its group failed, or the database is disposed of)."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.close()
+
+    def close(self) -> None:
+        """Closes the kept connection once no group holds it (Database.dispose)."""
+        with self._turn:
+            if self._connection is None:
+                self._discard()
 
     def _end(self, error: BaseException | None) -> None:
         """COMMIT the group (or, given the error that lost it, roll it back) and settle its writers."""
@@ -183,7 +204,8 @@ class GroupCommit:
             error = failed
             connection.invalidate()
         finally:
-            connection.close()
+            if error is not None:
+                self._discard()
             self._writers.__exit__()
         for member in members:
             member.settle(error)
@@ -321,6 +343,8 @@ class Database:
             self.doorbell.ring()
 
     def dispose(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self.engine.dispose()  # the doorbell closes with it
 
 

@@ -145,3 +145,28 @@ def test_a_failed_commit_fails_every_writer_of_its_group_and_keeps_none_of_their
     assert children(database) == []
     insert(1)(database)  # the next group starts clean
     assert children(database) == [1]
+
+
+def test_groups_run_on_one_kept_connection_and_a_failed_group_gives_it_up(database: Database) -> None:
+    group = database._group
+    assert group is not None
+
+    def driver() -> object:
+        assert group._kept is not None
+        return group._kept.connection.dbapi_connection
+
+    insert(1)(database)
+    kept = driver()
+    with database.engine.begin() as connection:
+        connection.exec_driver_sql("INSERT INTO parent (id) VALUES (2)")
+    insert(2)(database)
+    assert driver() is kept and database.engine.pool.checkedout() == 1  # not taken from the pool again
+    with pytest.raises(CommitFailed):
+        insert(99)(database)  # parent 99 does not exist: the group's COMMIT fails
+    assert group._kept is None
+    with database.engine.begin() as connection:
+        connection.exec_driver_sql("INSERT INTO parent (id) VALUES (3)")
+    insert(3)(database)
+    assert driver() is not kept and children(database) == [1, 2, 3]
+    database.dispose()
+    assert group._kept is None and database.engine.pool.checkedout() == 0
