@@ -11,7 +11,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from dpledger.service.store.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Silo
+from dpledger.service.store.models import Charge, ChargeRecord, EntryEvent, EntryRecord, LedgerEntry, Silo, SiloRecord
 from dpledger.wire import chain_replay
 from dpledger.wire.enums import Relation
 
@@ -25,7 +25,7 @@ def timestamp(value: datetime) -> str:
     return value.isoformat(timespec="microseconds")
 
 
-def silo_fields(silo: Silo) -> dict[str, Any]:
+def silo_fields(silo: Silo | SiloRecord) -> dict[str, Any]:
     fields = {
         "id": silo.id,
         "name": silo.name,
@@ -44,7 +44,7 @@ def silo_fields(silo: Silo) -> dict[str, Any]:
     return fields
 
 
-def create_fields(silo: Silo) -> dict[str, Any]:
+def create_fields(silo: Silo | SiloRecord) -> dict[str, Any]:
     """The create entry covers the budget and, for silos registered with one, the filter (stored
     text, hashed verbatim: an edited or unparsable filter breaks the chain, never the audit); once
     the silo's first charge refit that filter, the registered text kept beside it."""
@@ -58,15 +58,15 @@ def create_fields(silo: Silo) -> dict[str, Any]:
     return fields
 
 
-def filter_fields(silo: Silo) -> dict[str, Any]:
+def filter_fields(silo: Silo | SiloRecord) -> dict[str, Any]:
     return {"silo_id": silo.id, "filter": silo.filter_spec}
 
 
-def plan_fields(silo: Silo) -> dict[str, Any]:
+def plan_fields(silo: Silo | SiloRecord) -> dict[str, Any]:
     return {"silo_id": silo.id, "plan": silo.plan}
 
 
-def seal_fields(silo: Silo) -> dict[str, Any]:
+def seal_fields(silo: Silo | SiloRecord) -> dict[str, Any]:
     """A seal covers the whole record as it stands: an admin accepted it after a tamper (ledger/seals.py)."""
     fields = {**silo_fields(silo), "filter": silo.filter_spec, "plan": silo.plan}
     if silo.registered_filter is not None:  # only where set, so that earlier seals keep their hashes
@@ -74,14 +74,14 @@ def seal_fields(silo: Silo) -> dict[str, Any]:
     return fields
 
 
-def retire_fields(silo: Silo) -> dict[str, Any]:
+def retire_fields(silo: Silo | SiloRecord) -> dict[str, Any]:
     """A retire entry covers who the silo is (its registered promise, which stays on record) and why an
     admin retired it (ledger/silos.py retire): an edited reason, or a record taken back into service
     under another name or budget, no longer recomputes to it."""
     return {**silo_fields(silo), "reason": silo.retired_reason}
 
 
-def subject(event: EntryEvent, silo: Silo, charge: Charge | ChargeRecord | None) -> dict[str, Any]:
+def subject(event: EntryEvent, silo: Silo | SiloRecord, charge: Charge | ChargeRecord | None) -> dict[str, Any]:
     """What an entry of this kind covers besides itself."""
     if event is EntryEvent.create:
         return create_fields(silo)

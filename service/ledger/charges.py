@@ -49,6 +49,7 @@ from dpledger.service.store.models import (
     ChargeStatus,
     EntryEvent,
     Silo,
+    SiloRecord,
 )
 from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism
@@ -125,18 +126,22 @@ class SiloTerms:
     relation: Relation
 
     @classmethod
-    def of(cls, silo: Silo) -> SiloTerms:
+    def of(cls, silo: Silo | SiloRecord) -> SiloTerms:
         return cls(silo.dataset_size, silo.relation)  # as stored: an edited row is compared, never parsed here
 
 
-def resolved_mechanism(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bool, path: str) -> AnyMechanism:
+def resolved_mechanism(
+    mechanism: AnyMechanism, *, silo: Silo | SiloRecord | SiloTerms | None, charged: bool, path: str
+) -> AnyMechanism:
     """q filled in (the service's on a charge: see `events.resolve`) and the neighbouring relation checked."""
     resolved = resolve(mechanism, dataset_size=None if silo is None else silo.dataset_size, charged=charged, path=path)
     check_relation(resolved, silo_relation=None if silo is None else silo.relation, path=path)
     return resolved
 
 
-def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bool, path: str = "mechanism") -> Priced:
+def price(
+    mechanism: AnyMechanism, *, silo: Silo | SiloRecord | SiloTerms | None, charged: bool, path: str = "mechanism"
+) -> Priced:
     """Resolves q (the service's on a charge: see `events.resolve`), checks the neighbouring
     relation, bounds the work (`cost.check`) and only then computes the curve. Outside any lock: a
     new (q, σ) pair costs dp-accounting tens of milliseconds. Raises MechanismError (a 422)."""
@@ -146,7 +151,7 @@ def price(mechanism: AnyMechanism, *, silo: Silo | SiloTerms | None, charged: bo
 
 
 def check_budget(
-    silo: Silo, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None,
+    silo: Silo | SiloRecord, curve: np.ndarray, *, with_spent: bool = False, on_plan: bool | None = None,
     first: rdp_filter.FirstCharge | None = None,
 ) -> BudgetCheck:
     """The gate: the silo's Rényi filter, fixed before its first charge (ledger/gate.py; O(orders)),
@@ -179,8 +184,9 @@ def preview(db: Database, *, silo_id: int, mechanism: AnyMechanism, charged: boo
 
 
 def view(
-    session: Session, silo: Silo, charge: Charge | ChargeRecord, *, replayed: bool, position: transparency.Position | None = None,
-    own: float | None = None, spent: float | None = None, reference: float | None = None,
+    session: Session, silo: Silo | SiloRecord, charge: Charge | ChargeRecord, *, replayed: bool,
+    position: transparency.Position | None = None, own: float | None = None, spent: float | None = None,
+    reference: float | None = None,
 ) -> ChargeView:
     """`own`, `spent`, `reference`: the charge's ε, the silo's, and dp-accounting's reference of the
     silo's (its running sum's non-adaptive RDP ε) where the caller has just computed them."""
@@ -191,7 +197,7 @@ def view(
     return ChargeView(charge, own, spent, max(0.0, silo.epsilon - spent), replayed, where, reference)
 
 
-def spent_reference(silo: Silo, running: RunningSum | None = None) -> float:
+def spent_reference(silo: Silo | SiloRecord, running: RunningSum | None = None) -> float:
     """For reference beside the gate's ε: dp-accounting's non-adaptive RDP ε (best order, whole δ)
     of the silo's reserved + committed charges (`running`: that sum where the caller holds it), by
     rdp.epsilons, dp-accounting's conversion vectorised (~20 µs against its own ~0.6 ms)."""

@@ -25,7 +25,7 @@ from dpledger.service.accounting import filter as rdp_filter
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum
 from dpledger.service.ledger.errors import Conflict
-from dpledger.service.store.models import Silo
+from dpledger.service.store.models import Silo, SiloRecord
 from dpledger.wire.mechanisms import AnyMechanism
 
 
@@ -37,12 +37,12 @@ class PlanDeviation(Conflict):
 PENDING_SEQ = 0
 
 
-def pending(silo: Silo) -> bool:
+def pending(silo: Silo | SiloRecord) -> bool:
     """Whether the silo's filter is still to be fixed by its first charge."""
     return silo.filter_seq == PENDING_SEQ
 
 
-def refittable(silo: Silo) -> bool:
+def refittable(silo: Silo | SiloRecord) -> bool:
     """Whether the silo registered with a horizon, whose filter its first charge may still refit
     (filter.refit_spec), holds no charge yet. Read from what the chain decides (filter_seq, chain_seq,
     the plan, sealed_seq and retired_seq are replayed or hashed, ledger/seals.py): its chain is the
@@ -52,12 +52,12 @@ def refittable(silo: Silo) -> bool:
             and silo.chain_seq == 1 + (silo.plan is not None))
 
 
-def open_to_first(silo: Silo) -> bool:
+def open_to_first(silo: Silo | SiloRecord) -> bool:
     """Whether the silo's next charge, its first, decides the filter it is read under."""
     return pending(silo) or refittable(silo)
 
 
-def first_charge(silo: Silo, curve: np.ndarray, mechanism: AnyMechanism) -> rdp_filter.FirstCharge | None:
+def first_charge(silo: Silo | SiloRecord, curve: np.ndarray, mechanism: AnyMechanism) -> rdp_filter.FirstCharge | None:
     """The charge as the filter it would fix or refit reads it, where the silo's filter is still open
     to its first charge (open_to_first); else None."""
     if not open_to_first(silo):
@@ -66,7 +66,7 @@ def first_charge(silo: Silo, curve: np.ndarray, mechanism: AnyMechanism) -> rdp_
                                   digest=rdp_filter.mechanism_digest(mechanism))
 
 
-def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
+def spec(silo: Silo | SiloRecord, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
     """The filter the gate reads: on the share of δ a declared plan leaves it; on a silo whose first
     charge (`first`, from first_charge) fixes or may refit its filter, the one that charge would leave."""
     fixed = fixed_spec(silo, first=first)
@@ -74,7 +74,7 @@ def spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filt
     return fixed if declared is None or not declared.alongside else rdp_filter.scaled(fixed, declared.filter_share)
 
 
-def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
+def fixed_spec(silo: Silo | SiloRecord, *, first: rdp_filter.FirstCharge | None = None) -> rdp_filter.FilterSpec:
     """The filter as the silo holds it, its shares not yet scaled by a plan's (what its record stores;
     fitted to the δ it is read on, fitted_delta): on a silo whose first charge (`first`) fixes or may
     refit its filter, the one that charge would leave."""
@@ -88,14 +88,14 @@ def fixed_spec(silo: Silo, *, first: rdp_filter.FirstCharge | None = None) -> rd
     return stored
 
 
-def _rounds_goal(silo: Silo) -> float | None:
+def _rounds_goal(silo: Silo | SiloRecord) -> float | None:
     """The share of its units a filter fixed now holds with its goals scaled (filter.allocate): none
     beside a plan, which buys the rounds itself (its PLD ε); read only where a first charge fixes one."""
     declared = plan(silo)
     return None if declared is not None and declared.alongside else rdp_filter.ROUNDS_GOAL
 
 
-def fitted_delta(silo: Silo) -> float:
+def fitted_delta(silo: Silo | SiloRecord) -> float:
     """The δ a first charge fits the filter to: the share a declared plan leaves it, the δ the gate
     then reads it on (spec). Fitted on the whole δ and read on half, its path ends where the whole δ's
     would: a central job at q = 0.001, σ 0.644 that left its plan afforded none of the 112 steps
@@ -104,24 +104,24 @@ def fitted_delta(silo: Silo) -> float:
     return silo.delta if declared is None or not declared.alongside else silo.delta * declared.filter_share
 
 
-def plan(silo: Silo) -> plans.Plan | None:
+def plan(silo: Silo | SiloRecord) -> plans.Plan | None:
     return None if silo.plan is None else plans.Plan.from_json(silo.plan)
 
 
-def closed_by_plan(silo: Silo) -> bool:
+def closed_by_plan(silo: Silo | SiloRecord) -> bool:
     """A silo on a plan declared under the rule before (plans.AFTER_PLAN): the plan alone gates it."""
     declared = plan(silo)
     return declared is not None and not declared.alongside
 
 
-def gated_on(silo: Silo) -> Literal["rdp_filter", "plan", "plan_and_filter"]:
+def gated_on(silo: Silo | SiloRecord) -> Literal["rdp_filter", "plan", "plan_and_filter"]:
     """What the silo's approvals are checked against now (the wire's gated_on)."""
     if closed_by_plan(silo):
         return "plan"
     return "plan_and_filter" if on_plan(silo) else "rdp_filter"
 
 
-def on_plan(silo: Silo) -> bool:
+def on_plan(silo: Silo | SiloRecord) -> bool:
     """Whether the plan's branch is alive: a plan declared, and no charge so far off it."""
     return silo.plan is not None and silo.plan_ended_seq is None
 
@@ -134,7 +134,7 @@ class PlanStep:
     on_plan: bool
 
 
-def plan_step(silo: Silo, mechanism: AnyMechanism) -> PlanStep:
+def plan_step(silo: Silo | SiloRecord, mechanism: AnyMechanism) -> PlanStep:
     """The charge's step along the silo's plan (no plan, or a branch ended: off it). Reads only."""
     declared = plan(silo)
     if declared is None or not on_plan(silo):
@@ -143,7 +143,7 @@ def plan_step(silo: Silo, mechanism: AnyMechanism) -> PlanStep:
     return PlanStep(0, False) if taken is None else PlanStep(taken, True)
 
 
-def plan_path(silo: Silo, mechanisms: list[AnyMechanism | None]) -> list[bool]:
+def plan_path(silo: Silo | SiloRecord, mechanisms: list[AnyMechanism | None]) -> list[bool]:
     """Whether the branch is alive after each prefix of these charges (None: a round that charges
     nothing), from the silo as it stands: entry 0 is now."""
     declared = plan(silo)
@@ -161,7 +161,7 @@ def _is_empty(running: RunningSum) -> bool:
 
 
 def reading(
-    silo: Silo, running: RunningSum, *, first: rdp_filter.FirstCharge | None = None, alive: bool | None = None
+    silo: Silo | SiloRecord, running: RunningSum, *, first: rdp_filter.FirstCharge | None = None, alive: bool | None = None
 ) -> rdp_filter.Reading:
     """The proven ε of a running sum of this silo (spent, committed, or a candidate); `first`: the
     silo's first charge where the sum holds it and its filter is still open to it (first_charge);
@@ -175,7 +175,7 @@ def reading(
     return rdp_filter.Reading(eps, by_filter.order)
 
 
-def follow_plan(silo: Silo, mechanism: AnyMechanism) -> PlanStep:
+def follow_plan(silo: Silo | SiloRecord, mechanism: AnyMechanism) -> PlanStep:
     """The charge's step along the silo's plan. On a plan declared under the rule before
     (AFTER_PLAN) the charge must be the plan's next units, else PlanDeviation (a 409)."""
     step = plan_step(silo, mechanism)
@@ -189,7 +189,7 @@ def follow_plan(silo: Silo, mechanism: AnyMechanism) -> PlanStep:
     return step
 
 
-def take(silo: Silo, step: PlanStep, *, seq: int) -> None:
+def take(silo: Silo | SiloRecord, step: PlanStep, *, seq: int) -> None:
     """Records an approved charge's step: its units taken, or (the first charge off an alive plan's
     branch, whose reserve entry is `seq`) the branch's end. The caller holds the silo's lock."""
     if step.on_plan:

@@ -21,7 +21,7 @@ import numpy as np
 from dpledger.service.accounting import plans, rdp
 from dpledger.service.accounting.running_sum import RunningSum, curve_from_json
 from dpledger.service.ledger import chain
-from dpledger.service.store.models import ChargeRecord, EntryEvent, Silo
+from dpledger.service.store.models import ChargeRecord, EntryEvent, Silo, SiloRecord
 from dpledger.service.store.reserving import CHARGE_COLUMNS
 from dpledger.wire.mechanisms import AnyMechanism, Mechanism
 
@@ -117,7 +117,7 @@ def _charge_step(state: State, row: Any, event: EntryEvent, *, silo_id: int) -> 
     return replace(state, spent=state.spent.subtract(curve), texts=None)
 
 
-def extend(state: State, silo: Silo, *, event: EntryEvent, before: tuple[str, str]) -> State | None:
+def extend(state: State, silo: Silo | SiloRecord, *, event: EntryEvent, before: tuple[str, str]) -> State | None:
     """`state` (the chain through the silo's previous entry, found sound in this transaction) after the
     entry the ledger just wrote, from what it wrote: its sums are the replay's own arithmetic on the same
     values where the row read exactly as `state` before (`before`: its texts then), and its place on the
@@ -201,7 +201,7 @@ def sums_differ(state: State, spent_text: str, committed_text: str) -> list[str]
     return differ
 
 
-def first_difference(state: State, silo: Silo) -> tuple[str, int, EntryEvent] | None:
+def first_difference(state: State, silo: Silo | SiloRecord) -> tuple[str, int, EntryEvent] | None:
     """The first column of the row's chain-decided seqs that is not what the chain makes it, as (why,
     the entry to name, its event), or None."""
     if silo.retired_seq != state.retired_seq:
@@ -232,7 +232,7 @@ def first_difference(state: State, silo: Silo) -> tuple[str, int, EntryEvent] | 
     return None
 
 
-def plan_differs(state: State, silo: Silo) -> str | None:
+def plan_differs(state: State, silo: Silo | SiloRecord) -> str | None:
     if silo.plan is None or (silo.plan_used, silo.plan_ended_seq) == (state.plan_used, state.plan_ended_seq):
         return None
     return (f"says its place on its plan is {silo.plan_used} units taken, branch ended at entry {silo.plan_ended_seq}, "

@@ -34,7 +34,7 @@ from dpledger.service.ledger import chain, gate, replayed
 from dpledger.service.ledger.errors import Conflict
 from dpledger.service.store import reserving
 from dpledger.service.store.db import Database, database_url
-from dpledger.service.store.models import EntryEvent, LedgerEntry, Silo
+from dpledger.service.store.models import EntryEvent, LedgerEntry, Silo, SiloRecord
 
 # The events whose entries cover the silo's record rather than a charge.
 RECORD_EVENTS = (EntryEvent.create, EntryEvent.filter, EntryEvent.plan, EntryEvent.seal, EntryEvent.retire)
@@ -99,7 +99,7 @@ def _key(session: Session, silo_id: int) -> tuple[object, int]:
     return database_url(session), silo_id
 
 
-def derived(session: Session, silo: Silo) -> replayed.State | None:
+def derived(session: Session, silo: Silo | SiloRecord) -> replayed.State | None:
     """This process's state of the silo's chain through its current end, if it holds it (for `extend`)."""
     state = _DERIVED.get(_key(session, silo.id))
     return state if state is not None and (state.seq, state.head) == (silo.chain_seq, silo.chain_head) else None
@@ -121,7 +121,7 @@ def _event(value: Any) -> EntryEvent:
     return value if isinstance(value, EntryEvent) else EntryEvent.reserve
 
 
-def _replay(session: Session, silo: Silo, rows: Sequence[Any]) -> tuple[replayed.State, dict[int, Any]]:
+def _replay(session: Session, silo: Silo | SiloRecord, rows: Sequence[Any]) -> tuple[replayed.State, dict[int, Any]]:
     """The chain's state through its end, from this process's (and `rows`, the entries after it), or
     replayed from the start; and the record entries a cold replay read (the covering ones among them)."""
     kept = _DERIVED.get(_key(session, silo.id))
@@ -147,7 +147,7 @@ def _replay(session: Session, silo: Silo, rows: Sequence[Any]) -> tuple[replayed
 
 
 def covering(
-    session: Session, silo: Silo, *, key: reserving.AfterLock | None = None,
+    session: Session, silo: Silo | SiloRecord, *, key: reserving.AfterLock | None = None,
 ) -> tuple[list[tuple[EntryEvent, int, LedgerEntry | None]], int | None, replayed.State]:
     """The entries that cover the silo's record now, as (event, seq, the entry or None if gone), the
     charge `key` names, read in the same statement (store/reserving.py says why there; None
@@ -201,7 +201,7 @@ def _exactly(*values: object) -> tuple[object, ...]:
     return tuple((type(v), v.hex() if isinstance(v, float) else v) for v in values)
 
 
-def check(session: Session, silo: Silo, *, key: reserving.AfterLock | None = None) -> int | None:
+def check(session: Session, silo: Silo | SiloRecord, *, key: reserving.AfterLock | None = None) -> int | None:
     """Raises Tampered unless every column of the silo's record that an approval reads is sound: each
     stored field recomputes to the hash of the entry that covers it, and each column its chain decides
     is what the chain makes it (replayed.py; COVERAGE says which is which). Returns the id of the charge
@@ -248,7 +248,7 @@ def check(session: Session, silo: Silo, *, key: reserving.AfterLock | None = Non
     return earlier
 
 
-def sealable(silo: Silo) -> None:
+def sealable(silo: Silo | SiloRecord) -> None:
     """A record may be sealed only if the gate can read it: else sealing would trade a 409 for a 500."""
     problems = []
     if gate.pending(silo):

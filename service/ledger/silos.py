@@ -30,6 +30,7 @@ from dpledger.service.store.models import (
     EntryRecord,
     Role,
     Silo,
+    SiloRecord,
 )
 from dpledger.wire.enums import Relation
 from dpledger.wire.mechanisms import AnyMechanism, DpSgd
@@ -44,9 +45,12 @@ class BudgetStatus:
     order: float
 
 
-def _stored(silo: Silo, columns: dict[str, Any]) -> None:
+def _stored(silo: Silo | SiloRecord, columns: dict[str, Any]) -> None:
     """Sets columns the store wrote on the object as stored, so the unit of work does not write them
     again: its flush of the row cost an approval as much as the entry's and the charge's inserts together."""
+    if isinstance(silo, SiloRecord):
+        silo.stored(columns)
+        return
     for column, value in columns.items():
         set_committed_value(silo, column, value)
 
@@ -114,7 +118,7 @@ def _name_taken(db: Database, name: str) -> str:
 class Retired(Conflict):
     """A request that would approve budget on a retired silo: it approves nothing, ever again."""
 
-    def __init__(self, silo: Silo) -> None:
+    def __init__(self, silo: Silo | SiloRecord) -> None:
         super().__init__(f"silo {silo.id} is retired (entry {silo.retired_seq}: {silo.retired_reason}): it approves "
                          "nothing; register a new silo")
         self.silo_id = silo.id
@@ -122,7 +126,7 @@ class Retired(Conflict):
         self.reason = silo.retired_reason
 
 
-def refuse_if_retired(silo: Silo) -> None:
+def refuse_if_retired(silo: Silo | SiloRecord) -> None:
     """The one check every path that approves or plans budget makes (reserve, hence searches and the
     pending filter's fix; a plan; σ calibration and round quotes; a seal), after its silo is loaded and
     checked (seals.check covers the retire entry). Settling a reservation made before the retirement
@@ -147,7 +151,7 @@ def retire(db: Database, silo_id: int, *, reason: str) -> int:
         return position.seq
 
 
-def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, now: datetime) -> None:
+def fix_filter(session: Session, silo: Silo | SiloRecord, first: rdp_filter.FirstCharge, *, now: datetime) -> None:
     """Fixes a pending silo's filter from its first charge's curve (filter.first_charge_spec says why
     that is sound), or refits a registered one (filter.refit_spec; else nothing is written), in a
     filter entry that covers it, written before the charge's reserve entry in
@@ -165,7 +169,7 @@ def fix_filter(session: Session, silo: Silo, first: rdp_filter.FirstCharge, *, n
 
 
 def append_entry(
-    session: Session, silo: Silo, *, event: EntryEvent, charge: Charge | ChargeRecord | None, epsilon_spent: float,
+    session: Session, silo: Silo | SiloRecord, *, event: EntryEvent, charge: Charge | ChargeRecord | None, epsilon_spent: float,
     now: datetime, rdp_spent: str | None = None, rdp_committed: str | None = None,
     new_charge: reserving.NewCharge | None = None,
 ) -> transparency.Position:
@@ -185,11 +189,13 @@ def append_entry(
     )
     subject_text = chain.canonical(chain.subject(event, silo, charge))  # for the entry's hash and its leaf
     entry.hash = chain.entry_hash(entry, subject_text=subject_text)
-    # What the caller changed through the ORM (a charge's status, a plan; nothing on an approval's
-    # path), then the silo's chain and sums in one UPDATE, the entry in one INSERT and its leaf, rather
-    # than the unit of work's flush of the row and of a new object.
+    # What the caller changed through the ORM (a charge's status, a plan), then the silo's chain and sums
+    # in one UPDATE, the entry in one INSERT and its leaf, rather than the unit of work's flush of the row
+    # and of a new object. An approval's record is no ORM object: what it changed on it (a first charge's
+    # filter, a plan's units) goes into that UPDATE.
     session.flush()
-    columns = {"chain_seq": entry.seq, "chain_head": entry.hash,
+    changed = silo.changed() if isinstance(silo, SiloRecord) else {}
+    columns = {**changed, "chain_seq": entry.seq, "chain_head": entry.hash,
                **{column: text for column, text in (("rdp_spent", rdp_spent), ("rdp_committed", rdp_committed))
                   if text is not None}}
     leaf, position = transparency.pending_leaf(entry, subject_text=subject_text)
@@ -200,7 +206,7 @@ def append_entry(
     return position
 
 
-def _derive(session: Session, silo: Silo, derived: replayed.State | None, *, event: EntryEvent,
+def _derive(session: Session, silo: Silo | SiloRecord, derived: replayed.State | None, *, event: EntryEvent,
             before: tuple[str, str]) -> None:
     """Keeps what the chain makes of the record after the entry just written, where this process held
     it before: the next check of the silo then replays nothing. (Kept before the transaction commits:
@@ -237,7 +243,7 @@ def list_all(session: Session) -> list[Silo]:
     return store_silos.all_silos(session)
 
 
-def status(silo: Silo) -> BudgetStatus:
+def status(silo: Silo | SiloRecord) -> BudgetStatus:
     """The silo's proven ε (its gate's: filter or plan), and zCDP ρ of its running sum."""
     running = RunningSum.from_json(silo.rdp_spent)
     spent = gate.reading(silo, running)
@@ -251,17 +257,17 @@ def status(silo: Silo) -> BudgetStatus:
     )
 
 
-def remaining(silo: Silo, epsilon_spent: float) -> float:
+def remaining(silo: Silo | SiloRecord, epsilon_spent: float) -> float:
     if gate.closed_by_plan(silo):
         return 0.0  # a plan declared under the rule before is the silo's whole budget (plans.AFTER_PLAN)
     return max(0.0, silo.epsilon - epsilon_spent)
 
 
-def epsilon_spent(silo: Silo) -> float:
+def epsilon_spent(silo: Silo | SiloRecord) -> float:
     return gate.reading(silo, RunningSum.from_json(silo.rdp_spent)).epsilon
 
 
-def plan_closed(session: Session, silo: Silo) -> str | None:
+def plan_closed(session: Session, silo: Silo | SiloRecord) -> str | None:
     """Why the silo may no longer declare a plan, or None: a plan is fixed once, before any charge."""
     if silo.plan is not None:
         return f"silo {silo.id} has declared its plan already; a plan is fixed once"
@@ -313,7 +319,7 @@ class NoisePlan:
     epsilon_after: float
 
 
-def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | None = None) -> NoisePlan:
+def plan_noise(silo: Silo | SiloRecord, *, batch_size: int, steps: int, first_steps: int | None = None) -> NoisePlan:
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
     what the silo has left (reserved charges count as spent). Reserves nothing. `first_steps`: the
     steps of one charge of them (default: all in one), which fixes a pending silo's filter."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Any, cast
 
-from sqlalchemy import Insert, Table, bindparam, func, insert, select
+from sqlalchemy import BigInteger, Insert, Table, bindparam, func, insert, literal_column, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
@@ -40,8 +40,9 @@ _LEAF_COLUMNS = ("salt", "leaf_hash", "promised_by")
 INSERT_CURVE = postgresql.insert(_CURVES).values(
     {"hash": bindparam("curve_hash", type_=_CURVES.c.hash.type), "rdp": bindparam("curve_rdp", type_=_CURVES.c.rdp.type)}
 ).on_conflict_do_nothing(index_elements=["hash"])
+# The sequence's name written into the SQL (compiled.rows binds only what the caller names).
 _LOCK_WITH_NEXT_ID = LOCK_AND_KEY.add_columns(
-    func.nextval(func.pg_get_serial_sequence("charges", "id")).label("next_id"))
+    literal_column(f"nextval(pg_get_serial_sequence('{_CHARGES.name}', 'id'))", BigInteger).label("next_id"))
 
 
 @functools.cache
@@ -63,8 +64,8 @@ def _append_statement(columns: tuple[str, ...], *, with_charge: bool, with_curve
 
 class PostgresReserving:
     def lock(self, session: Session, *, silo_id: int, key_id: int | None) -> Locked | None:
-        found = session.execute(_LOCK_WITH_NEXT_ID, {"silo_id": silo_id, "key_id": key_id}).one_or_none()
-        return None if found is None else Locked(found[0], key_id is None or found[1] is not None, int(found[2]))
+        found = compiled.rows(session, _LOCK_WITH_NEXT_ID, {"silo_id": silo_id, "key_id": key_id})
+        return Locked.of(found[0], key_id=key_id, next_id=int(found[0][-1])) if found else None
 
     def insert_charge(self, session: Session, values: dict[str, Any], *, locked: Locked,
                       curve: tuple[str, str] | None) -> NewCharge:

@@ -30,7 +30,7 @@ from sqlalchemy import ColumnElement, CompoundSelect, Row, Select, Table, Update
 from sqlalchemy.orm import Session
 
 from dpledger.service.store import compiled, log
-from dpledger.service.store.models import ApiKey, Charge, Curve, LedgerEntry, Silo
+from dpledger.service.store.models import SILO_COLUMNS, ApiKey, Charge, Curve, LedgerEntry, Silo, SiloRecord
 
 _ENTRIES = cast(Table, LedgerEntry.__table__)
 _CHARGES = cast(Table, Charge.__table__)
@@ -57,12 +57,13 @@ CHARGE_BY_KEY = select(_CHARGES.c.id).where(
 )
 # The key `key_id` if it is live.
 LIVE_KEY = select(_KEYS.c.id).where(_KEYS.c.id == bindparam("key_id"), _KEYS.c.revoked_at.is_(None))
-# A reservation's lock in one statement: the silo locked, and the caller's key live.
-LOCK_AND_KEY = select(
-    Silo, LIVE_KEY.with_for_update(read=True).scalar_subquery().label("key_live"),
-).where(Silo.id == bindparam("silo_id")).with_for_update(of=Silo)
-LOCK_SILO = select(Silo).where(Silo.id == bindparam("silo_id")).with_for_update()
 _SILOS = cast(Table, Silo.__table__)
+# A reservation's lock in one statement: the silo locked (its columns, SILO_COLUMNS, then), and the
+# caller's key live. Read on the cursor (compiled.rows) into a SiloRecord, not loaded by the ORM.
+LOCK_AND_KEY = select(
+    *(_SILOS.c[name] for name in SILO_COLUMNS), LIVE_KEY.with_for_update(read=True).scalar_subquery().label("key_live"),
+).where(_SILOS.c.id == bindparam("silo_id")).with_for_update(of=_SILOS)
+LOCK_SILO = select(Silo).where(Silo.id == bindparam("silo_id")).with_for_update()
 _REVOKED_AT = select(_KEYS.c.revoked_at).where(_KEYS.c.id == bindparam("key_id")).with_for_update(read=True)
 
 
@@ -155,9 +156,15 @@ class Locked:
     """What a reservation's lock read: the silo (locked), whether the caller's key is live (True where
     none was asked), and the id a new charge takes where the database hands it out before the insert."""
 
-    silo: Silo
+    silo: SiloRecord
     key_live: bool
     next_id: int | None
+
+    @classmethod
+    def of(cls, row: Sequence[Any], *, key_id: int | None, next_id: int | None = None) -> Locked:
+        """From a row of LOCK_AND_KEY (and the columns a database adds after it)."""
+        columns = len(SILO_COLUMNS)
+        return cls(SiloRecord(*row[:columns]), key_id is None or row[columns] is not None, next_id)
 
 
 @dataclass(frozen=True)

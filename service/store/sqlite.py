@@ -28,8 +28,8 @@ _INSERT_ENTRY = insert(_ENTRIES).returning(_ENTRIES.c.id)
 
 class SqliteReserving:
     def lock(self, session: Session, *, silo_id: int, key_id: int | None) -> Locked | None:
-        found = session.execute(LOCK_AND_KEY, {"silo_id": silo_id, "key_id": key_id}).one_or_none()
-        return None if found is None else Locked(found[0], key_id is None or found[1] is not None, None)
+        found = compiled.rows(session, LOCK_AND_KEY, {"silo_id": silo_id, "key_id": key_id})
+        return Locked.of(found[0], key_id=key_id) if found else None
 
     def insert_charge(self, session: Session, values: dict[str, Any], *, locked: Locked,
                       curve: tuple[str, str] | None) -> NewCharge:

@@ -29,6 +29,7 @@ from dpledger.service.ledger import chain, keys, silos, transparency
 from dpledger.service.store import curves, reserving
 from dpledger.service.store.db import Database
 from dpledger.service.store.models import (
+    SILO_COLUMNS,
     ApiKey,
     Charge,
     ChargeRecord,
@@ -39,6 +40,7 @@ from dpledger.service.store.models import (
     LedgerEntry,
     LogPending,
     Silo,
+    SiloRecord,
 )
 from dpledger.wire.mechanisms import DpSgd
 
@@ -129,6 +131,32 @@ def test_the_lock_reads_the_silo_and_the_key_live(db: Database, silo_and_key: tu
     with db.write() as session:
         revoked = reserving.of(session).lock(session, silo_id=silo_id, key_id=key_id)
         assert revoked is not None and not revoked.key_live
+
+
+def test_the_locked_record_is_the_silo_row_and_what_an_approval_changes_on_it_is_written(
+    db: Database, silo_and_key: tuple[int, int],
+) -> None:
+    silo_id, key_id = silo_and_key
+    assert SILO_COLUMNS == tuple(column.key for column in Silo.__table__.columns)
+    with db.write() as session:
+        locked = reserving.of(session).lock(session, silo_id=silo_id, key_id=key_id)
+        assert locked is not None and isinstance(locked.silo, SiloRecord)
+        record = locked.silo
+        orm = session.get(Silo, silo_id)
+        assert orm is not None
+        for name in SILO_COLUMNS:  # each value as the ORM reads it, type included
+            assert (getattr(record, name), type(getattr(record, name))) == (getattr(orm, name), type(getattr(orm, name)))
+        assert record.changed() == {}
+        record.plan_used += 3
+        record.filter_spec = record.filter_spec + " "
+        changed = record.changed()
+        assert changed == {"plan_used": orm.plan_used + 3, "filter_spec": orm.filter_spec + " "}
+        reserving.store_columns(session, silo_id, changed)
+        record.stored(changed)
+        assert record.changed() == {}
+    with db.read() as session:
+        stored = session.get(Silo, silo_id)
+        assert stored is not None and (stored.plan_used, stored.filter_spec) == (changed["plan_used"], changed["filter_spec"])
 
 
 def test_an_approval_writes_each_row_once_in_a_fixed_number_of_statements(
