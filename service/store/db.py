@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import ConnectionPoolEntry, NullPool
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool, Pool
 
 import dpledger.migrations
 from dpledger.service.store import curves
@@ -112,8 +112,9 @@ class GroupCommit:
 
     The groups run one after another on one connection, kept between them: taking it from the pool
     and handing it back (a rollback to reset it, the pool's events) cost each write, the sequencer's
-    batches included, about as much as its BEGIN and COMMIT (bench/first_touch.py). A connection whose
-    group failed is closed and the next group takes a new one."""
+    batches included, about as much as its BEGIN and COMMIT (docs/benchmarks.md). A connection whose
+    group failed is closed and the next group takes a new one, as it does once the engine's pool is
+    replaced (engine.dispose)."""
 
     def __init__(self, engine: Engine, writers: SqliteWriters, *, at_most: int = GROUP_AT_MOST) -> None:
         self._engine = engine
@@ -124,6 +125,7 @@ class GroupCommit:
         self._counting = threading.Lock()
         self._connection: Connection | None = None  # the group's, from its first write to its COMMIT
         self._kept: Connection | None = None  # the connection the groups run on, between them too
+        self._kept_pool: Pool | None = None  # the engine's pool it came from
         self._members: list[_Outcome] = []
 
     @contextmanager
@@ -166,8 +168,11 @@ class GroupCommit:
         if self._connection is None:
             self._writers.__enter__()
             try:
-                if self._kept is None or self._kept.closed or self._kept.invalidated:
-                    self._kept = self._engine.connect()
+                # Kept while it is the engine's pool's: an engine disposed of (engine.dispose, a new
+                # pool) gets new connections, this one included.
+                if self._kept is None or self._kept.invalidated or self._kept_pool is not self._engine.pool:
+                    self._discard()
+                    self._kept, self._kept_pool = self._engine.connect(), self._engine.pool
                     self._kept.execution_options(**{_IMMEDIATE: True})
                 connection = self._kept
                 connection.begin()

@@ -168,5 +168,11 @@ def test_groups_run_on_one_kept_connection_and_a_failed_group_gives_it_up(databa
         connection.exec_driver_sql("INSERT INTO parent (id) VALUES (3)")
     insert(3)(database)
     assert driver() is not kept and children(database) == [1, 2, 3]
+    kept = driver()
+    database.engine.dispose()  # a new pool: every connection from now on is a new one, the kept one too
+    with database.engine.begin() as connection:
+        connection.exec_driver_sql("INSERT INTO parent (id) VALUES (4)")
+    insert(4)(database)
+    assert driver() is not kept and children(database) == [1, 2, 3, 4]
     database.dispose()
     assert group._kept is None and database.engine.pool.checkedout() == 0
