@@ -114,7 +114,7 @@ def closed_by_plan(silo: Silo | SiloRecord) -> bool:
     return declared is not None and not declared.alongside
 
 
-def gated_on(silo: Silo | SiloRecord) -> Literal["rdp_filter", "plan", "plan_and_filter"]:
+def gated_on(silo: Silo) -> Literal["rdp_filter", "plan", "plan_and_filter"]:
     """What the silo's approvals are checked against now (the wire's gated_on)."""
     if closed_by_plan(silo):
         return "plan"
@@ -143,7 +143,7 @@ def plan_step(silo: Silo | SiloRecord, mechanism: AnyMechanism) -> PlanStep:
     return PlanStep(0, False) if taken is None else PlanStep(taken, True)
 
 
-def plan_path(silo: Silo | SiloRecord, mechanisms: list[AnyMechanism | None]) -> list[bool]:
+def plan_path(silo: Silo, mechanisms: list[AnyMechanism | None]) -> list[bool]:
     """Whether the branch is alive after each prefix of these charges (None: a round that charges
     nothing), from the silo as it stands: entry 0 is now."""
     declared = plan(silo)

@@ -248,7 +248,7 @@ def check(session: Session, silo: Silo | SiloRecord, *, key: reserving.AfterLock
     return earlier
 
 
-def sealable(silo: Silo | SiloRecord) -> None:
+def sealable(silo: Silo) -> None:
     """A record may be sealed only if the gate can read it: else sealing would trade a 409 for a 500."""
     problems = []
     if gate.pending(silo):

@@ -243,7 +243,7 @@ def list_all(session: Session) -> list[Silo]:
     return store_silos.all_silos(session)
 
 
-def status(silo: Silo | SiloRecord) -> BudgetStatus:
+def status(silo: Silo) -> BudgetStatus:
     """The silo's proven ε (its gate's: filter or plan), and zCDP ρ of its running sum."""
     running = RunningSum.from_json(silo.rdp_spent)
     spent = gate.reading(silo, running)
@@ -257,7 +257,7 @@ def status(silo: Silo | SiloRecord) -> BudgetStatus:
     )
 
 
-def remaining(silo: Silo | SiloRecord, epsilon_spent: float) -> float:
+def remaining(silo: Silo, epsilon_spent: float) -> float:
     if gate.closed_by_plan(silo):
         return 0.0  # a plan declared under the rule before is the silo's whole budget (plans.AFTER_PLAN)
     return max(0.0, silo.epsilon - epsilon_spent)
@@ -267,7 +267,7 @@ def epsilon_spent(silo: Silo | SiloRecord) -> float:
     return gate.reading(silo, RunningSum.from_json(silo.rdp_spent)).epsilon
 
 
-def plan_closed(session: Session, silo: Silo | SiloRecord) -> str | None:
+def plan_closed(session: Session, silo: Silo) -> str | None:
     """Why the silo may no longer declare a plan, or None: a plan is fixed once, before any charge."""
     if silo.plan is not None:
         return f"silo {silo.id} has declared its plan already; a plan is fixed once"
@@ -319,7 +319,7 @@ class NoisePlan:
     epsilon_after: float
 
 
-def plan_noise(silo: Silo | SiloRecord, *, batch_size: int, steps: int, first_steps: int | None = None) -> NoisePlan:
+def plan_noise(silo: Silo, *, batch_size: int, steps: int, first_steps: int | None = None) -> NoisePlan:
     """The σ that lets `steps` more DP-SGD steps at q = batch_size / the registered dataset_size fit
     what the silo has left (reserved charges count as spent). Reserves nothing. `first_steps`: the
     steps of one charge of them (default: all in one), which fixes a pending silo's filter."""
