@@ -84,6 +84,9 @@ EPSILON, DELTA, DATASET_SIZE, BATCH_SIZE = 1e4, 1e-5, 60_000, 256
 REPEATED_SIGMA = 1.1  # the pair of every "repeated" request and of every small silo's history
 SEED_SIGMAS = (1.0, 1.1, 1.2, 1.3)  # the big history cycles over these pairs
 SMALL_HISTORY = 10
+# After a burst or a paced run, the sequencer's last batch: it gathers leaves up to 1 s after a ring
+# (service/ledger/sequencer.py GATHER_MAX_S), counted with the approvals that rang it.
+SETTLE_S = 1.5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -400,10 +403,11 @@ async def _cpu_cell(server_url: str, pid: int, n: int, concurrency: int, *, floo
         extra: dict[str, float] = {}
         if paced is not None:
             rate, seconds = paced
-            await asyncio.sleep(1.0)  # the burst's tail (a sequencer's batch) settles first
+            await asyncio.sleep(SETTLE_S)  # the burst's tail (a sequencer's batch) settles first
             before = cpu_snapshot(pid)
             await asyncio.sleep(seconds)
-            extra["idle_ms_per_s"] = grown(before.server, cpu_snapshot(pid).server) / seconds * 1e3
+            idle = grown(before.server, cpu_snapshot(pid).server) / seconds
+            extra["idle_ms_per_s"] = idle * 1e3
             one, paced_tally = RawClient(server_url, 1), Tally()  # apart: the full-rate row divides by its own count
             count, started = int(rate * seconds), time.perf_counter()
             before = cpu_snapshot(pid)
@@ -411,9 +415,11 @@ async def _cpu_cell(server_url: str, pid: int, n: int, concurrency: int, *, floo
                 await fire(one, silo, 1, 1, sigma_of=lambda: REPEATED_SIGMA, tag=f"paced{i}", tally=paced_tally,
                            server_root=None)
                 await asyncio.sleep(max(0.0, started + (i + 1) / rate - time.perf_counter()))
-            spent = grown(before.server, cpu_snapshot(pid).server)
+            took = time.perf_counter() - started
+            await asyncio.sleep(SETTLE_S)  # the last approvals' batch is theirs: counted, less the rest's rate
+            spent = grown(before.server, cpu_snapshot(pid).server) - idle * SETTLE_S
             await one.aclose()
-            extra["paced_ms_per_s"] = spent / (time.perf_counter() - started) * 1e3
+            extra["paced_ms_per_s"] = spent / took * 1e3
             extra["paced_ms_per_approval"] = spent / count * 1e3
             extra["paced_non_201"] = count - paced_tally.statuses.get(201, 0)
     return tally, extra
@@ -424,7 +430,7 @@ def cpu_compare(args: argparse.Namespace) -> dict[str, Any]:
     install at `args.cpu_compare`, alternating (before, after) `args.rounds` times on each database,
     each cell on a fresh database: the medians compare code, not the machine's drift."""
     trees: dict[str, str | None] = {"before": FLOOR if args.floor else args.cpu_compare, "after": None}
-    paced = (args.paced_rate, args.paced_seconds) if args.floor else None
+    paced = (args.paced_rate, args.paced_seconds) if args.floor or args.paced else None
     databases = ["sqlite"] + ([] if args.no_postgres or postgres_answers(args.pg_url) is None else ["postgres"])
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="dpledger-cpu-") as tmp:
@@ -476,10 +482,11 @@ def print_cpu_compare(results: dict[str, Any], args: argparse.Namespace) -> None
             rounds = " ".join(f"{v:.2f}" for v in r["server_cpu_ms"])
             print(f"{kind:8} {name:7} {r['server_cpu_ms_median']:>13.2f} {r['postgres_cpu_ms_median']:>12.2f} "
                   f"{r['approvals_per_s_median']:>7.0f}  {rounds}")
-    if not args.floor:
+    if not (args.floor or args.paced):
         return
-    print(f"\nthis tree ÷ the floor (medians; at rest: ms of server CPU a second; paced: {args.paced_rate:g} approvals/s "
-          f"for {args.paced_seconds:g} s, the server's CPU over that time per approval)")
+    ratio = "this tree ÷ the floor" if args.floor else "after ÷ before"
+    print(f"\n{ratio} (medians; at rest: ms of server CPU a second; paced: {args.paced_rate:g} approvals/s "
+          f"for {args.paced_seconds:g} s, the server's CPU over that time and its last batch, per approval)")
     for kind, cell in results.items():
         floor, ours = cell["before"], cell["after"]
         print(f"{kind:8} full rate {ours['server_cpu_ms_median'] / floor['server_cpu_ms_median']:5.2f}x   "
@@ -629,8 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", action="store_true",
                         help="only server CPU per approval: the stack's floor app (bench/_floor.py) beside this tree, "
                              "at full rate, paced and at rest, alternating (--rounds, default 5)")
-    parser.add_argument("--paced-rate", type=float, default=5.0, help="--floor: approvals a second, paced (default 5)")
-    parser.add_argument("--paced-seconds", type=float, default=12.0, help="--floor: seconds paced, and at rest (default 12)")
+    parser.add_argument("--paced", action="store_true",
+                        help="--cpu-compare: the paced and at-rest figures too, as --floor prints them")
+    parser.add_argument("--paced-rate", type=float, default=5.0,
+                        help="--floor, --paced: approvals a second, paced (default 5)")
+    parser.add_argument("--paced-seconds", type=float, default=12.0,
+                        help="--floor, --paced: seconds paced, and at rest (default 12)")
     args = parser.parse_args(argv)
     if args.cpu_compare or args.floor:
         args.requests = args.requests or 1000

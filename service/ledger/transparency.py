@@ -11,7 +11,7 @@ Two steps, as production logs do it (Trillian's sequencer, Sigstore's Rekor, CT'
   salt, written with the entry as one `log_pending` row (store/reserving.py `append`). No row is
   shared by silos, so approvals of different silos commit side by side; the receipt carries the
   log key's signed promise that the leaf is in the log by a deadline (`MERGE_DELAY_MS` after the entry).
-- `sequence`, run by the one elected sequencer of the database (sequencer.py) every ≤ 100 ms:
+- `sequence`, run by the one elected sequencer of the database (sequencer.py) 0.1–1 s after a ring:
   pending leaves in `id` order get the next log indices, the subtrees they complete are stored
   (`log_nodes`), the `log_state` row (size, frontier) is updated, and one head per batch is signed
   and stored (`log_heads`), all in one transaction: a crash anywhere leaves every leaf either still
@@ -56,7 +56,7 @@ from dpledger.wire.receipts import SignedTreeHead
 
 STATE_ID = log.STATE_ID  # the log's one state row (migration 0006 writes it)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-# How long after its entry a leaf is promised to be in the log. The sequencer runs every ≤ 100 ms;
+# How long after its entry a leaf is promised to be in the log. The sequencer runs 0.1–1 s after an approval;
 # the rest is room for a restart (a crashed sequencer's successor is elected within a second or
 # two, sequencer.py): a promise broken by a longer outage is evidence against the operator, as it should be.
 MERGE_DELAY_MS = 60_000

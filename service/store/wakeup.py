@@ -108,17 +108,44 @@ class Wakeups:
         self._rx.setblocking(False)
         self._tx.setblocking(False)
         self._rung = False  # a byte is on its way: a busy process rings with this test alone
+        # Rings of this process since the leader's last batch began (`gather`), and the count that
+        # ends its gathering: an approximate count (a += from many threads), only ever a wait's end.
+        self.rings = 0
+        self._enough_at = math.inf
+        self._enough = threading.Event()
         self._remote: _Fifo | _Notifications | None = None
         self.remote_at = -math.inf  # monotonic time of the last ring heard from another process
 
     def ring(self) -> None:
+        self.rings += 1
+        if self.rings >= self._enough_at:
+            self._enough.set()
         if self._rung:
             return
         self._rung = True
-        self.interrupt()
+        self._send()
+
+    def gather(self, seconds: float, leaves: int) -> None:
+        """Sleeps while fewer than `leaves` rings came since the last `batch_begins`, up to `seconds`;
+        an `interrupt` ends it."""
+        self._enough_at = leaves
+        try:
+            if self.rings < leaves:  # after setting the mark: a ring from now on sets the event
+                self._enough.wait(seconds)
+        finally:
+            self._enough_at = math.inf
+            self._enough.clear()
+
+    def batch_begins(self) -> None:
+        """The leader reads the pending leaves now: the rings before this are in its batch."""
+        self.rings = 0
 
     def interrupt(self) -> None:
-        """Ends a `wait` now (a stop; safe from any thread, and after `close`)."""
+        """Ends a `wait` or a `gather` now (a stop; safe from any thread, and after `close`)."""
+        self._enough.set()
+        self._send()
+
+    def _send(self) -> None:
         try:
             self._tx.send(b"\0")
         except OSError:  # full (the leader has a byte to wake for already), or closed

@@ -159,3 +159,57 @@ def test_the_fallback_is_far_inside_the_promise() -> None:
 
     assert sequencer.FALLBACK_S * 3 < transparency.MERGE_DELAY_MS / 1000
     assert wakeup.LINGER_S > wakeup.RING_EVERY_S
+
+
+def test_a_gather_waits_for_enough_rings_and_no_longer() -> None:
+    """After a ring the leader gathers leaves up to a time: it ends as the count of rings since its
+    batch began reaches the mark, or at a stop, never later than its time."""
+    rings = wakeup.Wakeups()
+    try:
+        t0 = time.monotonic()
+        rings.gather(0.3, 4)  # nothing rings: the whole time
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+
+        def ring_later(times: int) -> threading.Thread:
+            def run() -> None:
+                for _ in range(times):
+                    time.sleep(0.02)
+                    rings.ring()
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        rings.batch_begins()
+        ringer = ring_later(4)
+        t0 = time.monotonic()
+        rings.gather(30.0, 4)  # four rings end it long before its time
+        assert time.monotonic() - t0 < 5.0
+        ringer.join()
+        assert rings.rings == 4
+
+        t0 = time.monotonic()
+        rings.gather(0.2, 4)  # rings before it, since the batch began, count: it does not wait
+        assert time.monotonic() - t0 < 0.15
+
+        rings.batch_begins()
+        threading.Timer(0.05, rings.interrupt).start()
+        t0 = time.monotonic()
+        rings.gather(30.0, 4)  # a stop ends it
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        rings.close()
+
+
+def test_the_gathering_stays_far_inside_the_promise() -> None:
+    from dpledger.service.ledger import transparency
+
+    assert sequencer.GATHER_MAX_S * 30 < transparency.MERGE_DELAY_MS / 1000
+    assert sequencer.GATHER_LEAVES <= transparency.BATCH
+    db = Database.connect("sqlite://")
+    try:
+        for interval, gathering in [(0.01, 0.09), (0.1, 0.9), (0.5, 0.5), (1.0, 0.0), (60.0, 0.0)]:
+            # the ring's interval and the gathering after it: never more than GATHER_MAX_S in all
+            built = Sequencer(db, TreeHeadSigner(Ed25519PrivateKey.generate()), interval=interval)
+            assert built._gathering_s == pytest.approx(gathering)
+    finally:
+        db.dispose()
