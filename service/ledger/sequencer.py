@@ -10,7 +10,7 @@ sequencers started by hand take turns and never give one index twice.
 
 The leader sleeps until an approval's commit rings it (store/wakeup.py: in-process, or across
 processes by a FIFO on SQLite and LISTEN/NOTIFY on PostgreSQL), lets `interval` (100 ms) pass so that the leaves
-approved meanwhile share the batch, and on, up to GATHER_TIMES × `interval`, while fewer than
+approved meanwhile share the batch, and on, up to GATHER_TIMES × `interval` (GATHER_MAX_S in all), while fewer than
 GATHER_LEAVES rings of its own process came: a batch's fixed cost (a read, a Merkle update, a
 signed tree head, a commit) was most of what sequencing cost an approval at a federation's few a
 second, one leaf a batch. It sequences them in batches of up to `transparency.BATCH`, again at once
