@@ -37,7 +37,7 @@ from tests.conftest import ADMIN, ADMIN_KEY, TEST_HORIZON
 from tests.service.test_transparency import STEP, write_key
 from tests.wire.proof_checker import check_proof
 
-TRAINING_S = 0.15  # a round's training: the sequencer (every ≤ 100 ms) logs its reserve meanwhile
+TRAINING_S = 0.15  # a round's training: the sequencer (10 ms here, ≤ 100 ms with its gathering) logs its reserve meanwhile
 
 
 @dataclass

@@ -400,7 +400,7 @@ def test_two_logs_shown_to_two_parties_are_a_fork_that_the_cli_prints(
             for charge_id in charge_ids:
                 client.commit(charge_id)
         assert len(receipt_store.load(receipts).receipts) == 6  # one per answer, a completion merged with its promise
-        # The sequencer signs a head per batch (≤ 100 ms): the auditor reads the log once all 7 are in it.
+        # The sequencer signs a head per batch (0.1–1 s after a ring): the auditor reads the log once all 7 are in it.
         deadline = time.monotonic() + 30
         while httpx.get(f"{server}/v1/log/head", headers=ADMIN).json()["tree_size"] < 7 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -148,9 +148,12 @@ def test_the_readers_answer_the_wire_models(server: str, silo) -> None:  # type:
         assert len(csv_rows) == 1 + len(history) and csv_rows[-1].startswith(f"{history[-1].seq},")
         assert [e.seq for e in admin.history_page(silo.id, after_seq=history[0].seq, limit=1)] == [history[1].seq]
         assert admin.verify_chain().ok
-        # The leaves before the head: the sequencer may add a batch between the two reads, and the
-        # tree only grows, so every leaf read first lies inside the head read after it.
-        leaves = admin.log_leaves(start=0, limit=1000, silo_id=silo.id)
+        # The silo's leaves, once the sequencer has given them indices (0.1–1 s after an approval),
+        # then the head: a batch may come between the two reads, and the tree only grows, so every
+        # leaf read first lies inside the head read after it.
+        deadline = time.monotonic() + 30
+        while not (leaves := admin.log_leaves(start=0, limit=1000, silo_id=silo.id)) and time.monotonic() < deadline:
+            time.sleep(0.05)
         head, key = admin.log_head(), admin.log_public_key()
         assert leaves and all(leaf.log_index < head.tree_size for leaf in leaves)
         proofs = admin.log_proofs(size=head.tree_size, inclusion=[leaves[0].log_index], consistency=[])

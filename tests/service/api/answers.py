@@ -10,7 +10,7 @@ INCLUDED = ("log_index", "tree_head", "inclusion_path")
 def without_inclusion(answer: dict[str, Any]) -> dict[str, Any]:
     """The answer with its receipt's inclusion left out. A replay answers the first answer's receipt
     (the same promise, leaf and entry) with the inclusion in the log it may have gained since: the
-    log's sequencer runs every 100 ms, so under load it can land between the two requests."""
+    log's sequencer runs 0.1–1 s after an approval, so it can land between the two requests."""
     receipt = answer.get("receipt")
     if receipt is None:
         return answer

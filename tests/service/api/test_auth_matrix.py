@@ -67,7 +67,7 @@ class World:
         return silo_id
 
     def own_leaf(self) -> tuple[int, str]:
-        """(log index, leaf hash) of the own silo's create entry, once the sequencer (every 100 ms)
+        """(log index, leaf hash) of the own silo's create entry, once the sequencer (0.1–1 s after)
         has given it an index: a pending leaf answers 404 to a proof by hash."""
         deadline = time.monotonic() + 10
         while True:
