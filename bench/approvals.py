@@ -57,6 +57,7 @@ from sqlalchemy import create_engine, text
 from dpledger.harness import free_port, running_server
 from dpledger.service.accounting import rdp
 from dpledger.service.ledger import audit, silos
+from dpledger.service.ledger.sequencer import GATHER_MAX_S
 from dpledger.service.store.db import Database, make_engine, migrate
 from dpledger.service.store.models import (
     Silo,
@@ -84,9 +85,9 @@ EPSILON, DELTA, DATASET_SIZE, BATCH_SIZE = 1e4, 1e-5, 60_000, 256
 REPEATED_SIGMA = 1.1  # the pair of every "repeated" request and of every small silo's history
 SEED_SIGMAS = (1.0, 1.1, 1.2, 1.3)  # the big history cycles over these pairs
 SMALL_HISTORY = 10
-# After a burst or a paced run, the sequencer's last batch: it gathers leaves up to 1 s after a ring
-# (service/ledger/sequencer.py GATHER_MAX_S), counted with the approvals that rang it.
-SETTLE_S = 1.5
+# After a burst or a paced run, the sequencer's last batch (it gathers leaves up to GATHER_MAX_S
+# after a ring), counted with the approvals that rang it.
+SETTLE_S = GATHER_MAX_S + 0.5
 
 
 # --------------------------------------------------------------------------------------------------

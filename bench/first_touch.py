@@ -13,7 +13,7 @@ then read from the caches. Prints the median and worst of each, and their ratio 
 
 A request's CPU is the server process's CPU clock (every thread: HTTP, the threadpool, the ledger,
 the log's sequencer) from just before it is sent until `--settle` seconds after its answer, when the
-sequencer has taken the request's leaf (at rest it gathers leaves up to 1 s,
+sequencer has taken the request's leaf (at rest it gathers leaves up to GATHER_MAX_S, 1 s,
 service/ledger/sequencer.py), less the server's rate at rest over that window (measured first). The
 client's CPU is not counted. A request that finds the server at rest costs it more than one of a
 busy stream (caches gone cold, a sequencer batch of one leaf): a warm approval reads several times
@@ -40,6 +40,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpledger.harness import ServerProcess
+from dpledger.service.ledger.sequencer import GATHER_MAX_S
 
 from _harness import cpu_seconds
 
@@ -91,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--silos", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--settle", type=float, default=1.25,
+    parser.add_argument("--settle", type=float, default=GATHER_MAX_S + 0.25,
                         help="seconds counted after each answer, for the log's sequencer to take its leaf")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the server is stopped on the way out
